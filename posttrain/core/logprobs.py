@@ -1,0 +1,76 @@
+"""The one place where logits become log-probabilities.
+
+Every trainer gets per-token log-probs and entropies from here. Two habits keep memory flat:
+the model is asked only for the logits of the positions we score (``logits_to_keep``), and
+log-softmax is never materialised as a full float32 (B, T, V) copy: we gather the chosen
+logit and subtract a log-sum-exp computed a few rows at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+CHUNK_ROWS = 1024  # rows of (V,) logits processed at once; bounds the temporary to CHUNK_ROWS * V floats
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor, chunk_rows: int = CHUNK_ROWS) -> Tensor:
+    """log softmax(logits)[..., index] without a full log-softmax copy.
+
+    logits: (..., V); index: (...) token ids. Returns (...) in float32 (or float64 for float64 logits).
+    """
+    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    flat = logits.reshape(-1, logits.shape[-1])
+    idx = index.reshape(-1)
+    pieces = []
+    for start in range(0, flat.shape[0], chunk_rows):
+        rows = flat[start:start + chunk_rows].to(out_dtype)  # no copy when already float32/64
+        chosen = rows.gather(-1, idx[start:start + chunk_rows, None]).squeeze(-1)
+        pieces.append(chosen - torch.logsumexp(rows, dim=-1))
+    if not pieces:
+        return logits.new_zeros(index.shape, dtype=out_dtype)
+    return torch.cat(pieces).view(index.shape)
+
+
+def entropy_from_logits(logits: Tensor, chunk_rows: int = CHUNK_ROWS) -> Tensor:
+    """Entropy of softmax(logits) over the last dim, chunked. (..., V) -> (...)."""
+    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    flat = logits.reshape(-1, logits.shape[-1])
+    pieces = []
+    for start in range(0, flat.shape[0], chunk_rows):
+        rows = flat[start:start + chunk_rows].to(out_dtype)
+        logp = torch.log_softmax(rows, dim=-1)
+        pieces.append(-(logp.exp() * logp).sum(-1))
+    if not pieces:
+        return logits.new_zeros(logits.shape[:-1], dtype=out_dtype)
+    return torch.cat(pieces).view(logits.shape[:-1])
+
+
+def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored: int | None = None,
+                   temperature: float = 1.0, with_entropy: bool = False, **model_kwargs):
+    """Log-probs of the last `num_scored` tokens of each row under `model` (and their entropies).
+
+    input_ids, attention_mask: (B, T). Token t is scored by the logits at t-1, so the model is
+    asked for the last `num_scored + 1` logits only (all T when None).
+    Returns (logps (B, K), entropy (B, K) or None, logits (B, K, V)) with K = num_scored or T-1;
+    position j of the result scores input_ids[:, T-K+j].
+    """
+    T = input_ids.shape[1]
+    K = T - 1 if num_scored is None else num_scored
+    outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=K + 1,
+                    use_cache=False, **model_kwargs)
+    logits = outputs.logits[:, -(K + 1):-1, :]  # (B, K, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, T - K:]
+    logps = selective_log_softmax(logits, targets)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # entropy is a metric here, never a loss term
+            entropy = entropy_from_logits(logits.detach())
+    return logps, entropy, logits
+
+
+def sequence_logprobs(token_logps: Tensor, mask: Tensor) -> Tensor:
+    """Sum of token log-probs over the masked tokens of each row. (B, T) -> (B,)."""
+    return (token_logps * mask).sum(-1)

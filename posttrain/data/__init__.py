@@ -1,0 +1,1 @@
+"""Dataset formats, chat templates, tokenisation, collation and packing."""

@@ -1,0 +1,191 @@
+"""Datasets that ship with posttrain, built offline in memory.
+
+* ``zen(layout, conversational=False)``: the Zen of Python in every dataset layout posttrain
+  accepts, the familiar toy data for smoke tests.
+* ``task_dataset(task, split)``: verifiable tasks with an exact-match checker and reward
+  functions, small enough for a tiny model to learn on CPU in minutes. Every trainer's learning
+  test and the demo use them.
+
+``load_builtin(name)`` resolves the names the CLI accepts ("zen/preference", "reverse", ...).
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import io
+import random
+import re
+
+ZEN_LAYOUTS = ("language_modeling", "prompt_only", "prompt_completion", "preference",
+               "implicit_prompt_preference", "unpaired_preference")
+
+
+def zen_lines() -> list[str]:
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        import this
+    text = codecs.decode(this.s, "rot13")
+    return [line for line in text.splitlines()[2:] if line.strip()]
+
+
+def _split(line: str) -> tuple[str, str]:
+    """Cut an aphorism into a prompt and a completion at a word boundary near its middle."""
+    words = line.split(" ")
+    cut = max(1, len(words) // 2)
+    return " ".join(words[:cut]), " " + " ".join(words[cut:])
+
+
+def zen(layout: str = "language_modeling", conversational: bool = False):
+    """The Zen of Python in `layout` (one of ZEN_LAYOUTS); rejected completions come from the next line."""
+    from datasets import Dataset
+
+    if layout not in ZEN_LAYOUTS:
+        raise ValueError(f"unknown zen layout {layout!r}; choose one of {ZEN_LAYOUTS}")
+    lines = zen_lines()
+    halves = [_split(line) for line in lines]
+    rows = []
+    for i, (prompt, completion) in enumerate(halves):
+        wrong = halves[(i + 7) % len(halves)][1]
+        if conversational:
+            user = [{"role": "user", "content": prompt}]
+            good = [{"role": "assistant", "content": completion.strip()}]
+            bad = [{"role": "assistant", "content": wrong.strip()}]
+            row = {
+                "language_modeling": {"messages": user + good},
+                "prompt_only": {"prompt": user},
+                "prompt_completion": {"prompt": user, "completion": good},
+                "preference": {"prompt": user, "chosen": good, "rejected": bad},
+                "implicit_prompt_preference": {"chosen": user + good, "rejected": user + bad},
+                "unpaired_preference": {"prompt": user, "completion": good if i % 2 == 0 else bad,
+                                        "label": i % 2 == 0},
+            }[layout]
+        else:
+            row = {
+                "language_modeling": {"text": prompt + completion},
+                "prompt_only": {"prompt": prompt},
+                "prompt_completion": {"prompt": prompt, "completion": completion},
+                "preference": {"prompt": prompt, "chosen": completion, "rejected": wrong},
+                "implicit_prompt_preference": {"chosen": prompt + completion, "rejected": prompt + wrong},
+                "unpaired_preference": {"prompt": prompt, "completion": completion if i % 2 == 0 else wrong,
+                                        "label": i % 2 == 0},
+            }[layout]
+        rows.append(row)
+    return Dataset.from_list(rows)
+
+
+# ---------------------------------------------------------------- verifiable tasks
+
+def _reverse_example(rng: random.Random, min_len: int, max_len: int):
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(min_len, max_len)))
+    return f"reverse {digits} =", digits[::-1]
+
+
+def _add_example(rng: random.Random, min_len: int, max_len: int):
+    a, b = rng.randint(0, 10 ** max_len - 1), rng.randint(0, 10 ** min_len - 1)
+    return f"add {a} {b} =", str(a + b)
+
+
+TASKS = {
+    # digit-string reversal: positional copying, which small transformers pick up fast
+    "reverse": (_reverse_example, 4, 4),
+    # addition of two numbers below 100: digit sums plus a carry
+    "add": (_add_example, 2, 2),
+}
+
+
+def task_dataset(task: str = "reverse", split: str = "train", size: int | None = None,
+                 conversational: bool = False, seed: int = 0):
+    """Rows with `prompt`, `completion` (leading space, no EOS) and the bare `answer`.
+
+    Train and test are drawn from disjoint sets of prompts with a fixed seed, so held-out
+    accuracy measures generalisation, not recall.
+    """
+    from datasets import Dataset
+
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    make, lo, hi = TASKS[task]
+    size = size or (2000 if split == "train" else 200)
+    rng = random.Random(f"{task}-{seed}")
+    seen: dict[str, str] = {}
+    test_size = 200 if split == "train" else size
+    wanted = test_size + (size if split == "train" else 0)  # test prompts first, then train
+    for _ in range(50 * wanted):
+        if len(seen) == wanted:
+            break
+        prompt, answer = make(rng, lo, hi)
+        seen.setdefault(prompt, answer)
+    else:
+        raise ValueError(f"task {task!r} has fewer than {wanted} distinct prompts; ask for a smaller size")
+    items = list(seen.items())
+    items = items[:test_size] if split == "test" else items[test_size:]
+    rows = []
+    for prompt, answer in items:
+        if conversational:
+            rows.append({"prompt": [{"role": "user", "content": prompt}],
+                         "completion": [{"role": "assistant", "content": answer}], "answer": answer})
+        else:
+            rows.append({"prompt": prompt, "completion": " " + answer, "answer": answer})
+    return Dataset.from_list(rows)
+
+
+def completion_text(completion) -> str:
+    """The text of a completion, whether a string or a list of chat messages."""
+    if isinstance(completion, list):
+        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
+    return completion
+
+
+def extract_answer(completion) -> str:
+    """The first run of digits in the completion (what the checker compares)."""
+    match = re.search(r"-?\d+", completion_text(completion))
+    return match.group(0) if match else ""
+
+
+def check(completion, answer: str) -> bool:
+    """Exact match: the completion, stripped, is the answer and nothing more."""
+    return completion_text(completion).strip() == str(answer).strip()
+
+
+def exact_match_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion is exactly the answer, else 0.0."""
+    return [float(check(c, a)) for c, a in zip(completions, answer)]
+
+
+def digit_match_reward(completions, answer, **kwargs) -> list[float]:
+    """Partial credit: fraction of answer positions right, minus extra length; 1.0 only when exact.
+
+    A smoother signal than exact match for small policies that are often nearly right.
+    """
+    rewards = []
+    for completion, target in zip(completions, answer):
+        text = completion_text(completion).strip()
+        if text == target:
+            rewards.append(1.0)
+            continue
+        hits = sum(a == b for a, b in zip(text, target))
+        extra = max(0, len(text) - len(target))
+        rewards.append(max(0.0, 0.8 * hits / len(target) - 0.1 * extra))
+    return rewards
+
+
+REWARD_FUNCTIONS = {"exact_match": exact_match_reward, "digit_match": digit_match_reward}
+
+
+def load_builtin(name: str, split: str = "train"):
+    """Datasets by CLI name: "zen", "zen/<layout>", "zen-chat/<layout>", "<task>", "<task>-chat"."""
+    base, _, layout = name.partition("/")
+    if base in ("zen", "zen-chat"):
+        return zen(layout or "language_modeling", conversational=base == "zen-chat")
+    conversational = base.endswith("-chat")
+    task = base[: -len("-chat")] if conversational else base
+    if task in TASKS:
+        return task_dataset(task, split=split, conversational=conversational)
+    raise KeyError(name)
+
+
+def builtin_names() -> list[str]:
+    names = ["zen", "zen-chat"] + [f"zen/{l}" for l in ZEN_LAYOUTS] + [f"zen-chat/{l}" for l in ZEN_LAYOUTS]
+    return names + list(TASKS) + [f"{t}-chat" for t in TASKS]

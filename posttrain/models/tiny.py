@@ -1,0 +1,161 @@
+"""Offline tokenizer and deterministic tiny models, for tests, examples and the demo.
+
+Nothing here touches the network. The tokenizer is a byte-level BPE trained with the
+`tokenizers` library on text that ships with Python (the Zen of Python and the pydoc topic
+pages), with digits split one per token so arithmetic-style tasks stay learnable. The models
+are small Qwen2- and Llama-style configs whose weights come from a fixed seed. Everything is
+built once into a cache folder (``$POSTTRAIN_CACHE`` or ``~/.cache/posttrain``) and then
+loaded with the ordinary ``from_pretrained`` calls.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"  # also the EOS token: one stop token for chat and plain text
+
+# ChatML with {% generation %} markers around what the assistant writes, so
+# `apply_chat_template(..., return_assistant_tokens_mask=True)` yields assistant-only masks.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+# name -> (architecture, config overrides). Small enough for CPU tests, big enough to learn
+# the built-in tasks in minutes.
+TINY_MODELS = {
+    "tiny-qwen2": ("qwen2", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)),
+    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)),
+    "small-qwen2": ("qwen2", dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2)),
+}
+SEED = 1234
+VOCAB_SIZE = 1024
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("POSTTRAIN_CACHE") or os.path.join(Path.home(), ".cache", "posttrain")
+    return Path(root)
+
+
+def _training_text() -> list[str]:
+    import contextlib
+    import io
+
+    import pydoc_data.topics
+
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        import this
+    zen = codecs.decode(this.s, "rot13")
+    pages = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
+    digits = " ".join(f"{i}+{j}={i + j}" for i in range(10) for j in range(10))
+    return [zen] * 20 + pages + [digits]
+
+
+def _build_in(target: Path, builder) -> Path:
+    """Build into a temporary sibling folder, then rename: concurrent builders never see half a folder."""
+    if (target / "config.json").exists() or (target / "tokenizer.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        builder(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def build_tokenizer():
+    """Train the byte-level BPE tokenizer (deterministic, about a second) and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[PAD_TOKEN, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=IM_END,
+        additional_special_tokens=[IM_START], model_max_length=2048,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.padding_side = "right"
+    return fast
+
+
+def tokenizer_path() -> Path:
+    return _build_in(cache_dir() / "tiny-tokenizer", lambda d: build_tokenizer().save_pretrained(d))
+
+
+def load_tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_path())
+
+
+def _tiny_config(name: str, tokenizer, num_labels: int | None = None):
+    from transformers import AutoConfig
+
+    arch, overrides = TINY_MODELS[name]
+    config = AutoConfig.for_model(
+        arch, vocab_size=len(tokenizer), max_position_embeddings=1024, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, **overrides,
+    )
+    if num_labels is not None:
+        config.num_labels = num_labels
+    return config
+
+
+def tiny_model_path(name: str, task: str = "causal-lm") -> Path:
+    """Folder of the tiny model `name` (a key of TINY_MODELS), built on first use.
+
+    task: "causal-lm" or "seq-cls" (the sequence-classification twin: same body, one-output score head).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {sorted(TINY_MODELS)}")
+    suffix = "" if task == "causal-lm" else "-seqcls"
+
+    def build(folder: Path):
+        tokenizer = load_tiny_tokenizer()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            if task == "causal-lm":
+                model = AutoModelForCausalLM.from_config(_tiny_config(name, tokenizer))
+            else:
+                model = AutoModelForSequenceClassification.from_config(_tiny_config(name, tokenizer, num_labels=1))
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return _build_in(cache_dir() / f"{name}{suffix}", build)
