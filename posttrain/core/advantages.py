@@ -1,0 +1,210 @@
+"""Advantage estimators for the online engine, one registered function each.
+
+  group_norm            GRPO (Shao et al. 2024, DeepSeekMath): reward minus the group mean,
+                        divided by the group std; `scale_rewards="none"` is Dr. GRPO
+                        (Liu et al. 2025), `"batch"` divides by the batch std instead.
+  leave_one_out         RLOO (Ahmadian et al. 2024; Kool et al. 2019): reward minus the mean
+                        reward of the other completions of the same prompt.
+  gae                   PPO with a critic (Schulman et al. 2016, "High-Dimensional Continuous
+                        Control Using Generalized Advantage Estimation").
+  reinforce_pp          REINFORCE++ (Hu 2025): discounted return-to-go of per-token rewards,
+                        whitened over the whole batch; no critic.
+  reinforce_pp_baseline REINFORCE++-baseline: the group mean of the scores is subtracted
+                        first, then as reinforce_pp.
+
+Each takes an `AdvantageInput` plus keyword options and returns `(advantages, returns)`:
+advantages `(B, T)`, 0 on padding; returns `(B, T)` for estimators with a critic, else None.
+Advantages are targets, so `compute_advantages` runs without autograd.
+
+Departures: batch-level statistics ("batch" std, whitening) are over the tensors given; in a
+multi-process run the caller gathers the batch first if it wants them global. Masks may have
+holes (e.g. tool output inside a completion): the token-level recursions skip masked-out
+positions, treating the next masked token as the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from posttrain.core.masked import masked_whiten
+
+GROUP_STD_EPS = 1e-4
+
+
+@dataclass
+class AdvantageInput:
+    scores: Tensor  # (B,) sequence-level reward of each completion
+    mask: Tensor  # (B, T) 1 on completion tokens
+    group_size: int = 1  # completions per prompt
+    # "prompt_major": rows [p0c0, p0c1, ..., p1c0, ...];
+    # "completion_major": rows [p0c0, p1c0, ..., p0c1, ...]
+    layout: str = "prompt_major"
+    # (B, T) per-token rewards besides the score, e.g. -kl_coef * KL; estimators that work
+    # per token add the score at the last masked token
+    token_rewards: Tensor | None = None
+    values: Tensor | None = None  # (B, T) critic values V(s_t)
+
+
+AdvantageFn = Callable[..., tuple[Tensor, Tensor | None]]
+ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    def decorate(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADVANTAGES:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGES[name] = fn
+        return fn
+
+    return decorate
+
+
+def compute_advantages(name: str, inp: AdvantageInput, **options) -> tuple[Tensor, Tensor | None]:
+    """The one dispatch point: `ADVANTAGES[name](inp, **options)` without autograd."""
+    if name not in ADVANTAGES:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose from {sorted(ADVANTAGES)}")
+    with torch.no_grad():
+        return ADVANTAGES[name](inp, **options)
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def group_view(x: Tensor, group_size: int, layout: str) -> Tensor:
+    """View `(B, ...)` as `(num_prompts, group_size, ...)`; row p holds prompt p's completions."""
+    if x.shape[0] % group_size:
+        raise ValueError(f"batch of {x.shape[0]} is not a multiple of group_size={group_size}")
+    rest = x.shape[1:]
+    if layout == "prompt_major":
+        return x.view(-1, group_size, *rest)
+    if layout == "completion_major":
+        return x.view(group_size, -1, *rest).transpose(0, 1)
+    raise ValueError(f"unknown layout {layout!r}; use 'prompt_major' or 'completion_major'")
+
+
+def _ungroup(g: Tensor, layout: str) -> Tensor:
+    # inverse of group_view: (P, k, ...) -> (B, ...) in the batch's own row order
+    if layout == "completion_major":
+        g = g.transpose(0, 1)
+    return g.reshape(-1, *g.shape[2:])
+
+
+def _broadcast(seq_adv: Tensor, mask: Tensor) -> Tensor:
+    # (B,) -> (B, T), 0 on padding
+    return torch.where(mask.bool(), seq_adv.unsqueeze(-1), 0.0)
+
+
+def _per_token_rewards(inp: AdvantageInput, scores: Tensor) -> Tensor:
+    """token_rewards (or zeros) with `scores` added at each row's last masked token. (B, T)"""
+    mask = inp.mask.bool()
+    rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    if inp.token_rewards is not None:
+        rewards = torch.where(mask, inp.token_rewards.to(scores.dtype), rewards)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, positions, -1).max(dim=-1).values  # (B,), -1 for empty rows
+    rows = (last >= 0).nonzero(as_tuple=True)[0]
+    rewards[rows, last[rows]] += scores[rows]
+    return rewards
+
+
+def _discounted_return(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + γ G_{t+1}, over masked positions only. (B, T) -> (B, T), 0 on padding."""
+    mask = mask.bool()
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(mask[:, t], running, 0.0)
+    return returns
+
+
+# --- estimators ----------------------------------------------------------------------------
+
+
+@register_advantage("group_norm")
+def group_norm(inp: AdvantageInput, *, scale_rewards: str | bool = "group"):
+    """A_i = (r_i - mean_group) / (std + 1e-4), std per group ("group"), over the batch
+    ("batch"), or no division ("none", Dr. GRPO). Stds are the sample (n - 1) std; a group
+    of one completion has no baseline to compare with and gets advantage 0."""
+    if isinstance(scale_rewards, bool):  # configs often say True / False
+        scale_rewards = "group" if scale_rewards else "none"
+    k, scores = inp.group_size, inp.scores
+    if k == 1:
+        return torch.zeros(inp.mask.shape, dtype=scores.dtype, device=scores.device), None
+    g = group_view(scores, k, inp.layout)  # (P, k)
+    centred = g - g.mean(dim=1, keepdim=True)
+    if scale_rewards == "group":
+        centred = centred / (g.std(dim=1, keepdim=True) + GROUP_STD_EPS)
+    elif scale_rewards == "batch":
+        centred = centred / (scores.std() + GROUP_STD_EPS)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', not {scale_rewards!r}")
+    return _broadcast(_ungroup(centred, inp.layout), inp.mask), None
+
+
+@register_advantage("leave_one_out")
+def leave_one_out(inp: AdvantageInput, *, normalize_advantage: bool = False):
+    """A_i = r_i - (sum_j r_j - r_i) / (k - 1): the other completions are the baseline.
+    With `normalize_advantage`, the (B,) advantages are whitened over the batch, each
+    sequence counting once."""
+    k = inp.group_size
+    if k < 2:
+        raise ValueError(
+            "leave_one_out needs group_size >= 2: with one completion per prompt there is no "
+            "other completion to serve as the baseline; raise num_generations or use group_norm"
+        )
+    g = group_view(inp.scores, k, inp.layout)  # (P, k)
+    baseline = (g.sum(dim=1, keepdim=True) - g) / (k - 1)
+    adv = _ungroup(g - baseline, inp.layout)  # (B,)
+    if normalize_advantage:
+        adv = masked_whiten(adv, torch.ones_like(adv, dtype=torch.bool))
+    return _broadcast(adv, inp.mask), None
+
+
+@register_advantage("gae")
+def gae(
+    inp: AdvantageInput, *, gamma: float = 1.0, lam: float = 0.95, whiten_advantages: bool = True
+):
+    """δ_t = r_t + γ V(s_{t+1}) - V(s_t);  A_t = δ_t + γλ A_{t+1};  returns = A + V.
+
+    V after the last token is 0 (the episode ends). Returns are taken before whitening,
+    as they are the critic's regression target."""
+    if inp.values is None:
+        raise ValueError("gae needs critic values: set AdvantageInput.values")
+    mask = inp.mask.bool()
+    values = torch.where(mask, inp.values, 0.0)  # (B, T)
+    rewards = _per_token_rewards(inp, inp.scores.to(values.dtype))  # (B, T)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])  # (B,) V(s_{t+1})
+    next_adv = torch.zeros_like(values[:, 0])  # (B,) A_{t+1}
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        # a masked-out position is skipped: carry the next step's value and advantage over it
+        next_adv = torch.where(mask[:, t], adv_t, next_adv)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+        advantages[:, t] = torch.where(mask[:, t], adv_t, 0.0)
+    returns = advantages + values
+    if whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp(inp: AdvantageInput, *, gamma: float = 1.0):
+    """G_t = sum_{s>=t} γ^(s-t) r_s, then whitened over every masked token of the batch."""
+    returns = _discounted_return(_per_token_rewards(inp, inp.scores), inp.mask, gamma)
+    return masked_whiten(returns, inp.mask), None
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
+    """REINFORCE++-baseline: scores minus their group mean, then as reinforce_pp."""
+    g = group_view(inp.scores, inp.group_size, inp.layout)  # (P, k)
+    scores = _ungroup(g - g.mean(dim=1, keepdim=True), inp.layout)  # (B,)
+    returns = _discounted_return(_per_token_rewards(inp, scores), inp.mask, gamma)
+    return masked_whiten(returns, inp.mask), None

@@ -1,0 +1,145 @@
+"""Masked reductions and loss aggregation.
+
+Every per-token quantity in posttrain lives in a padded `(B, T)` tensor next to a 0/1 mask.
+These helpers reduce over the masked entries only. Padding is selected away with
+`torch.where`, not multiplied by zero, so a NaN or inf on a padded position cannot leak in.
+
+`aggregate_loss` turns a per-token loss into the scalar that is backpropagated. The modes
+follow the names used in the literature (token mean as in DAPO, Yu et al. 2025; sequence mean
+as in the original GRPO, Shao et al. 2024; the fixed-length normaliser of Dr. GRPO, Liu et al.
+2025). Each takes an optional `denominator` so that a caller can pass one global count,
+summed over gradient-accumulation micro-batches and processes; then summing the results of the
+micro-batches gives the same number as computing the whole batch at once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+WHITEN_EPS = 1e-8
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    # x, mask: same shape; dim None reduces everything to a scalar
+    picked = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return picked.sum() if dim is None else picked.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean over masked entries. An all-padding row (or batch) gives 0, not NaN."""
+    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance over all masked entries (a scalar).
+
+    With `unbiased`, Bessel's correction n / (n - 1) is applied; a single masked entry gives
+    variance 0 rather than a division by zero.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.to(x.dtype).sum()
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked entries; 0 on padding.
+
+    With `shift_mean=False` the mean is added back: only the scale changes, which keeps the
+    sign of e.g. a mostly-positive advantage.
+    """
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+# --- loss aggregation --------------------------------------------------------------------
+# Each mode maps (per_token (B, T), mask (B, T), denominator, max_length) to a scalar.
+# `denominator` replaces the mode's local normaliser so that it can be made global.
+
+
+def _token_mean(per_token, mask, denominator, max_length):
+    # Every token in the (global) batch weighs the same.
+    # denominator: the number of masked tokens; default mask.sum() of this batch.
+    if denominator is None:
+        denominator = mask.sum().clamp(min=1)
+    return masked_sum(per_token, mask) / denominator
+
+
+def _num_sequences(mask):
+    # rows with no masked token are batch padding, not sequences
+    return (mask.sum(-1) > 0).sum().clamp(min=1)
+
+
+def _seq_mean_token_mean(per_token, mask, denominator, max_length):
+    # Every sequence weighs the same, tokens weigh the same within a sequence.
+    # denominator: the number of sequences; default the non-empty rows of this batch.
+    per_seq = masked_mean(per_token, mask, dim=-1)  # (B,)
+    if denominator is None:
+        denominator = _num_sequences(mask)
+    return per_seq.sum() / denominator
+
+
+def _seq_mean_token_sum(per_token, mask, denominator, max_length):
+    # Longer sequences weigh more: each contributes its token sum.
+    # denominator: the number of sequences; default the non-empty rows of this batch.
+    per_seq = masked_sum(per_token, mask, dim=-1)  # (B,)
+    if denominator is None:
+        denominator = _num_sequences(mask)
+    return per_seq.sum() / denominator
+
+
+def _seq_mean_token_sum_norm(per_token, mask, denominator, max_length):
+    # Dr. GRPO: a constant normaliser, so no sequence-length bias enters the gradient.
+    # denominator: num_sequences * max_length; default B * max_length of this batch.
+    if denominator is None:
+        if max_length is None:
+            raise ValueError(
+                "seq_mean_token_sum_norm needs max_length (the generation budget), "
+                "or an explicit denominator"
+            )
+        denominator = mask.shape[0] * max_length
+    return masked_sum(per_token, mask) / denominator
+
+
+AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
+    "token_mean": _token_mean,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum": _seq_mean_token_sum,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: str,
+    denominator: float | Tensor | None = None,
+    max_length: int | None = None,
+) -> Tensor:
+    """Reduce a per-token loss `(B, T)` to a scalar.
+
+    `denominator` is what the summed numerator is divided by:
+      - "token_mean": the number of masked tokens (default: this batch's mask.sum());
+      - "seq_mean_token_mean": the number of sequences; each sequence first contributes its
+        own token mean (default: the number of non-empty rows of this batch);
+      - "seq_mean_token_sum": the number of sequences; each sequence contributes its token
+        sum (default: as above);
+      - "seq_mean_token_sum_norm": num_sequences * max_length (default: B * max_length;
+        `max_length` is then required).
+    To make a result independent of how the batch is split, pass the count over the whole
+    optimizer step (all micro-batches, all processes) and sum the micro-batch results.
+    DDP averages gradients over its N processes, so a caller that wants the global mean
+    passes that global count divided by N.
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose from {sorted(AGGREGATIONS)}")
+    return AGGREGATIONS[mode](per_token, mask, denominator, max_length)
