@@ -85,12 +85,22 @@ def _add_example(rng: random.Random, min_len: int, max_len: int):
     return f"add {a} {b} =", str(a + b)
 
 
+def _quick_add_example(rng: random.Random, min_len: int, max_len: int):
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return f"What is {a} + {b}? Reply with only the number.", str(a + b)
+
+
 TASKS = {
     # digit-string reversal: positional copying, which small transformers pick up fast
     "reverse": (_reverse_example, 4, 4),
     # addition of two numbers below 100: digit sums plus a carry
     "add": (_add_example, 2, 2),
+    # single-digit sums asked in words, for real chat models: SmolLM2-135M-Instruct knows the
+    # sums but answers "The answer is 12." -- exact match rewards the strict format
+    "quick-add": (_quick_add_example, 1, 1),
 }
+# (train, test) sizes by default; quick-add has only 100 distinct prompts
+DEFAULT_SIZES = {"reverse": (2000, 200), "add": (2000, 200), "quick-add": (70, 30)}
 
 
 def task_dataset(task: str = "reverse", split: str = "train", size: int | None = None,
@@ -107,10 +117,11 @@ def task_dataset(task: str = "reverse", split: str = "train", size: int | None =
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     make, lo, hi = TASKS[task]
-    size = size or (2000 if split == "train" else 200)
+    default_train, default_test = DEFAULT_SIZES[task]
+    size = size or (default_train if split == "train" else default_test)
     rng = random.Random(f"{task}-{seed}")
     seen: dict[str, str] = {}
-    test_size = 200 if split == "train" else size
+    test_size = default_test if split == "train" else size
     wanted = test_size + (size if split == "train" else 0)  # test prompts first, then train
     for _ in range(50 * wanted):
         if len(seen) == wanted:
