@@ -1,0 +1,376 @@
+"""`posttrain demo`: the end-to-end pipeline on the embedded default, every method learning.
+
+On the built-in `reverse` task (reverse a 4-digit string) and the deterministic tiny model:
+
+  1. evaluate the base model (held-out greedy exact match);
+  2. SFT a short while -> a partly trained policy;
+  3. train a reward model on (correct, corrupted) answer pairs -> held-out pairwise accuracy;
+  4. from the same SFT checkpoint: GRPO, RLOO, PPO and REINFORCE++ with the task's checker as reward;
+  5. from the same SFT checkpoint: DPO, BCO and KTO on pairs built from the SFT model's own samples
+     (a correct sample is chosen, an incorrect one rejected);
+
+then prints a table (stage, metric before -> after, wall time) and writes report.md, curves.png
+and every trained model (loadable with from_pretrained) under the output directory.
+
+`--model smollm2` runs GRPO on the real SmolLM2-135M-Instruct instead, on single-digit sums
+asked in words: it knows the sums but not the strict answer format, and GRPO teaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "dpo", "bco", "kto")
+
+
+@dataclass
+class DemoPlan:
+    model: str = "posttrain/tiny-qwen2"
+    task: str = "reverse"
+    conversational: bool = False
+    stages: tuple[str, ...] = STAGES
+    output_dir: str = "demo_output"
+    seed: int = 0
+    sft_steps: int = 120
+    reward_steps: int = 60
+    rl_steps: int = 40
+    pref_steps: int = 40
+    eval_size: int = 100
+    max_new_tokens: int = 8
+    sft_lr: float = 3e-3
+    rl_lr: float = 2e-3
+    pref_lr: float = 1e-3
+    results: list[dict] = field(default_factory=list)
+
+
+def plan_for(model: str | None) -> DemoPlan:
+    if model in ("smollm2", "posttrain/smollm2-135m-instruct"):
+        return DemoPlan(model="posttrain/smollm2-135m-instruct", task="quick-add", conversational=True,
+                        stages=("grpo",), rl_steps=30, eval_size=30, max_new_tokens=12, rl_lr=2e-6)
+    plan = DemoPlan()
+    if model:
+        plan.model = model if "/" in model or os.path.isdir(model) else f"posttrain/{model}"
+    return plan
+
+
+# ---------------------------------------------------------------- helpers
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _accuracy(model_or_path, tokenizer, test, plan: DemoPlan) -> float:
+    from posttrain.eval import generation_accuracy
+    from posttrain.models.loading import load_causal_lm
+
+    model = load_causal_lm(model_or_path)
+    return generation_accuracy(model, tokenizer, test, max_new_tokens=plan.max_new_tokens)
+
+
+def _common_args(plan: DemoPlan, name: str, steps: int, lr: float, **extra):
+    return dict(output_dir=str(Path(plan.output_dir) / name), max_steps=steps, learning_rate=lr,
+                logging_steps=max(1, steps // 10), seed=plan.seed, save_strategy="no", report_to="none",
+                lr_scheduler_type="constant", disable_tqdm=False, **extra)
+
+
+def _corrupt(answer: str, rng: random.Random) -> str:
+    """A wrong answer of the same length: a digit changed, or two digits swapped."""
+    digits = list(answer)
+    while "".join(digits) == answer:
+        i = rng.randrange(len(digits))
+        if rng.random() < 0.5 and len(digits) > 1:
+            j = rng.randrange(len(digits))
+            digits[i], digits[j] = digits[j], digits[i]
+        else:
+            digits[i] = rng.choice("0123456789")
+    return "".join(digits)
+
+
+def _finish(trainer, plan: DemoPlan, name: str) -> str:
+    path = str(Path(plan.output_dir) / name)
+    trainer.save_model(path)
+    trainer.processing_class.save_pretrained(path)
+    with open(Path(path) / "log_history.json", "w") as f:
+        json.dump(trainer.state.log_history, f)
+    return path
+
+
+# ---------------------------------------------------------------- stages
+
+def run_sft(plan, tokenizer, train, test, base_acc):
+    from posttrain import SFTConfig, SFTTrainer
+
+    trainer = SFTTrainer(model=plan.model, processing_class=tokenizer, train_dataset=train,
+                         args=SFTConfig(**_common_args(plan, "sft", plan.sft_steps, plan.sft_lr,
+                                                       per_device_train_batch_size=32, max_length=64)))
+    trainer.train()
+    path = _finish(trainer, plan, "sft")
+    return path, ("held-out accuracy", base_acc, _accuracy(trainer.model, tokenizer, test, plan))
+
+
+def _answer_pairs(dataset, seed):
+    rng = random.Random(seed)
+    rows = []
+    for r in dataset:
+        wrong = _corrupt(r["answer"], rng)
+        rows.append({"prompt": r["prompt"], "chosen": " " + r["answer"], "rejected": " " + wrong})
+    from datasets import Dataset
+
+    return Dataset.from_list(rows)
+
+
+def run_reward(plan, tokenizer, train, test, start):
+    import torch
+
+    from posttrain import RewardConfig, RewardTrainer
+
+    pairs, held_out = _answer_pairs(train, plan.seed), _answer_pairs(test, plan.seed + 1)
+    trainer = RewardTrainer(model=start, processing_class=tokenizer, train_dataset=pairs,
+                            args=RewardConfig(**_common_args(plan, "reward", plan.reward_steps, 1e-3,
+                                                             per_device_train_batch_size=32, max_length=64)))
+
+    def pairwise_accuracy():
+        model = trainer.model.eval()
+        wins = 0
+        with torch.no_grad():
+            for row in held_out:
+                scores = []
+                for completion in (row["chosen"], row["rejected"]):
+                    ids = tokenizer(row["prompt"] + completion, return_tensors="pt")
+                    scores.append(model(**ids).logits[0, 0].item())
+                wins += scores[0] > scores[1]
+        model.train()
+        return wins / len(held_out)
+
+    before = pairwise_accuracy()
+    trainer.train()
+    path = _finish(trainer, plan, "reward")
+    return path, ("pairwise accuracy", before, pairwise_accuracy())
+
+
+def _online(plan, name, tokenizer, train, test, start, sft_acc):
+    import posttrain
+    from posttrain.data.builtin import digit_match_reward, exact_match_reward
+
+    config_cls = getattr(posttrain, {"grpo": "GRPOConfig", "rloo": "RLOOConfig", "ppo": "PPOConfig",
+                                     "reinforce_pp": "ReinforcePPConfig"}[name])
+    trainer_cls = getattr(posttrain, config_cls.__name__.replace("Config", "Trainer"))
+    reward = exact_match_reward if plan.task == "quick-add" else digit_match_reward
+    prompts = train.remove_columns("completion")
+    extra = dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=plan.max_new_tokens,
+                 temperature=1.0, log_completions=True, num_completions_to_print=4)
+    if plan.task == "quick-add":
+        extra.update(per_device_train_batch_size=8, num_generations=4)
+    trainer = trainer_cls(model=start, reward_funcs=reward, processing_class=tokenizer, train_dataset=prompts,
+                          args=config_cls(**_common_args(plan, name, plan.rl_steps, plan.rl_lr, **extra)))
+    trainer.train()
+    path = _finish(trainer, plan, name)
+    return path, ("held-out accuracy", sft_acc, _accuracy(trainer.model, tokenizer, test, plan))
+
+
+def _self_play_pairs(plan, tokenizer, train, start, k: int = 4, limit: int = 512):
+    """Preference pairs from the SFT model's own samples: a correct one chosen, an incorrect one rejected.
+
+    When no sample is correct the reference answer is the chosen completion.
+    """
+    import torch
+    from datasets import Dataset
+
+    from posttrain.data.builtin import check
+    from posttrain.data.tokenize import encode_prompt
+    from posttrain.models.loading import load_causal_lm
+    from posttrain.rollout.generate import SamplingConfig, generate
+
+    model = load_causal_lm(start).eval()
+    rows = train.select(range(min(limit, len(train))))
+    sampling = SamplingConfig(max_new_tokens=plan.max_new_tokens, temperature=1.0, num_generations=k)
+    gen = torch.Generator().manual_seed(plan.seed)
+    pairs = []
+    for lo in range(0, len(rows), 64):
+        batch = rows[lo:lo + 64]
+        prompt_ids = [encode_prompt(tokenizer, p) for p in batch["prompt"]]
+        out = generate(model, prompt_ids, sampling, pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, generator=gen)
+        texts = tokenizer.batch_decode(out.completion_ids * out.completion_mask, skip_special_tokens=True)
+        for i, (prompt, answer) in enumerate(zip(batch["prompt"], batch["answer"])):
+            samples = texts[i * k:(i + 1) * k]
+            good = [s for s in samples if check(s, answer)]
+            bad = [s for s in samples if not check(s, answer) and s.strip()]
+            if bad:
+                chosen = good[0] if good else " " + answer
+                pairs.append({"prompt": prompt, "chosen": chosen, "rejected": bad[0]})
+    return Dataset.from_list(pairs)
+
+
+def _preference(plan, name, tokenizer, pairs, test, start, sft_acc):
+    import posttrain
+
+    config_cls = getattr(posttrain, f"{name.upper()}Config")
+    trainer_cls = getattr(posttrain, f"{name.upper()}Trainer")
+    args = config_cls(**_common_args(plan, name, plan.pref_steps, plan.pref_lr,
+                                     per_device_train_batch_size=16, max_length=64))
+    data = pairs
+    if name in ("bco", "kto"):
+        from posttrain.data.formats import preference_to_unpaired
+
+        data = preference_to_unpaired(pairs)
+    trainer = trainer_cls(model=start, processing_class=tokenizer, train_dataset=data, args=args)
+    trainer.train()
+    path = _finish(trainer, plan, name)
+    return path, ("held-out accuracy", sft_acc, _accuracy(trainer.model, tokenizer, test, plan))
+
+
+# ---------------------------------------------------------------- driver
+
+def run(plan: DemoPlan) -> list[dict]:
+    from rich.progress import Progress
+    from transformers import set_seed
+
+    from posttrain.data.builtin import task_dataset
+    from posttrain.models.loading import load_tokenizer
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    console = _console()
+    out = Path(plan.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("building the model, tokenizer and task data", total=None)
+        tokenizer = load_tokenizer(None, model=plan.model)
+        train = task_dataset(plan.task, "train", conversational=plan.conversational)
+        test = task_dataset(plan.task, "test", conversational=plan.conversational)
+        test = test.select(range(min(plan.eval_size, len(test))))
+        progress.update(task, description="evaluating the base model")
+        t0 = time.time()
+        base_acc = _accuracy(plan.model, tokenizer, test, plan)
+    plan.results.append(dict(stage="base", metric="held-out accuracy", before=None, after=base_acc,
+                             seconds=time.time() - t0))
+    console.print(f"[bold]{plan.model}[/] on task [bold]{plan.task}[/]: base held-out accuracy {base_acc:.2f}")
+
+    start, start_acc = plan.model, base_acc
+    stages = [s for s in STAGES if s in plan.stages]
+
+    def record(stage, started, metric):
+        name, before, after = metric
+        plan.results.append(dict(stage=stage, metric=name, before=before, after=after,
+                                 seconds=time.time() - started))
+        console.print(f"[bold]{stage}[/]: {name} {before:.2f} -> {after:.2f} ({time.time() - started:.0f} s)")
+
+    if "sft" in stages:
+        console.rule("SFT")
+        set_seed(plan.seed)
+        started = time.time()
+        start, metric = run_sft(plan, tokenizer, train, test, base_acc)
+        start_acc = metric[2]
+        record("sft", started, metric)
+    if "reward" in stages:
+        console.rule("reward model")
+        set_seed(plan.seed)
+        started = time.time()
+        _, metric = run_reward(plan, tokenizer, train, test, start)
+        record("reward", started, metric)
+    for name in ("grpo", "rloo", "ppo", "reinforce_pp"):
+        if name in stages:
+            console.rule(name.upper())
+            set_seed(plan.seed)
+            started = time.time()
+            _, metric = _online(plan, name, tokenizer, train, test, start, start_acc)
+            record(name, started, metric)
+    preference = [s for s in ("dpo", "bco", "kto") if s in stages]
+    if preference:
+        console.rule("preference pairs from the SFT model's own samples")
+        set_seed(plan.seed)
+        pairs = _self_play_pairs(plan, tokenizer, train, start)
+        console.print(f"{len(pairs)} pairs (correct sample chosen, incorrect sample rejected)")
+        for name in preference:
+            console.rule(name.upper())
+            set_seed(plan.seed)
+            started = time.time()
+            _, metric = _preference(plan, name, tokenizer, pairs, test, start, start_acc)
+            record(name, started, metric)
+    report(plan, console)
+    return plan.results
+
+
+def report(plan: DemoPlan, console=None):
+    from rich.table import Table
+
+    console = console or _console()
+    table = Table(title=f"posttrain demo: {plan.model} on {plan.task}")
+    for col in ("stage", "metric", "before -> after", "wall time"):
+        table.add_column(col)
+    lines = ["| stage | metric | before -> after | wall time |", "|---|---|---|---|"]
+    for r in plan.results:
+        change = f"{r['after']:.2f}" if r["before"] is None else f"{r['before']:.2f} -> {r['after']:.2f}"
+        table.add_row(r["stage"], r["metric"], change, f"{r['seconds']:.0f} s")
+        lines.append(f"| {r['stage']} | {r['metric']} | {change} | {r['seconds']:.0f} s |")
+    console.print(table)
+    out = Path(plan.output_dir)
+    (out / "report.md").write_text(f"# posttrain demo: {plan.model} on {plan.task}\n\n" + "\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps(plan.results, indent=1))
+    _plot(plan, out)
+
+
+def _plot(plan: DemoPlan, out: Path):
+    """One PNG with the reward / loss curve of every stage that logged one."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    histories = {}
+    for r in plan.results:
+        log = out / r["stage"] / "log_history.json"
+        if log.exists():
+            histories[r["stage"]] = json.loads(log.read_text())
+    if not histories:
+        return
+    fig, axes = plt.subplots(1, len(histories), figsize=(3.2 * len(histories), 3), squeeze=False)
+    for ax, (stage, history) in zip(axes[0], histories.items()):
+        key = next((k for k in ("reward", "rewards/accuracies", "accuracy", "mean_token_accuracy", "loss")
+                    if any(k in h for h in history)), None)
+        if key is None:
+            continue
+        points = [(h["step"], h[key]) for h in history if key in h]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=".")
+        ax.set_title(f"{stage}: {key}", fontsize=9)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="posttrain demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None,
+                        help="tiny-qwen2 (default), tiny-llama, small-qwen2, smollm2, or a model path")
+    parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--output_dir", default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    for name in ("sft_steps", "reward_steps", "rl_steps", "pref_steps", "eval_size"):
+        parser.add_argument(f"--{name}", type=int, default=None)
+    args = parser.parse_args(argv)
+    plan = plan_for(args.model)
+    if args.stages:
+        wanted = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+        unknown = [s for s in wanted if s not in STAGES]
+        if unknown:
+            parser.error(f"unknown stage(s) {unknown}; choose from {','.join(STAGES)}")
+        plan.stages = wanted
+    for name in ("output_dir", "seed", "sft_steps", "reward_steps", "rl_steps", "pref_steps", "eval_size"):
+        if getattr(args, name) is not None:
+            setattr(plan, name, getattr(args, name))
+    run(plan)
+
+
+if __name__ == "__main__":
+    main()
