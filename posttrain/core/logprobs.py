@@ -47,16 +47,24 @@ def entropy_from_logits(logits: Tensor, chunk_rows: int = CHUNK_ROWS) -> Tensor:
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored: int | None = None,
-                   temperature: float = 1.0, with_entropy: bool = False, **model_kwargs):
+                   temperature: float = 1.0, with_entropy: bool = False, return_outputs: bool = False,
+                   **model_kwargs):
     """Log-probs of the last `num_scored` tokens of each row under `model` (and their entropies).
 
     input_ids, attention_mask: (B, T). Token t is scored by the logits at t-1, so the model is
     asked for the last `num_scored + 1` logits only (all T when None).
+    Left-padded rows get position_ids from the attention mask unless `position_ids` is passed.
     Returns (logps (B, K), entropy (B, K) or None, logits (B, K, V)) with K = num_scored or T-1;
     position j of the result scores input_ids[:, T-K+j].
+    With `return_outputs`, the model's raw outputs come as a 4th element (e.g. a value head's
+    values from the same forward).
     """
     T = input_ids.shape[1]
     K = T - 1 if num_scored is None else num_scored
+    if "position_ids" not in model_kwargs and attention_mask is not None and not bool(attention_mask[:, 0].all()):
+        # Left padding (rollouts): positions count real tokens only, as in the sampler; without
+        # this, transformers would number the pad columns too and shift every position.
+        model_kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=K + 1,
                     use_cache=False, **model_kwargs)
     logits = outputs.logits[:, -(K + 1):-1, :]  # (B, K, V)
@@ -68,6 +76,8 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored:
     if with_entropy:
         with torch.no_grad():  # entropy is a metric here, never a loss term
             entropy = entropy_from_logits(logits.detach())
+    if return_outputs:
+        return logps, entropy, logits, outputs
     return logps, entropy, logits
 
 

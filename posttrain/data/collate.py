@@ -16,3 +16,57 @@ def pad(sequences: list[list[int]], value: int, side: str = "right", dtype=torch
             else:
                 out[i, width - len(seq):] = torch.as_tensor(seq, dtype=dtype)
     return out
+
+
+IGNORE_INDEX = -100  # label value that the loss skips
+
+
+class LanguageModelingCollator:
+    """Tokenised rows -> a causal-LM batch with `labels` (-100 where no loss is taken).
+
+    A row has `input_ids`, optionally `loss_mask` (1 where the token is a training target; all
+    ones when absent) and `seq_lengths` (the sequences a packed row holds; one when absent).
+    The first token of every sequence is never a target, so a packed sequence is never
+    predicted from the one before it.
+
+    Layouts:
+      * padding_free: the whole batch becomes ONE row, no padding; `position_ids` restart at 0
+        for each sequence and there is no attention mask, which transformers reads as
+        block-diagonal (packed) attention.
+      * packed rows (some row holds several sequences): right-padded rows with restarting
+        `position_ids` and no attention mask; attention stays within each row's sequences, and
+        costs B * T^2 rather than (B * T)^2 for the single row above.
+      * otherwise: right-padded rows with an `attention_mask`.
+    """
+
+    def __init__(self, pad_token_id: int, padding_free: bool = False):
+        self.pad_token_id = pad_token_id
+        self.padding_free = padding_free
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        ids, labels, positions = [], [], []
+        for row in rows:
+            seq = list(row["input_ids"])
+            mask = row.get("loss_mask")
+            lab = [t if m else IGNORE_INDEX for t, m in zip(seq, mask)] if mask is not None else list(seq)
+            pos, start = [], 0
+            for n in row.get("seq_lengths") or [len(seq)]:
+                if n:
+                    lab[start] = IGNORE_INDEX
+                pos.extend(range(n))
+                start += n
+            ids.append(seq)
+            labels.append(lab)
+            positions.append(pos)
+        if self.padding_free:
+            flat = lambda xs: torch.tensor([[t for x in xs for t in x]], dtype=torch.long)  # noqa: E731
+            return {"input_ids": flat(ids), "labels": flat(labels), "position_ids": flat(positions)}
+        batch = {"input_ids": pad(ids, self.pad_token_id), "labels": pad(labels, IGNORE_INDEX)}
+        if any(len(row.get("seq_lengths") or ()) > 1 for row in rows):
+            # pads continue the last sequence's positions: they come after it, so causality hides them
+            width = batch["input_ids"].shape[1]
+            batch["position_ids"] = pad([p + list(range(p[-1] + 1, p[-1] + 1 + width - len(p))) if p else []
+                                         for p in positions], 0)
+        else:
+            batch["attention_mask"] = pad([[1] * len(s) for s in ids], 0)
+        return batch

@@ -1,0 +1,71 @@
+"""Training callbacks and sample logs.
+
+Each part stands alone in its own section.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+# ---------------------------------------------------------------- completions table (online trainers)
+
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+class CompletionsTable:
+    """Sampled completions: a rich table of prompt | completion | one score column per reward on
+    the console, and every row appended to `<output_dir>/completions.jsonl` as
+    {"step", "prompt", "completion", "<reward name>": score, ...}.
+
+    The online trainers call `write` on the main process at their sampling points
+    (`num_sample_generations` evenly spaced steps, or every logging step with `log_completions`).
+    """
+
+    def __init__(self, output_dir: str | None, num_to_print: int | None = None, max_chars: int = 200):
+        self.path = os.path.join(output_dir, COMPLETIONS_FILE) if output_dir else None
+        self.num_to_print, self.max_chars = num_to_print, max_chars
+
+    def write(self, step: int, prompts: list, completions: list[str], scores: dict[str, list[float]]):
+        rows = [{"step": step, "prompt": _text(p), "completion": c,
+                 **{name: _number(values[i]) for name, values in scores.items()}}
+                for i, (p, c) in enumerate(zip(prompts, completions))]
+        if self.path:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.print(step, rows[: self.num_to_print] if self.num_to_print else rows, list(scores))
+        return rows
+
+    def print(self, step: int, rows: list[dict], names: list[str]):
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"completions at step {step}", show_lines=True)
+        table.add_column("prompt", overflow="fold")
+        table.add_column("completion", overflow="fold")
+        for name in names:
+            table.add_column(name, justify="right")
+        for row in rows:
+            cells = [_clip(row["prompt"], self.max_chars), _clip(row["completion"], self.max_chars)]
+            cells += ["-" if row[n] is None else f"{row[n]:.3f}" for n in names]
+            table.add_row(*cells)
+        Console().print(table)
+
+
+def _text(prompt) -> str:
+    """A prompt as one string; chat prompts become 'role: content' lines."""
+    if isinstance(prompt, list):
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in prompt if isinstance(m, dict))
+    return str(prompt)
+
+
+def _number(value) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) else value  # NaN = the reward function abstained
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,388 @@
+"""`posttrain <command> [--config file.yaml] [--field value ...]`: train from the command line.
+
+Each command is one entry of `COMMANDS`, a function `run_x(script_args, config)` that builds
+and returns a trainer (or does its work itself and returns None); `main` parses the flags,
+trains, and saves the model to `output_dir`. The flags come from two dataclasses named by
+the `@command` decorator: the script arguments (model, dataset) and the trainer's config, every
+field of which is a flag. Values come from, lowest to highest: the dataclass defaults, the
+YAML file given with `--config` (flat `field: value` pairs), the command line.
+
+To add a command:
+
+    @command(config="posttrain.trainers.dpo:DPOConfig")
+    def run_dpo(script_args, config):
+        from posttrain.trainers.dpo import DPOTrainer
+        train, evaluation = load_datasets(script_args, config)
+        return DPOTrainer(script_args.model_name_or_path, args=config, train_dataset=train,
+                          eval_dataset=evaluation)
+
+    COMMANDS["dpo"] = run_dpo
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import importlib
+import json
+import os
+import sys
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ScriptArguments:
+    """What to train on: the model and the dataset (shared by every training command)."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Model to train: a built-in name (posttrain/tiny-qwen2, "
+                                        "posttrain/smollm2-135m-instruct, ...) or a local folder."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "A built-in dataset (zen, zen-chat/preference, reverse, add-chat, ...), "
+                                        "a local .json/.jsonl/.csv/.parquet file, or a local dataset folder."})
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Configuration name for a dataset folder with several configurations."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(
+        default="test", metadata={"help": "Split to evaluate on (used when eval_strategy is not 'no')."})
+
+
+# ---------------------------------------------------------------------------- command registry
+
+COMMANDS: dict[str, Callable] = {}
+
+
+def command(config: str | None, script_args: type | None = ScriptArguments, help: str = ""):
+    """Mark `run_x(script_args, config)` with its config class ("module:Class", imported lazily)."""
+    def mark(fn):
+        fn.config_path, fn.script_args_class, fn.help = config, script_args, help or (fn.__doc__ or "").strip()
+        return fn
+    return mark
+
+
+def load_dataset_arg(name: str, split: str = "train", config: str | None = None):
+    """A `datasets.Dataset` from a built-in name, a local data file or a local dataset folder.
+
+    Nothing is fetched from the hub: anything else raises a ValueError that says what is accepted.
+    """
+    from posttrain.data.builtin import builtin_names, load_builtin
+
+    try:
+        return load_builtin(name, split)
+    except KeyError:
+        pass
+    path = os.path.expanduser(name)
+    formats = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    if os.path.isfile(path):
+        import datasets
+
+        suffix = os.path.splitext(path)[1].lower()
+        if suffix not in formats:
+            raise ValueError(f"dataset file {name!r}: unknown extension {suffix!r}; use one of {sorted(formats)}")
+        if split != "train":
+            raise ValueError(f"dataset file {name!r} holds a single split, 'train'; there is no split {split!r} "
+                             "(point the command at a folder with one file per split to evaluate)")
+        return datasets.load_dataset(formats[suffix], data_files=path, split="train")
+    if os.path.isdir(path):
+        import datasets
+
+        if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
+            data = datasets.load_from_disk(path)
+            if isinstance(data, datasets.DatasetDict):
+                if split not in data:
+                    raise ValueError(f"dataset folder {name!r} has splits {sorted(data)}, not {split!r}")
+                return data[split]
+            if split != "train":
+                raise ValueError(f"dataset folder {name!r} holds a single split; there is no split {split!r}")
+            return data
+        try:  # a folder of data files, e.g. train.jsonl + test.jsonl
+            return datasets.load_dataset(path, config, split=split)
+        except ValueError as err:
+            raise ValueError(f"dataset folder {name!r}: {err}") from err
+    raise ValueError(
+        f"dataset {name!r} is not a built-in dataset, a local file or a local folder (datasets are not "
+        f"downloaded from the hub here: fetch it where you have a network, save it with "
+        f"`dataset.save_to_disk(folder)`, and pass the folder). Built-in names: {', '.join(builtin_names())}")
+
+
+def load_datasets(script_args: ScriptArguments, config) -> tuple[Any, Any]:
+    """(train, eval) datasets for a training command; eval only when `config.eval_strategy` is not 'no'."""
+    train = load_dataset_arg(script_args.dataset_name, script_args.dataset_train_split, script_args.dataset_config)
+    evaluation = None
+    if str(getattr(config, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
+        evaluation = load_dataset_arg(script_args.dataset_name, script_args.dataset_test_split,
+                                      script_args.dataset_config)
+    return train, evaluation
+
+
+@command(config="posttrain.trainers.sft:SFTConfig", help="Supervised fine-tuning on demonstrations.")
+def run_sft(script_args: ScriptArguments, config):
+    from posttrain.trainers.sft import SFTTrainer
+
+    train, evaluation = load_datasets(script_args, config)
+    return SFTTrainer(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation)
+
+
+@command(config=None, script_args=None, help="Print the versions and hardware posttrain sees.")
+def run_env(script_args=None, config=None):
+    import importlib.metadata as metadata
+    import platform
+
+    import torch
+
+    import posttrain
+
+    rows = [("posttrain", posttrain.__version__), ("python", platform.python_version()),
+            ("platform", platform.platform())]
+    for package in ("torch", "transformers", "datasets", "accelerate", "peft"):
+        try:
+            rows.append((package, metadata.version(package)))
+        except metadata.PackageNotFoundError:
+            rows.append((package, "not installed"))
+    rows.append(("CPU count", str(os.cpu_count())))
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        rows.append(("memory", f"{pages * page_size / 2**30:.1f} GiB"))
+    except (ValueError, OSError, AttributeError):
+        rows.append(("memory", "unknown"))
+    cuda = torch.cuda.is_available()
+    rows.append(("CUDA available", f"yes ({torch.cuda.get_device_name(0)})" if cuda else "no"))
+    bf16 = torch.cuda.is_bf16_supported() if cuda else torch.backends.mkldnn.is_available() and \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    rows.append(("bf16 supported", "yes" if bf16 else "no"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return None
+
+
+COMMANDS.update({"sft": run_sft, "env": run_env})
+
+
+# ---------------------------------------------------------------------------- flags from dataclasses
+
+_TRUE, _FALSE, _NONE = ("true", "yes", "1", "on"), ("false", "no", "0", "off"), ("none", "null")
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+def _members(tp) -> list:
+    """The alternatives of a Union (X | Y | None) or [tp]."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return list(typing.get_args(tp))
+    return [tp]
+
+
+def _scalar(tp) -> Callable[[str], Any] | None:
+    """A str -> value converter for one non-union, non-list type; None when it cannot be given as text."""
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        return _parse_bool
+    if tp in (int, float, str):
+        return tp
+    if tp is dict or origin is dict:
+        def as_dict(text):
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError(text)
+            return value
+        return as_dict
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+
+        def literal(text):
+            for choice in choices:
+                if str(choice).lower() == text.lower():
+                    return choice
+            raise ValueError(text)
+        return literal
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp  # the config accepts the member or its string value
+    if tp is Any:
+        def anything(text):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                return text
+        return anything
+    return None
+
+
+@dataclass
+class _Flag:
+    name: str
+    convert: Callable[[str], Any]  # one command-line word -> value (raises ValueError)
+    type_name: str
+    is_bool: bool = False
+    is_list: bool = False
+
+
+def _flag(name: str, tp) -> _Flag | None:
+    members = _members(tp)
+    nullable = type(None) in members
+    members = [m for m in members if m is not type(None)]
+    list_member = next((m for m in members if typing.get_origin(m) is list or m is list), None)
+    element = (typing.get_args(list_member) or (str,))[0] if list_member is not None else None
+    ordered = sorted((m for m in members if m is not list_member), key=lambda m: m is str)  # str last
+    converters = [c for c in map(_scalar, ordered) if c is not None]
+    if list_member is not None:
+        element_convert = next((c for c in map(_scalar, _members(element)) if c is not None), str)
+    if not converters and list_member is None:
+        return None
+
+    def convert(text: str):
+        if nullable and text.lower() in _NONE:
+            return None
+        if list_member is not None and text.startswith("["):
+            return [element_convert(str(v)) if not isinstance(v, str) else element_convert(v)
+                    for v in json.loads(text)]
+        for c in converters:
+            try:
+                return c(text)
+            except (ValueError, json.JSONDecodeError):
+                continue
+        if list_member is not None:
+            return element_convert(text)  # one word given for a list field
+        raise ValueError(text)
+
+    names = [getattr(m, "__name__", str(m)) for m in members] + (["None"] if nullable else [])
+    convert.__name__ = " | ".join(names)  # argparse names the type in "invalid ... value" errors
+    return _Flag(name, convert, convert.__name__, is_bool=members == [bool], is_list=list_member is not None)
+
+
+def _flags(cls) -> dict[str, _Flag]:
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation that cannot be resolved: fall back to the raw ones
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    flags = {}
+    for f in dataclasses.fields(cls):
+        if f.init and not f.name.startswith("_"):
+            flag = _flag(f.name, hints.get(f.name, f.type))
+            if flag is not None:
+                flags[f.name] = flag
+    return flags
+
+
+def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], title: str):
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        flag = flags.get(f.name)
+        if flag is None:
+            continue
+        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        help_text = f.metadata.get("help", "")
+        if f.default is not dataclasses.MISSING:
+            help_text += f" (default: {f.default!r})"
+        kwargs = dict(dest=f.name, type=flag.convert, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+        if flag.is_bool:
+            kwargs.update(nargs="?", const=True, metavar="true|false")
+        elif flag.is_list:
+            kwargs.update(nargs="+")
+        group.add_argument(*names, **kwargs)
+
+
+def _yaml_value(flag: _Flag, key: str, value, path: str):
+    """YAML values arrive typed; strings for non-string fields (e.g. `1e-5`) go through the converter."""
+    try:
+        if isinstance(value, str):
+            return flag.convert(value)
+        if isinstance(value, list) and flag.is_list:
+            return [flag.convert(v) if isinstance(v, str) else v for v in value]
+        return value
+    except (ValueError, json.JSONDecodeError):
+        raise SystemExit(f"posttrain: error: {path}: {key}: invalid {flag.type_name} value: {value!r}") from None
+
+
+def _load_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle) or {}
+    except OSError as err:
+        raise SystemExit(f"posttrain: error: cannot read --config file: {err}") from None
+    except yaml.YAMLError as err:
+        raise SystemExit(f"posttrain: error: {path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"posttrain: error: {path} must hold `field: value` pairs, got {type(data).__name__}")
+    return data
+
+
+def _config_class(fn):
+    if fn.config_path is None:
+        return None
+    module, _, name = fn.config_path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
+    """(script_args, config) for command `name` from its flags and optional --config YAML file."""
+    fn = COMMANDS[name]
+    classes = [c for c in (fn.script_args_class, _config_class(fn)) if c is not None]
+    flags = [_flags(c) for c in classes]
+    parser = argparse.ArgumentParser(prog=f"posttrain {name}", description=fn.help)
+    parser.add_argument("--config", help="YAML file of `field: value` pairs; command-line flags override it.")
+    for cls, cls_flags in zip(classes, flags):
+        _add_flags(parser, cls, cls_flags, cls.__name__)
+    given = vars(parser.parse_args(argv))
+    values: list[dict] = [{} for _ in classes]
+    if path := given.pop("config", None):
+        for key, value in _load_yaml(path).items():
+            owner = next((i for i, fl in enumerate(flags) if key in fl), None)
+            if owner is None:
+                parser.error(f"{path}: unknown field {key!r} for `posttrain {name}`")
+            values[owner][key] = _yaml_value(flags[owner][key], key, value, path)
+    for key, value in given.items():
+        owner = next(i for i, fl in enumerate(flags) if key in fl)
+        values[owner][key] = value
+    built = []
+    for cls, kwargs in zip(classes, values):
+        try:
+            built.append(cls(**kwargs))
+        except (ValueError, TypeError) as err:
+            parser.error(f"invalid {cls.__name__}: {err}")
+    script_args = built[0] if fn.script_args_class is not None else None
+    config = built[-1] if fn.config_path is not None else None
+    if isinstance(script_args, ScriptArguments) and config is not None:
+        missing = [f"--{k}" for k in ("model_name_or_path", "dataset_name") if getattr(script_args, k) is None]
+        if missing:
+            parser.error(f"the following arguments are required: {', '.join(missing)}")
+    return script_args, config
+
+
+def main(argv: list[str] | None = None):
+    """Entry point of the `posttrain` command; returns the trainer for training commands."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {n:<8} {getattr(fn, 'help', '')}" for n, fn in COMMANDS.items()]
+        usage = "usage: posttrain <command> [--config file.yaml] [--field value ...]\n\ncommands:\n" + "\n".join(lines)
+        if argv and argv[0] not in ("-h", "--help"):
+            raise SystemExit(f"{usage}\n\nposttrain: error: unknown command {argv[0]!r}")
+        print(usage)
+        return None
+    name = argv[0]
+    script_args, config = parse(name, argv[1:])
+    trainer = COMMANDS[name](script_args, config)
+    if trainer is None:
+        return None
+    trainer.train()
+    trainer.save_model(config.output_dir)
+    if trainer.eval_dataset is not None:
+        trainer.evaluate()
+    return trainer
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""Pairwise judges and win rate: is the policy's answer better than a reference answer?
+
+A judge looks at a prompt and two completions and returns the index (0 or 1) of the better one,
+or -1 when it could not decide for that item (a failed request, an unreadable answer). One bad
+item never raises; misuse (lists of different lengths, a pair that is not a pair) does.
+
+* `RewardModelJudge`: a sequence-classification reward model scores both completions.
+* `OpenAIPairwiseJudge`: any OpenAI-compatible chat endpoint, spoken to with the standard
+  library only (no `openai` package).
+* `win_rate(judge, prompts, completions, reference_completions)`: fraction of decided
+  comparisons that the completions win.
+* `WinRateCallback`: logs `eval_win_rate` of the model being trained at every evaluation.
+
+Position bias: LLM judges tend to prefer whichever answer comes first (or second). With
+`shuffle_order=True` (the default) each pair is swapped with probability 1/2 before judging and
+the verdict is swapped back, so the bias spreads evenly over both sides.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import random
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+from transformers import TrainerCallback
+
+__all__ = ["PairwiseJudge", "BasePairwiseJudge", "RewardModelJudge", "OpenAIPairwiseJudge", "JudgeError", "win_rate",
+           "WinRateCallback", "generate_completions"]
+
+
+class JudgeError(RuntimeError):
+    """Every item of a judge call failed (the message quotes the first failure)."""
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and (not value or isinstance(value[0], dict))
+
+
+def _render(prompt) -> str:
+    """A prompt as text: a string as is, a conversation as `role: content` lines."""
+    if _is_messages(prompt):
+        return "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in prompt)
+    return str(prompt)
+
+
+class PairwiseJudge:
+    """Base judge. Subclasses implement `compare(prompts, pairs) -> list[int]` on pairs in the order given;
+    `judge` adds input checks and the order shuffle."""
+
+    def __init__(self, seed: int | None = None):
+        self.rng = random.Random(seed)
+
+    def judge(self, prompts: Sequence[Any], completion_pairs: Sequence[Sequence[str]] | None = None,
+              shuffle_order: bool = True, *, completions: Sequence[Sequence[str]] | None = None) -> list[int]:
+        """For each prompt, 0 or 1: the index of the better completion in its pair; -1 where no verdict.
+
+        `completions=` is accepted as another name for `completion_pairs` (the keyword TRL's judges use).
+        """
+        if (completion_pairs is None) == (completions is None):
+            raise ValueError("pass the completion pairs once, as completion_pairs (or completions=)")
+        completion_pairs = completion_pairs if completion_pairs is not None else completions
+        if len(prompts) != len(completion_pairs):
+            raise ValueError(f"judge got {len(prompts)} prompts but {len(completion_pairs)} completion pairs; "
+                             "pass one pair (a, b) per prompt")
+        pairs = []
+        for i, pair in enumerate(completion_pairs):
+            if isinstance(pair, str) or len(pair) != 2:
+                raise ValueError(f"completion_pairs[{i}] must hold exactly two completions, got {pair!r:.200}")
+            pairs.append((pair[0], pair[1]))
+        if not pairs:
+            return []
+        swapped = [shuffle_order and self.rng.random() < 0.5 for _ in pairs]
+        asked = [(b, a) if s else (a, b) for (a, b), s in zip(pairs, swapped)]
+        verdicts = list(self.compare(list(prompts), asked))
+        if len(verdicts) != len(pairs):
+            raise RuntimeError(f"{type(self).__name__}.compare returned {len(verdicts)} verdicts for {len(pairs)} pairs")
+        return [1 - v if (s and v in (0, 1)) else (v if v in (0, 1) else -1) for v, s in zip(verdicts, swapped)]
+
+    def compare(self, prompts: list, pairs: list[tuple[str, str]]) -> list[int]:
+        raise NotImplementedError
+
+
+BasePairwiseJudge = PairwiseJudge  # the name TRL code subclasses
+
+
+# --------------------------------------------------------------------------- reward model
+
+class RewardModelJudge(PairwiseJudge):
+    """The completion with the higher reward-model score wins; equal scores give -1 (no verdict).
+
+    Text is encoded the way the reward trainer encodes it: a standard prompt and completion are
+    concatenated (plus EOS); a conversational prompt (a list of messages) gets the completion as an
+    assistant turn, rendered with the chat template.
+    """
+
+    def __init__(self, model, tokenizer=None, batch_size: int = 16, max_length: int | None = None,
+                 seed: int | None = None):
+        from posttrain.models import loading
+
+        super().__init__(seed)
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        self.model = loading.load_sequence_classifier(model)
+        self.tokenizer = loading.load_tokenizer(tokenizer, model=name or self.model)
+        num_labels = getattr(self.model.config, "num_labels", 1)
+        if num_labels != 1:
+            raise ValueError(f"RewardModelJudge needs a reward model with one output (num_labels=1), got {num_labels}")
+        if getattr(self.model.config, "pad_token_id", None) is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.batch_size, self.max_length = batch_size, max_length
+
+    def _encode(self, prompt, completion) -> list[int]:
+        from posttrain.data.tokenize import encode_prompt_completion
+
+        if _is_messages(prompt) and isinstance(completion, str):
+            completion = [{"role": "assistant", "content": completion}]
+        out = encode_prompt_completion(self.tokenizer, prompt, completion, self.max_length)
+        return out["prompt_ids"] + out["completion_ids"]
+
+    @torch.no_grad()
+    def scores(self, prompts: list, completions: list[str]) -> list[float | None]:
+        """Reward of each (prompt, completion); None where the row could not be encoded."""
+        from posttrain.data.collate import pad
+
+        encoded: list[list[int] | None] = []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            try:
+                encoded.append(self._encode(p, c))
+            except Exception as err:  # one bad row is a missing verdict, not a crash
+                warnings.warn(f"RewardModelJudge: could not encode item {i}: {err}")
+                encoded.append(None)
+        out: list[float | None] = [None] * len(encoded)
+        rows = [i for i, ids in enumerate(encoded) if ids]
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(rows), self.batch_size):
+                chunk = rows[start:start + self.batch_size]
+                ids = pad([encoded[i] for i in chunk], self.tokenizer.pad_token_id, "right")
+                mask = pad([[1] * len(encoded[i]) for i in chunk], 0, "right")
+                logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+                for i, value in zip(chunk, logits[:, 0].float().tolist()):
+                    out[i] = value
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def compare(self, prompts, pairs):
+        flat = self.scores([p for p in prompts for _ in (0, 1)], [c for pair in pairs for c in pair])
+        verdicts = []
+        for a, b in zip(flat[0::2], flat[1::2]):
+            verdicts.append(-1 if a is None or b is None or a == b else int(b > a))
+        return verdicts
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible HTTP
+
+DEFAULT_JUDGE_SYSTEM_PROMPT = (
+    "You are an impartial evaluator. You will see a prompt and two candidate responses, labelled "
+    "0 and 1. Decide which response serves the prompt better: correct, helpful, honest and clear. "
+    "The order of the responses and their length must not influence you. "
+    "Reply with exactly one character: 0 or 1.")
+
+_USER_TEMPLATE = ("[Prompt]\n{prompt}\n\n[Response 0]\n{first}\n\n[Response 1]\n{second}\n\n"
+                  "Which response is better? Reply with 0 or 1 only.")
+_ANSWER = re.compile(r"^\W*([01])\W*$")
+_MAX_BODY = 1 << 20  # read at most 1 MiB of a response
+
+
+def _is_local(url: str) -> bool:
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Retryable(Exception):
+    pass
+
+
+class OpenAIPairwiseJudge(PairwiseJudge):
+    """Ask a chat model behind an OpenAI-compatible `/chat/completions` endpoint which response is better.
+
+    * `base_url`: default `$OPENAI_BASE_URL`, else `https://api.openai.com/v1`.
+    * The key is read from the environment variable `api_key_env` each time `judge` runs. When it is
+      unset the call fails with an error naming the variable, except for a loopback `base_url`
+      (localhost, 127.0.0.1, ::1: a local server such as vLLM or llama.cpp), which is sent no key.
+    * Each request has a `timeout` (seconds); connection errors, timeouts, HTTP 429 and 5xx are
+      retried up to `max_retries` times, waiting `backoff * 2**attempt` seconds in between.
+    * An item whose request fails or whose answer is not "0"/"1" gets -1 and one warning per call
+      sums them up; when every item of a call fails, `JudgeError` quotes what the server said.
+    * `system_prompt` replaces the default system message; a prompt that contains the placeholders
+      `{prompt}`, `{response0}` and `{response1}` is instead filled in and sent as the only (user)
+      message, as TRL's judge does.
+    * `max_requests` caps the HTTP requests over the judge's lifetime (retries count); items past
+      the cap get -1. None: no cap.
+    """
+
+    def __init__(self, model: str, base_url: str | None = None, api_key_env: str = "OPENAI_API_KEY",
+                 system_prompt: str | None = None, timeout: float = 30.0, max_retries: int = 3,
+                 backoff: float = 0.5, temperature: float | None = 0.0, max_workers: int = 4,
+                 max_requests: int | None = None, seed: int | None = None):
+        super().__init__(seed)
+        self.model = model
+        self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1").rstrip("/")
+        self.api_key_env, self.system_prompt = api_key_env, system_prompt or DEFAULT_JUDGE_SYSTEM_PROMPT
+        self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
+        self.temperature, self.max_workers = temperature, max(1, max_workers)
+        self._local = _is_local(self.base_url)
+        self.max_requests, self.num_requests, self._count_lock = max_requests, 0, threading.Lock()
+
+    def _api_key(self) -> str | None:
+        key = os.environ.get(self.api_key_env)
+        if not key and not self._local:
+            raise ValueError(f"OpenAIPairwiseJudge: the environment variable {self.api_key_env} is not set; "
+                             f"export it with the API key for {self.base_url} (or pass api_key_env=)")
+        return key or None
+
+    def _post(self, body: dict, key: str | None) -> str:
+        """The assistant's answer text; raises _Retryable or ValueError with the server's words."""
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(self.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                         headers=headers, method="POST")
+        # a loopback server is reached directly, whatever proxy the environment names
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({})) if self._local else urllib.request.build_opener()
+        try:
+            with opener.open(request, timeout=self.timeout) as response:
+                raw = response.read(_MAX_BODY)
+        except urllib.error.HTTPError as err:
+            detail = err.read(2000).decode("utf-8", "replace")
+            message = f"HTTP {err.code}: {detail[:500]}"
+            if err.code == 429 or err.code >= 500:
+                raise _Retryable(message) from err
+            raise ValueError(message) from err
+        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as err:
+            raise _Retryable(f"request failed: {getattr(err, 'reason', err)}") from err
+        text = raw.decode("utf-8", "replace")
+        try:
+            content = json.loads(text)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ValueError(f"unexpected response (not an OpenAI chat completion): {text[:500]!r}") from None
+        return content if isinstance(content, str) else str(content)
+
+    def _ask(self, prompt, first: str, second: str, key: str | None) -> tuple[int, str | None]:
+        """(verdict, error message or None) for one pair."""
+        if all(p in self.system_prompt for p in ("{prompt}", "{response0}", "{response1}")):
+            text = self.system_prompt
+            for name, value in (("{prompt}", _render(prompt)), ("{response0}", first), ("{response1}", second)):
+                text = text.replace(name, value)
+            messages = [{"role": "user", "content": text}]
+        else:
+            messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content":
+                        _USER_TEMPLATE.format(prompt=_render(prompt), first=first, second=second)}]
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        for attempt in range(self.max_retries + 1):
+            with self._count_lock:
+                if self.max_requests is not None and self.num_requests >= self.max_requests:
+                    return -1, f"max_requests={self.max_requests} reached"
+                self.num_requests += 1
+            try:
+                answer = self._post(body, key)
+            except _Retryable as err:
+                if attempt == self.max_retries:
+                    return -1, f"{err} (after {attempt + 1} attempts)"
+                time.sleep(self.backoff * 2 ** attempt)
+                continue
+            except ValueError as err:
+                return -1, str(err)
+            match = _ANSWER.match(answer)
+            if match is None:
+                return -1, f"the judge answered {answer[:200]!r}, not 0 or 1"
+            return int(match.group(1)), None
+        return -1, "no attempt made"  # max_retries < 0
+
+    def compare(self, prompts, pairs):
+        key = self._api_key()
+        with ThreadPoolExecutor(max_workers=min(self.max_workers, len(pairs))) as pool:
+            results = list(pool.map(lambda args: self._ask(*args, key), [(p, a, b) for p, (a, b) in zip(prompts, pairs)]))
+        errors = [(i, err) for i, (_, err) in enumerate(results) if err is not None]
+        if errors and len(errors) == len(results):
+            raise JudgeError(f"all {len(results)} judge requests to {self.base_url} failed; first error: {errors[0][1]}")
+        if errors:
+            warnings.warn(f"OpenAIPairwiseJudge: {len(errors)} of {len(results)} items got no verdict (-1); "
+                          f"first, item {errors[0][0]}: {errors[0][1]}")
+        return [verdict for verdict, _ in results]
+
+
+# --------------------------------------------------------------------------- win rate
+
+def win_rate(judge: PairwiseJudge, prompts: Sequence[Any], completions: Sequence[str],
+             reference_completions: Sequence[str], shuffle_order: bool = True) -> dict[str, float]:
+    """How often `completions` beat `reference_completions`, per `judge`.
+
+    Returns {"win_rate", "num_judged", "num_failed", "num_ties"}. A completion identical to its
+    reference is a tie and is not sent to the judge; ties and failures (-1) are left out of the
+    denominator: win_rate = wins / num_judged. With nothing judged, win_rate is 0.5 when every
+    pair was a tie (the two sides cannot be told apart) and NaN when the judge failed on all.
+    """
+    if not len(prompts) == len(completions) == len(reference_completions):
+        raise ValueError(f"win_rate needs as many completions and reference completions as prompts; got "
+                         f"{len(prompts)} prompts, {len(completions)} completions, "
+                         f"{len(reference_completions)} reference completions")
+    asked = [i for i, (c, r) in enumerate(zip(completions, reference_completions)) if c != r]
+    verdicts = judge.judge([prompts[i] for i in asked],
+                           [(completions[i], reference_completions[i]) for i in asked], shuffle_order=shuffle_order)
+    wins = sum(v == 0 for v in verdicts)
+    judged = sum(v in (0, 1) for v in verdicts)
+    failed = len(verdicts) - judged
+    ties = len(prompts) - len(asked)
+    if judged:
+        rate = wins / judged
+    else:
+        rate = float("nan") if failed else 0.5
+    return {"win_rate": rate, "num_judged": judged, "num_failed": failed, "num_ties": ties}
+
+
+@torch.no_grad()
+def generate_completions(model, tokenizer, prompts: Sequence[Any], max_new_tokens: int = 32,
+                         batch_size: int = 16, **generation_kwargs) -> list[str]:
+    """Greedy completions (text, special tokens dropped) of `prompts`: strings or message lists.
+
+    `generation_kwargs` go to `model.generate` (e.g. `generation_config=`, which then decides the decoding).
+
+    Prompts are encoded like the trainers encode them (chat template with the generation prompt
+    for conversations) and left-padded so every row ends where generation starts.
+    """
+    from posttrain.data.collate import pad
+    from posttrain.data.tokenize import encode_prompt
+
+    kwargs = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True)
+    if "generation_config" not in generation_kwargs:  # a GenerationConfig, when given, decides the decoding
+        kwargs.update(do_sample=False, max_new_tokens=max_new_tokens)
+    kwargs.update(generation_kwargs)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    texts = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            encoded = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
+            ids = pad(encoded, tokenizer.pad_token_id, "left").to(device)
+            mask = pad([[1] * len(e) for e in encoded], 0, "left").to(device)
+            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            texts += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+    return texts
+
+
+class WinRateCallback(TrainerCallback):
+    """At each evaluation, greedy-generate completions for `eval_prompts` and log `eval_win_rate` against
+    `reference_completions` (default: what the model generated for the same prompts when training began).
+
+    The value goes into the evaluation's metrics dict (so `trainer.evaluate()` returns it) and into
+    `trainer.state.log_history`: through `trainer.log` when the callback knows its trainer (pass
+    `trainer=` or call `set_trainer`; then TensorBoard and other reporters see it too), else straight
+    into the log history. A judge that fails on every item gives a warning, never a failed run.
+
+    TRL-style calls work too: `WinRateCallback(judge, trainer, generation_config=None, num_prompts=None)`
+    takes the prompts from the `prompt` column of `trainer.eval_dataset` (the first `num_prompts`).
+    Generation runs on the main process only, with the unwrapped model, so it does not suit
+    FSDP / ZeRO-3 sharded models.
+    """
+
+    def __init__(self, judge: PairwiseJudge, eval_prompts: Sequence[Any] | None = None,
+                 reference_completions: Sequence[str] | None = None, max_new_tokens: int = 32, batch_size: int = 16,
+                 generation_kwargs: dict | None = None, shuffle_order: bool = True, trainer=None,
+                 generation_config=None, num_prompts: int | None = None):
+        from transformers import Trainer
+
+        if isinstance(eval_prompts, Trainer):  # TRL's positional order: (judge, trainer, ...)
+            trainer, eval_prompts = eval_prompts, None
+        if eval_prompts is None:
+            dataset = getattr(trainer, "eval_dataset", None)
+            if dataset is None or "prompt" not in getattr(dataset, "column_names", ()):
+                raise ValueError("WinRateCallback needs eval_prompts=, or a trainer whose eval_dataset keeps a "
+                                 "'prompt' column (posttrain trainers tokenise theirs: pass the prompts)")
+            eval_prompts = dataset["prompt"]
+        eval_prompts = list(eval_prompts)[:num_prompts]
+        if reference_completions is not None and len(reference_completions) != len(eval_prompts):
+            raise ValueError(f"WinRateCallback: {len(reference_completions)} reference completions for "
+                             f"{len(eval_prompts)} eval prompts; pass one per prompt")
+        self.judge, self.eval_prompts = judge, eval_prompts
+        self.reference_completions = None if reference_completions is None else list(reference_completions)
+        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        self.generation_kwargs, self.shuffle_order = dict(generation_kwargs or {}), shuffle_order
+        if generation_config is not None:
+            self.generation_kwargs["generation_config"] = generation_config
+            self.max_new_tokens = getattr(generation_config, "max_new_tokens", None) or max_new_tokens
+        self.trainer = trainer
+
+    def set_trainer(self, trainer) -> None:
+        self.trainer = trainer
+
+    def _generate(self, model, tokenizer) -> list[str]:
+        if tokenizer is None:
+            raise ValueError("WinRateCallback needs the trainer's tokenizer (processing_class) to generate")
+        return generate_completions(model, tokenizer, self.eval_prompts, self.max_new_tokens, self.batch_size,
+                                    **self.generation_kwargs)
+
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if self.reference_completions is None and state.is_world_process_zero:
+            self.reference_completions = self._generate(model, processing_class or kwargs.get("tokenizer"))
+
+    def on_evaluate(self, args, state, control, model=None, processing_class=None, metrics=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        completions = self._generate(model, processing_class or kwargs.get("tokenizer"))
+        if self.reference_completions is None:  # evaluate() before any training: the model is its own reference
+            self.reference_completions = completions
+        try:
+            result = win_rate(self.judge, self.eval_prompts, completions, self.reference_completions,
+                              self.shuffle_order)
+        except JudgeError as err:
+            warnings.warn(f"WinRateCallback: no win rate at step {state.global_step}: {err}")
+            return
+        value = result["win_rate"]
+        if metrics is not None:
+            metrics["eval_win_rate"] = value
+        if self.trainer is not None:
+            self.trainer.log({"eval_win_rate": value})
+            return
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step and any(k.startswith("eval_") for k in last):
+            last["eval_win_rate"] = value  # the row this evaluation just logged
+        else:
+            state.log_history.append({"eval_win_rate": value, "step": state.global_step})

@@ -1,0 +1,139 @@
+"""Policy + critic in one module, for PPO.
+
+Two ways to give PPO a critic V(s_t), both returning the policy's logits and a per-token
+`value` from one call:
+
+* `CausalLMWithValueHead`: a linear head on the policy's last hidden state (the critic shares
+  the policy's body; one forward gives logits and values).
+* `PolicyWithCritic`: a separate sequence-classification model as the critic; its per-token
+  values are its score head applied to every position of its backbone's hidden states (the
+  classifier normally reads only the last one).
+
+`value[:, t]` is V of the prefix ending at token t, i.e. it sits at the same position as the
+logits that predict token t+1, so a caller slices values exactly as it slices logits.
+Both save the policy as an ordinary checkpoint (loadable with AutoModelForCausalLM) and the
+critic next to it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers.utils import ModelOutput
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+CRITIC_FOLDER = "value_model"
+
+
+@dataclass
+class ValueOutput(ModelOutput):
+    logits: Tensor | None = None  # (B, K, V) the policy's logits (K = logits_to_keep or T)
+    value: Tensor | None = None  # (B, K) V(prefix up to and including each position)
+
+
+class _PolicyWrapper(nn.Module):
+    """What both critics share: the policy is `self.policy`; the rest passes through to it."""
+
+    policy: nn.Module
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    @property
+    def generation_config(self):
+        return self.policy.generation_config
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # A PEFT policy makes the wrapper count as a PEFT model, so the adapter-disabled
+            # policy can serve as the reference (BaseTrainer.make_reference/reference_context).
+            if name in ("disable_adapter", "peft_config"):
+                return getattr(super().__getattr__("policy"), name)
+            raise
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.policy.gradient_checkpointing_enable(**kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.policy.generate(*args, **kwargs)
+
+
+class CausalLMWithValueHead(_PolicyWrapper):
+    """A causal LM plus a scalar head on its last hidden state."""
+
+    def __init__(self, pretrained_model: nn.Module):
+        super().__init__()
+        self.policy = pretrained_model
+        self.v_head = nn.Linear(pretrained_model.config.hidden_size, 1)
+        # zero head: V = 0 at the start, so early advantages are the raw returns
+        nn.init.zeros_(self.v_head.weight)
+        nn.init.zeros_(self.v_head.bias)
+
+    def forward(self, input_ids=None, attention_mask=None, logits_to_keep: int = 0, **kwargs) -> ValueOutput:
+        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
+                          output_hidden_states=True, **kwargs)
+        hidden = out.hidden_states[-1]  # (B, T, H), after the final norm
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        value = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1)
+        return ValueOutput(logits=out.logits, value=value)
+
+    def save_pretrained(self, save_directory: str, **kwargs):
+        from safetensors.torch import save_file
+
+        self.policy.save_pretrained(save_directory, **kwargs)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.v_head.state_dict().items()}
+        save_file(state, os.path.join(save_directory, VALUE_HEAD_FILE))
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs) -> "CausalLMWithValueHead":
+        """The policy from `path` and the head saved with it (a fresh zero head if there is none)."""
+        from safetensors.torch import load_file
+
+        from posttrain.models.loading import load_causal_lm
+
+        model = cls(load_causal_lm(path, **kwargs))
+        head = os.path.join(path, VALUE_HEAD_FILE)
+        if os.path.isfile(head):
+            model.v_head.load_state_dict(load_file(head))
+        return model
+
+
+def _backbone_and_head(value_model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    backbone = getattr(value_model, getattr(value_model, "base_model_prefix", "model"), None)
+    head = getattr(value_model, "score", None) or getattr(value_model, "classifier", None)
+    if backbone is None or head is None:
+        raise ValueError(f"value model {type(value_model).__name__} is not a sequence classifier with a "
+                         "backbone and a `score` head; pass an AutoModelForSequenceClassification model "
+                         "(num_labels=1), or no value_model to use a value head on the policy")
+    return backbone, head
+
+
+class PolicyWithCritic(_PolicyWrapper):
+    """A causal LM and a separate sequence-classification critic, trained together."""
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module):
+        super().__init__()
+        _backbone_and_head(value_model)  # fail early on a model without a score head
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, input_ids=None, attention_mask=None, logits_to_keep: int = 0, **kwargs) -> ValueOutput:
+        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
+                          **kwargs)
+        backbone, head = _backbone_and_head(self.value_model)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=kwargs.get("position_ids"), use_cache=False).last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        value = head(hidden)[..., 0]  # (B, K): label 0 of the score head at every position
+        return ValueOutput(logits=out.logits, value=value)
+
+    def save_pretrained(self, save_directory: str, **kwargs):
+        self.policy.save_pretrained(save_directory, **kwargs)
+        self.value_model.save_pretrained(os.path.join(save_directory, CRITIC_FOLDER), **kwargs)

@@ -1,0 +1,235 @@
+"""The sampler of the online engine: prompts in, completions with their log-probs out.
+
+One prefill per prompt (B rows), then the KV cache is repeated for the `num_generations`
+samples of each prompt, so a group of G samples costs one prompt forward, not G. Decoding is a
+plain loop of one-token forwards with `logits_to_keep=1`; positions come from the attention
+mask because prompts are left-padded. We do not call `model.generate`: the trainer needs the
+log-prob of every sampled token under the sampling distribution (before any filtering), the
+exact stop mask, and a sampler whose randomness depends only on the seed and the row.
+
+Log-probs are those of softmax(logits / temperature) *before* top-k / top-p / min-p filtering,
+i.e. the same quantity `core.logprobs.token_logprobs(..., temperature=T)` recomputes; a trainer
+can therefore use them as the "old policy" log-probs when the policy has not moved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from posttrain.core.logprobs import selective_log_softmax
+from posttrain.data.collate import pad
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0            # 0 = off
+    min_p: float = 0.0        # 0 = off
+    do_sample: bool = True    # False = greedy
+    num_generations: int = 1  # samples per prompt
+    stop_token_ids: tuple[int, ...] = ()   # besides EOS
+    stop_strings: tuple[str, ...] = ()     # decoded-text stops (needs the tokenizer)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature} (use do_sample=False for greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}")
+        if self.num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings must not contain an empty string")
+
+
+@dataclass
+class Rollout:
+    """Generated samples. N = num_prompts * num_generations, rows prompt-major: [p0g0, p0g1, ..., p1g0, ...]."""
+
+    prompt_ids: Tensor        # (N, P) left-padded with pad_token_id
+    prompt_mask: Tensor       # (N, P) 1 on real prompt tokens
+    completion_ids: Tensor    # (N, C) right-padded with pad_token_id; C <= max_new_tokens (the loop stops when all rows stop)
+    completion_mask: Tensor   # (N, C) 1 up to AND including the stop token (EOS / stop token / last token of a stop string)
+    logprobs: Tensor          # (N, C) float32 log-prob of each sampled token under softmax(logits / temperature), before filtering; 0 on padding
+    is_truncated: Tensor      # (N,) bool: no stop was produced within max_new_tokens
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
+    """Set the logits of tokens outside the sampling support to -inf. (..., V) -> (..., V).
+
+    Applied in this order: top-k (ties with the k-th value are kept), top-p on the distribution
+    left by top-k (keep the smallest prefix of the sorted tokens whose mass reaches top_p; the most
+    likely token always stays), min-p (drop tokens with p < min_p * p_max). min-p is a ratio test,
+    p_i / p_max = exp(l_i - l_max), so it does not depend on renormalisation and its place in the
+    order does not matter.
+    """
+    V = logits.shape[-1]
+    if 0 < top_k < V:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        top = logits.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(logits < top + math.log(min_p), float("-inf"))
+    return logits
+
+
+def _sample(logits: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row from softmax(logits) by inverse-CDF on one uniform per row. (N, V) -> (N,).
+
+    The uniforms come from `generator` on its own device, so a CPU generator drives a GPU model,
+    and a row's draw depends only on the seed and its index (the shared-prefill and the
+    per-row-prefill paths sample the same tokens).
+    """
+    probs = logits.float().softmax(-1)
+    cdf = probs.cumsum(-1)
+    gen_device = generator.device if generator is not None else logits.device
+    u = torch.rand(logits.shape[0], 1, generator=generator, device=gen_device).to(logits.device)
+    # side="right": the first token whose cdf exceeds u, never a zero-probability token
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return idx.clamp_(max=logits.shape[-1] - 1).squeeze(-1)
+
+
+def _expand_cache(cache, repeats: int):
+    """Repeat every layer's keys/values `repeats` times along the batch (prompt-major)."""
+    if repeats == 1:
+        return cache
+    if hasattr(cache, "batch_repeat_interleave"):  # transformers Cache objects (DynamicCache, ...)
+        cache.batch_repeat_interleave(repeats)
+        return cache
+    if isinstance(cache, (tuple, list)):  # legacy tuple-of-tuples caches of older remote-code models
+        return type(cache)(tuple(t.repeat_interleave(repeats, dim=0) for t in layer) for layer in cache)
+    raise TypeError(f"cannot expand a KV cache of type {type(cache).__name__} for num_generations > 1")
+
+
+def _unwrap(model):
+    # DDP's forward may broadcast buffers (a collective): ranks that stop decoding at different
+    # steps would hang, so sample with the wrapped module. PEFT and FSDP wrappers are kept.
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return model
+
+
+def _stop_string_hits(tokenizer, rows: list[list[int]], stop_strings: tuple[str, ...], window: int) -> list[bool]:
+    """Whether each row's decoded tail contains one of the stop strings.
+
+    Only the last `window` tokens are decoded: a stop string first completed at this step must
+    overlap the newest token, and `window` covers the longest stop string even at 4 bytes per char.
+    """
+    texts = tokenizer.batch_decode([r[-window:] for r in rows], skip_special_tokens=True)
+    return [any(s in text for s in stop_strings) for text in texts]
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pad_token_id: int,
+             eos_token_id: int | list[int] | None, tokenizer=None,
+             generator: torch.Generator | None = None) -> Rollout:
+    """Sample `sampling.num_generations` completions for each prompt (token-id lists, no padding).
+
+    The model is put in eval mode for the duration and restored. Greedy decoding
+    (`do_sample=False`) picks the argmax; log-probs are still those of softmax(logits / temperature).
+    """
+    if not prompt_ids:
+        raise ValueError("generate() got no prompts")
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    if sampling.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer: pass tokenizer= to generate()")
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    G, max_new = sampling.num_generations, sampling.max_new_tokens
+    net = _unwrap(model)
+    device = _model_device(net)
+
+    # Prompt batch, left-padded; the mask comes from the lengths (pad may equal EOS or occur in prompts).
+    lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
+    prompts = pad(prompt_ids, pad_token_id, side="left").to(device)
+    B, P = prompts.shape
+    prompt_mask = (torch.arange(P, device=device) >= (P - lengths)[:, None]).long()
+    positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
+
+    N = B * G
+    # The full attention mask is allocated once; step t sees its first P + t columns.
+    attention = torch.ones(N, P + max_new, dtype=prompt_mask.dtype, device=device)
+    attention[:, :P] = prompt_mask.repeat_interleave(G, dim=0)
+    next_position = lengths.repeat_interleave(G)[:, None]  # (N, 1) position of the first new token
+    stop_ids = torch.tensor(eos + list(sampling.stop_token_ids), dtype=torch.long, device=device)
+    window = 4 * max((len(s) for s in sampling.stop_strings), default=0) + 4
+
+    was_training = net.training
+    net.eval()
+    try:
+        out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                  logits_to_keep=1)
+        cache = _expand_cache(out.past_key_values, G)
+        logits = out.logits[:, -1, :].repeat_interleave(G, dim=0)  # (N, V)
+        finished = torch.zeros(N, dtype=torch.bool, device=device)
+        tokens, logps, masks = [], [], []
+        history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings
+        for t in range(max_new):
+            scaled = logits.float()
+            if sampling.temperature != 1.0:
+                scaled = scaled / sampling.temperature
+            if sampling.do_sample:
+                token = _sample(filter_logits(scaled, sampling.top_k, sampling.top_p, sampling.min_p), generator)
+            else:
+                token = scaled.argmax(-1)
+            alive = ~finished
+            token = torch.where(alive, token, pad_token_id)
+            tokens.append(token)
+            logps.append(selective_log_softmax(scaled, token).masked_fill_(finished, 0.0))
+            masks.append(alive)
+            stopped = torch.isin(token, stop_ids) if len(stop_ids) else torch.zeros_like(finished)
+            if sampling.stop_strings:
+                for row, tok in zip(history, token.tolist()):
+                    row.append(tok)
+                live = alive.nonzero().flatten().tolist()
+                hits = _stop_string_hits(tokenizer, [history[i] for i in live], sampling.stop_strings, window)
+                hit_rows = [i for i, hit in zip(live, hits) if hit]
+                if hit_rows:
+                    stopped[hit_rows] = True
+            finished = finished | (stopped & alive)
+            if t == max_new - 1 or bool(finished.all()):
+                break
+            out = net(input_ids=token[:, None], attention_mask=attention[:, : P + t + 1],
+                      position_ids=next_position + t, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :]
+    finally:
+        net.train(was_training)
+
+    return Rollout(
+        prompt_ids=prompts.repeat_interleave(G, dim=0),
+        prompt_mask=prompt_mask.repeat_interleave(G, dim=0),
+        completion_ids=torch.stack(tokens, dim=1),
+        completion_mask=torch.stack(masks, dim=1).long(),
+        logprobs=torch.stack(logps, dim=1),
+        is_truncated=~finished,
+    )

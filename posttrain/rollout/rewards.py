@@ -1,0 +1,306 @@
+"""Reward functions and reward models -> one rewards tensor per batch of completions.
+
+`RewardScorer` takes what users pass as `reward_funcs` in the usual trainer API:
+
+* a Python callable (sync or async) -- called with the keyword arguments its signature names,
+  among `prompts`, `completions`, `completion_ids` and every dataset column; `**kwargs` takes
+  them all; a callable with a single positional parameter that names none of them is called
+  with the completions only (`lambda texts: ...`);
+* a sequence-classification model object (scored on prompt + completion text with its own
+  tokenizer, logit 0 is the reward);
+* a string: a built-in reward name (`posttrain.data.builtin.REWARD_FUNCTIONS`), a
+  "module:function" path, or else a model name/path loaded as a sequence classifier.
+
+Each function returns one value per completion; `None` means "this function abstains on this
+sample" (NaN in the per-function table, skipped in the weighted total). Async functions run
+concurrently with each other (one `asyncio.gather`, in a worker thread so that it also works
+under an already running event loop, e.g. a notebook) and with the sync functions and reward
+models, which run meanwhile in the calling thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import numbers
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+REWARD_MODEL_BATCH = 64  # rows per reward-model forward
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something unusable; the message names it."""
+
+
+def resolve_reward_func(spec):
+    """A callable or a model from a reward spec.
+
+    Strings: a built-in name ("exact_match", "digit_match"), "module:function" (imported), or
+    anything else is a model name/path loaded with `load_sequence_classifier`. Objects are
+    returned unchanged.
+    """
+    if not isinstance(spec, str):
+        return spec
+    from posttrain.data.builtin import REWARD_FUNCTIONS
+
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    module_name, sep, attr = spec.partition(":")
+    if sep and module_name and attr and not os.path.exists(spec):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} ({err})") from err
+        func = module
+        for part in attr.split("."):
+            func = getattr(func, part, None)
+            if func is None:
+                raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        if not callable(func):
+            raise ValueError(f"reward function {spec!r} is not callable")
+        return func
+    from posttrain.models.loading import load_sequence_classifier
+
+    return load_sequence_classifier(spec)
+
+
+def _is_model(func) -> bool:
+    return isinstance(func, torch.nn.Module)
+
+
+def _name(func) -> str:
+    if _is_model(func):
+        path = getattr(getattr(func, "config", None), "_name_or_path", "") or ""
+        return os.path.basename(path.rstrip("/\\")) or type(func).__name__
+    inner = getattr(func, "func", func)  # functools.partial
+    return getattr(inner, "__name__", None) or type(inner).__name__
+
+
+def _is_async(func) -> bool:
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+class _Caller:
+    """How to call one reward function: which of the available arguments it takes."""
+
+    def __init__(self, func: Callable, name: str):
+        self.func, self.name = func, name
+        try:
+            self.params = inspect.signature(func).parameters
+        except (TypeError, ValueError):  # builtins without a signature: completions only
+            self.params = None
+
+    def arguments(self, available: dict[str, Any]) -> tuple[tuple, dict]:
+        params = self.params
+        if params is None:
+            return (available["completions"],), {}
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return (), dict(available)
+        plain = [p for p in params.values() if p.kind is not p.VAR_POSITIONAL]
+        if len(plain) <= 1 and not (plain and plain[0].name in available):
+            if plain and plain[0].kind is plain[0].KEYWORD_ONLY:
+                raise RewardError(f"reward function {self.name!r} takes only the keyword argument "
+                                  f"{plain[0].name!r}, which is not among the available arguments {sorted(available)}")
+            return (available["completions"],), {}
+        missing = [p.name for p in plain if p.default is p.empty and p.name not in available]
+        if missing:
+            raise RewardError(f"reward function {self.name!r} needs argument(s) {missing}, which are not among "
+                              f"the available arguments {sorted(available)} (prompts, completions, completion_ids "
+                              f"and the dataset columns)")
+        return (), {p.name: available[p.name] for p in plain if p.name in available}
+
+
+class RewardScorer:
+    """Score completions with several reward functions / models and combine them with weights.
+
+    reward_funcs: one spec or a list (see `resolve_reward_func`). reward_weights: one float per
+    function (default 1.0 each). reward_processing_classes: one tokenizer (or None) per function,
+    used for reward models; a model without one gets the tokenizer saved with it, else the
+    policy `tokenizer`. device: where reward models run and where the result tensors go
+    (default: reward models stay where they are, results on CPU).
+    """
+
+    def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, *,
+                 tokenizer=None, device=None):
+        specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not specs:
+            raise ValueError("reward_funcs is empty: give at least one reward function or reward model")
+        self.funcs = [resolve_reward_func(s) for s in specs]
+        for i, func in enumerate(self.funcs):
+            if not (_is_model(func) or callable(func)):
+                raise ValueError(f"reward_funcs[{i}] is a {type(func).__name__}, neither a callable nor a model")
+        F = len(self.funcs)
+        self.names: list[str] = [_name(f) for f in self.funcs]
+        if reward_weights is None:
+            reward_weights = [1.0] * F
+        if len(reward_weights) != F:
+            raise ValueError(f"reward_weights has {len(reward_weights)} values but there are {F} reward functions "
+                             f"({self.names})")
+        self.weights = torch.tensor([float(w) for w in reward_weights], dtype=torch.float32)
+        if reward_processing_classes is None:
+            reward_processing_classes = [None] * F
+        elif not isinstance(reward_processing_classes, (list, tuple)):
+            reward_processing_classes = [reward_processing_classes]
+        if len(reward_processing_classes) != F:
+            raise ValueError(f"reward_processing_classes has {len(reward_processing_classes)} entries but there "
+                             f"are {F} reward functions ({self.names})")
+        self.device = torch.device(device) if device is not None else None
+        self.tokenizer = tokenizer
+        self.tokenizers: list = []
+        for spec, func, proc in zip(specs, self.funcs, reward_processing_classes):
+            if _is_model(func):
+                proc = self._model_tokenizer(spec, func, proc)
+                if self.device is not None:
+                    func.to(self.device)
+            self.tokenizers.append(proc)
+        self._callers = [None if _is_model(f) else _Caller(f, n) for f, n in zip(self.funcs, self.names)]
+
+    def _model_tokenizer(self, spec, model, proc):
+        from posttrain.models.loading import load_tokenizer
+
+        if proc is None:
+            source = spec if isinstance(spec, str) else getattr(model.config, "_name_or_path", None)
+            if source:
+                proc = load_tokenizer(source)
+            elif self.tokenizer is not None:
+                proc = self.tokenizer
+            else:
+                raise ValueError(f"reward model {_name(model)!r} has no tokenizer: pass it in "
+                                 f"reward_processing_classes")
+        proc = load_tokenizer(proc)  # pad token ensured
+        if getattr(model.config, "pad_token_id", None) is None:
+            model.config.pad_token_id = proc.pad_token_id  # the score is read at the last non-pad token
+        return proc
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]],
+                 columns: dict[str, list]) -> tuple[Tensor, Tensor]:
+        """Returns (per_function (N, F) float32, NaN where a function abstained; total (N,) float32).
+
+        total = sum over functions of weight * value, skipping abstentions; a sample on which every
+        function abstains gets total 0.
+        """
+        N = len(completions)
+        for what, values in [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()]:
+            if len(values) != N:
+                raise ValueError(f"{what!r} has {len(values)} values but there are {N} completions")
+        available = {**columns, "prompts": prompts, "completions": completions, "completion_ids": completion_ids}
+
+        calls = {i: c.arguments(available) for i, c in enumerate(self._callers) if c is not None}  # fail before running any
+        results: list = [None] * len(self.funcs)
+        pending = {i: self._guard_async(i, self.funcs[i](*args, **kwargs))
+                   for i, (args, kwargs) in calls.items() if _is_async(self.funcs[i])}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            future = pool.submit(asyncio.run, self._gather(list(pending.values()))) if pending else None
+            late = {}  # awaitables returned by sync-looking callables (e.g. a lambda around an async function)
+            for i, func in enumerate(self.funcs):
+                if i in pending:
+                    continue
+                if i not in calls:
+                    results[i] = self._score_model(i, prompts, completions)
+                    continue
+                args, kwargs = calls[i]
+                try:
+                    out = func(*args, **kwargs)
+                except Exception as err:
+                    raise RewardError(f"reward function {self.names[i]!r} raised {type(err).__name__}: {err}") from err
+                if inspect.isawaitable(out):
+                    late[i] = self._guard_async(i, out)
+                else:
+                    results[i] = out
+            if future is not None:
+                results_async = future.result()
+                for i, out in zip(pending, results_async):
+                    results[i] = out
+            if late:
+                for i, out in zip(late, pool.submit(asyncio.run, self._gather(list(late.values()))).result()):
+                    results[i] = out
+
+        table = torch.tensor([self._check(i, out, N) for i, out in enumerate(results)], dtype=torch.float32).T
+        table = table.reshape(N, len(self.funcs))
+        total = torch.nansum(table * self.weights, dim=1)
+        if self.device is not None:
+            table, total = table.to(self.device), total.to(self.device)
+        return table, total
+
+    async def _guard_async(self, i: int, coroutine):
+        try:
+            return await coroutine
+        except Exception as err:
+            raise RewardError(f"reward function {self.names[i]!r} raised {type(err).__name__}: {err}") from err
+
+    @staticmethod
+    async def _gather(coroutines):
+        return await asyncio.gather(*coroutines)
+
+    def _check(self, i: int, out, N: int) -> list[float]:
+        """Validate one function's output; None -> NaN (abstain)."""
+        name = self.names[i]
+        if isinstance(out, Tensor):
+            out = out.detach().float().cpu().reshape(-1).tolist()
+        elif hasattr(out, "tolist") and not isinstance(out, (str, bytes)):  # numpy arrays
+            out = out.tolist()
+        if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+            raise RewardError(f"reward function {name!r} returned a {type(out).__name__}; it must return a list "
+                              f"with one value per completion ({N})")
+        if len(out) != N:
+            raise RewardError(f"reward function {name!r} returned {len(out)} values, expected {N} "
+                              f"(one per completion)")
+        values = []
+        for j, v in enumerate(out):
+            if v is None:
+                values.append(math.nan)
+                continue
+            if isinstance(v, Tensor) and v.numel() == 1:
+                v = v.item()
+            if not isinstance(v, numbers.Real):
+                raise RewardError(f"reward function {name!r} returned a non-number value {v!r} "
+                                  f"({type(v).__name__}) for sample {j}; return a float, or None to abstain")
+            v = float(v)
+            if math.isnan(v):
+                raise RewardError(f"reward function {name!r} returned NaN for sample {j}; "
+                                  f"return None to abstain on a sample")
+            if math.isinf(v):
+                raise RewardError(f"reward function {name!r} returned {v} for sample {j}; rewards must be finite")
+            values.append(v)
+        return values
+
+    def _texts(self, tokenizer, prompts: list, completions: list) -> tuple[list[str], bool]:
+        """Prompt + completion as one text per sample; (texts, whether a chat template rendered them)."""
+        conversational = any(isinstance(p, list) or isinstance(c, list) for p, c in zip(prompts, completions))
+        if not conversational:
+            return [p + c for p, c in zip(prompts, completions)], False
+        use_template = bool(getattr(tokenizer, "chat_template", None))
+        texts = []
+        for p, c in zip(prompts, completions):
+            messages = (p if isinstance(p, list) else [{"role": "user", "content": p}]) + \
+                       (c if isinstance(c, list) else [{"role": "assistant", "content": c}])
+            if use_template:
+                texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
+            else:
+                texts.append("\n".join(m.get("content", "") for m in messages))
+        return texts, use_template
+
+    @torch.no_grad()
+    def _score_model(self, i: int, prompts: list, completions: list) -> list[float]:
+        model, tokenizer = self.funcs[i], self.tokenizers[i]
+        texts, templated = self._texts(tokenizer, prompts, completions)
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        scores = []
+        try:
+            for start in range(0, len(texts), REWARD_MODEL_BATCH):
+                batch = tokenizer(texts[start:start + REWARD_MODEL_BATCH], padding=True, truncation=True,
+                                  add_special_tokens=not templated, return_tensors="pt").to(device)
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                scores.append(logits[:, 0].float().cpu())
+        finally:
+            model.train(was_training)
+        return torch.cat(scores).tolist() if scores else []

@@ -1,0 +1,646 @@
+"""The online RL engine: every online algorithm (GRPO, RLOO, PPO, REINFORCE++) is this loop.
+
+  1. take a batch of prompts; each is sampled `num_generations` times (one prefill per prompt);
+  2. generate: completion ids, the sampler's log-probs, a mask up to EOS / a stop token;
+  3. score with reward functions and/or reward models (weighted), minus `missing_eos_penalty`;
+  4. reference log-probs, only when `beta > 0`; old-policy log-probs are the sampler's own,
+     and when the policy cannot have moved since sampling (one pass, one optimizer step per
+     generation batch) `old_logp = logp.detach()`, so the ratio is exactly 1 and no pass is run;
+  5. advantages = `core.advantages.compute_advantages(advantage_estimator, ...)`;
+  6. for each of `num_iterations` passes and each micro-batch: loss = aggregate(`POLICY_LOSSES
+     [policy_loss]`) + beta * KL (KL in the loss, GRPO) + vf_coef * value loss (with a critic).
+     With `kl_in_reward`, -beta * KL goes into the reward instead (PPO, RLOO, REINFORCE++).
+
+Batch semantics (as GRPO in TRL): `per_device_train_batch_size` counts completions per
+micro-batch. Each process generates `per_device_train_batch_size * steps_per_generation`
+completions at a time (whole groups of `num_generations`; `steps_per_generation` defaults to
+`gradient_accumulation_steps`), and trains on them for `steps_per_generation *
+num_iterations` micro-batches. The "dataloader" yields each process's prompts once per
+micro-batch; `training_step` generates when a new generation batch starts.
+
+Reductions are global: rewards, normalisation and advantages are computed on the batch
+gathered from every process (each group stays on its process, prompt-major), and loss
+denominators count the tokens/sequences of the whole optimizer step over all processes, so the
+update does not depend on how a batch is split across micro-batches or processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+from posttrain.core.advantages import ADVANTAGES, AdvantageInput, _per_token_rewards, compute_advantages
+from posttrain.core.kl import KL_ESTIMATORS, kl_penalty
+from posttrain.core.logprobs import token_logprobs
+from posttrain.core.masked import AGGREGATIONS, aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten
+from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss
+from posttrain.data.tokenize import encode_prompt
+from posttrain.models import loading
+from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
+from posttrain.rollout.generate import Rollout, SamplingConfig, generate
+from posttrain.rollout.rewards import RewardScorer
+from posttrain.trainers.base import BaseConfig, BaseTrainer, SyncRefModelCallback
+
+# GRPO-family loss names -> (aggregation mode, whether the denominator is global)
+LOSS_TYPES = {"grpo": ("seq_mean_token_mean", True), "bnpo": ("token_mean", False),
+              "dr_grpo": ("seq_mean_token_sum_norm", True), "dapo": ("token_mean", True),
+              **{mode: (mode, True) for mode in AGGREGATIONS}}
+# which global count each aggregation divides by: 0 tokens, 1 sequences, 2 rows * max_completion_length
+_COUNT = {"token_mean": 0, "seq_mean_token_mean": 1, "seq_mean_token_sum": 1, "seq_mean_token_sum_norm": 2}
+# estimators that read per-token rewards (AdvantageInput.token_rewards); the others see one score per sequence
+PER_TOKEN_ESTIMATORS = {"gae", "reinforce_pp", "reinforce_pp_baseline"}
+CRITIC_ESTIMATORS = {"gae"}
+
+
+@dataclass
+class OnlineConfig(BaseConfig):
+    """Configuration of the online engine; GRPO's defaults. Every TrainingArguments field applies too."""
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
+    # ---- rollout
+    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (the group size). "
+                                 "per_device_train_batch_size * steps_per_generation must be a multiple of it."})
+    max_prompt_length: int | None = field(default=512, metadata={"help": "Prompts are cut to their last this many "
+                                          "tokens. None: no cut."})
+    max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; log-probs are computed "
+                               "under softmax(logits / temperature) in training too."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (1.0: off)."})
+    top_k: int | None = field(default=0, metadata={"help": "Sample among the k most likely tokens (0/None: off)."})
+    min_p: float | None = field(default=0.0, metadata={"help": "Drop tokens below min_p * p_max (0/None: off)."})
+    stop_strings: list[str] | None = field(default=None, metadata={"help": "Stop a completion when its text "
+                                           "contains one of these strings (besides EOS)."})
+    stop_token_ids: list[int] | None = field(default=None, metadata={"help": "Token ids that end a completion "
+                                             "besides EOS."})
+    steps_per_generation: int | None = field(default=None, metadata={"help": "Micro-batches trained per "
+                                             "generation batch (one pass). None: gradient_accumulation_steps."})
+    generation_batch_size: int | None = field(default=None, metadata={"help": "Completions generated per "
+                                              "generation, over all processes; sets steps_per_generation to "
+                                              "it / (per_device_train_batch_size * processes)."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Visit the prompts in a random order each epoch."})
+    # ---- reward
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function "
+                                               "(default 1.0 each)."})
+    missing_eos_penalty: float | None = field(default=None, metadata={"help": "Subtracted from the score of a "
+                                              "completion that ends without EOS / stop (truncated)."})
+    normalize_reward: bool = field(default=False, metadata={"help": "Whiten the scores over the batch "
+                                   "(all processes) before advantages."})
+    reward_clip_range: float | None = field(default=None, metadata={"help": "Clip scores to [-c, c] "
+                                            "(after normalize_reward)."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Scale the rewards (per token, or per "
+                                 "sequence for group estimators) to unit variance, keeping their mean."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions that hit "
+                                             "max_completion_length without a stop out of the loss."})
+    # ---- reference and KL
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient. 0: no reference model is loaded."})
+    kl_estimator: str = field(default="k3", metadata={"help": "KL estimator: 'k1', 'k2', 'k3' or 'abs'."})
+    kl_in_reward: bool = field(default=False, metadata={"help": "Put -beta * KL in the reward (PPO/RLOO style) "
+                               "instead of beta * KL in the loss (GRPO style)."})
+    token_level_kl: bool = field(default=False, metadata={"help": "With kl_in_reward and a per-token estimator "
+                                 "(gae, reinforce_pp): a KL penalty at every token; else the summed KL is "
+                                 "subtracted from the sequence score."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "Every ref_model_sync_steps steps, ref <- "
+                                 "alpha * policy + (1 - alpha) * ref (TR-DPO). Needs beta > 0."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "alpha of sync_ref_model."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "Steps between reference syncs."})
+    # ---- advantages
+    advantage_estimator: str = field(default="group_norm", metadata={"help": "A name registered in "
+                                     "core.advantages (group_norm, leave_one_out, gae, reinforce_pp, ...)."})
+    scale_rewards: str = field(default="group", metadata={"help": "group_norm: divide by the group std "
+                               "('group' or True), the batch std ('batch') or nothing ('none' or False)."})
+    normalize_advantage: bool = field(default=False, metadata={"help": "leave_one_out: whiten the advantages."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount (gae, reinforce_pp)."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    whiten_advantages: bool = field(default=True, metadata={"help": "gae: whiten the advantages."})
+    # ---- policy update
+    policy_loss: str = field(default="clipped", metadata={"help": "A name in core.policy_losses.POLICY_LOSSES."})
+    loss_type: str = field(default="dapo", metadata={"help": "Aggregation: 'grpo' (sequence mean of token means), "
+                           "'bnpo' (token mean of each micro-batch), 'dr_grpo' (token sum / max_completion_length), "
+                           "'dapo' (token mean over the whole step), or a core.masked aggregation name."})
+    num_iterations: int = field(default=1, metadata={"help": "Passes over each generation batch (PPO epochs)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Clip range of the importance ratio."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO). None: epsilon."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "'token', or 'sequence' (GSPO)."})
+    # ---- critic (gae)
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value update."})
+    # ---- misc
+    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the policy: the sampler's "
+                                  "log-probs then equal the training forward's."})
+    local_rollout_forward_batch_size: int = field(default=64, metadata={"help": "Rows per no-grad forward "
+                                                  "(reference log-probs, old values)."})
+    total_episodes: int | None = field(default=None, metadata={"help": "Train on this many completions in all "
+                                       "(sets max_steps)."})
+    reward_model_path: str | None = field(default=None, metadata={"help": "A reward model (name or path) to score "
+                                          "with when the trainer is given no reward_funcs / reward_model."})
+    log_completions: bool = field(default=False, metadata={"help": "Print a completions table at every logging step."})
+    num_completions_to_print: int | None = field(default=None, metadata={"help": "Rows printed per table (None: all)."})
+    num_sample_generations: int = field(default=0, metadata={"help": "Completion tables (and completions.jsonl rows) "
+                                        "at this many evenly spaced steps."})
+
+    def __post_init__(self):
+        if isinstance(self.scale_rewards, bool):
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        self.top_k, self.min_p = self.top_k or 0, self.min_p or 0.0
+        super().__post_init__()
+
+    @property
+    def per_process_generation(self) -> int:
+        """Completions each process generates at a time."""
+        return self.per_device_train_batch_size * self.steps_per_generation
+
+    def _check(self):
+        bs, ga, k = self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_generations
+        if self.generation_batch_size is not None:
+            per_step = bs * self.world_size
+            if self.generation_batch_size % per_step:
+                raise ValueError(f"generation_batch_size={self.generation_batch_size} must be a multiple of "
+                                 f"per_device_train_batch_size * processes = {per_step}")
+            spg = self.generation_batch_size // per_step
+            if self.steps_per_generation not in (None, spg):
+                raise ValueError("set generation_batch_size or steps_per_generation, not both")
+            self.steps_per_generation = spg
+        self.steps_per_generation = self.steps_per_generation or ga
+        if k < 1:
+            raise ValueError(f"num_generations must be >= 1, got {k}")
+        if self.per_process_generation % k:
+            raise ValueError(
+                f"each process generates whole groups: per_device_train_batch_size * steps_per_generation = {bs} * "
+                f"{self.steps_per_generation} = {self.per_process_generation} completions must be a multiple of "
+                f"num_generations={k}; set num_generations to a divisor of {self.per_process_generation}, or change "
+                f"per_device_train_batch_size / gradient_accumulation_steps / steps_per_generation")
+        if self.steps_per_generation % ga:
+            raise ValueError(f"steps_per_generation={self.steps_per_generation} must be a multiple of "
+                             f"gradient_accumulation_steps={ga}: an optimizer step never spans two generation batches")
+        for name, value, known in [("advantage_estimator", self.advantage_estimator, ADVANTAGES),
+                                   ("policy_loss", self.policy_loss, POLICY_LOSSES),
+                                   ("loss_type", self.loss_type, LOSS_TYPES), ("kl_estimator", self.kl_estimator,
+                                                                              KL_ESTIMATORS),
+                                   ("scale_rewards", self.scale_rewards, ("group", "batch", "none")),
+                                   ("importance_sampling_level", self.importance_sampling_level,
+                                    ("token", "sequence"))]:
+            if value not in known:
+                raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(known)}")
+        if self.advantage_estimator in ("leave_one_out", "reinforce_pp_baseline") and k < 2:
+            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} compares the completions of a "
+                             "prompt with each other: set num_generations >= 2")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("sync_ref_model needs a reference model, which exists only when beta > 0")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.num_iterations < 1 or self.max_completion_length < 1:
+            raise ValueError("num_iterations and max_completion_length must be >= 1")
+
+
+def resolve_aliases(config, pairs: list[tuple[str, str]]):
+    """Make each (classic name, GRPO name) pair agree: the one set away from its default wins; both set
+    to different values is an error."""
+    defaults = {f.name: f.default for f in fields(config)}
+    for classic, other in pairs:
+        a, b = getattr(config, classic), getattr(config, other)
+        a_set, b_set = a != defaults[classic], b != defaults[other]
+        if a_set and b_set and a != b:
+            raise ValueError(f"{classic}={a!r} and {other}={b!r} name the same setting; set only one of them")
+        value = a if a_set else b if b_set else defaults[classic]
+        setattr(config, classic, value)
+        setattr(config, other, value)
+
+
+class PromptBatches:
+    """The training "dataloader": this process's share of each global batch of prompts, yielded once for
+    every micro-batch it feeds (`repeat`), tagged with `micro_index`. Incomplete global batches are dropped."""
+
+    def __init__(self, dataset, collate, prompts_per_process: int, num_processes: int, process_index: int,
+                 repeat: int, shuffle: bool, seed: int):
+        self.dataset, self.collate, self.repeat, self.shuffle, self.seed = dataset, collate, repeat, shuffle, seed
+        self.per_process, self.num_processes, self.rank = prompts_per_process, num_processes, process_index
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset) // (self.per_process * self.num_processes) * self.repeat
+
+    def __iter__(self):
+        n, size = len(self.dataset), self.per_process * self.num_processes
+        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+                 if self.shuffle else list(range(n)))
+        for start in range(0, n - size + 1, size):
+            mine = order[start + self.rank * self.per_process: start + (self.rank + 1) * self.per_process]
+            batch = self.collate([self.dataset[i] for i in mine])
+            for r in range(self.repeat):
+                yield {**batch, "micro_index": r}
+
+
+class OnlineTrainer(BaseTrainer):
+    """Rollout -> score -> advantages -> clipped policy update, configured by an `OnlineConfig`."""
+
+    config_class = OnlineConfig
+    _tag = "online"
+
+    def __init__(self, model, reward_funcs=None, args: OnlineConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), peft_config=None, ref_model=None, value_model=None):
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+        args = args or self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self._tag}")
+        init_kwargs = dict(args.model_init_kwargs or {})
+        policy = loading.load_causal_lm(model, **init_kwargs)
+        processing_class = loading.load_tokenizer(processing_class, model=model if isinstance(model, str) else policy)
+        if args.disable_dropout:
+            for module in policy.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        policy = loading.apply_peft(policy, peft_config)
+        if args.advantage_estimator in CRITIC_ESTIMATORS:  # the critic trains with the policy, in one module
+            critic = value_model if value_model is None else loading.load_sequence_classifier(value_model, **init_kwargs)
+            wrapped = CausalLMWithValueHead(policy) if critic is None else PolicyWithCritic(policy, critic)
+        elif value_model is not None:
+            raise ValueError(f"value_model is only used by critic estimators {sorted(CRITIC_ESTIMATORS)}, "
+                             f"not advantage_estimator={args.advantage_estimator!r}")
+        else:
+            wrapped = policy
+        if reward_funcs is None and args.reward_model_path:
+            reward_funcs = [args.reward_model_path]
+        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+            raise ValueError("reward_funcs is required: reward functions, reward models, or model names "
+                             "(or set reward_model_path)")
+        self._check_dataset(train_dataset, "train_dataset")
+        super().__init__(wrapped, args, processing_class=processing_class, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers,
+                         data_collator=lambda rows: rows)
+        self.loss_is_scaled_for_ga = True  # our denominators already span the whole optimizer step
+        self.policy = policy
+        self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
+                                          tokenizer=processing_class, device=self.accelerator.device)
+        needs_ref = args.beta > 0
+        if needs_ref and ref_model is None and not loading.is_peft_model(policy):
+            ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic
+        self.ref_model = self.make_reference(ref_model, needed=needs_ref)
+        if args.sync_ref_model:
+            if self.ref_model is None:
+                raise ValueError("sync_ref_model needs a separate reference model; with PEFT the reference is the "
+                                 "adapter-disabled policy, which cannot be synced")
+            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
+        self.sampling = SamplingConfig(
+            max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, num_generations=args.num_generations,
+            stop_token_ids=tuple(args.stop_token_ids or ()), stop_strings=tuple(args.stop_strings or ()))
+        self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
+        self._shuffle = torch.Generator().manual_seed(args.seed + 1)
+        self.loss_mode, self.global_denominator = LOSS_TYPES[args.loss_type]
+        # the policy can move between sampling and training only with several optimizer steps or passes
+        self.old_is_current = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
+        self._buffer: list[dict] = []
+        self._episodes, self._start_time, self._samples, self._last_sample_step = 0, None, None, -1
+        from posttrain.callbacks import CompletionsTable
+
+        self.completions_table = CompletionsTable(args.output_dir, args.num_completions_to_print)
+        per_generation = args.per_process_generation * self.accelerator.num_processes
+        self.optimizer_steps_per_generation = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
+        if args.total_episodes:
+            args.max_steps = math.ceil(args.total_episodes / per_generation) * self.optimizer_steps_per_generation
+        if train_dataset is not None and len(self.get_train_dataloader()) == 0:
+            raise ValueError(f"train_dataset has {len(train_dataset)} prompts, fewer than one generation batch needs "
+                             f"({per_generation // args.num_generations}); add prompts or lower "
+                             "per_device_train_batch_size / steps_per_generation")
+
+    # ------------------------------------------------------------------ data
+    @staticmethod
+    def _check_dataset(dataset, what: str):
+        if dataset is None:
+            return
+        columns = getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else [])
+        if "prompt" not in columns and "input_ids" not in columns:
+            raise ValueError(f"{what} needs a 'prompt' column (text or chat messages) or a tokenised 'input_ids' "
+                             f"column; it has {columns}")
+
+    def _collate(self, rows: list[dict]) -> dict:
+        """Prompts (as given, for reward functions), their token ids (left-cut to max_prompt_length), other columns."""
+        tok, limit = self.processing_class, self.args.max_prompt_length
+        if "prompt" in rows[0]:
+            prompts = [row["prompt"] for row in rows]
+            prompt_ids = [encode_prompt(tok, p) for p in prompts]
+        else:  # pre-tokenised prompts, as in classic PPO/RLOO datasets
+            prompt_ids = [list(row["input_ids"]) for row in rows]
+            prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
+        if limit:
+            prompt_ids = [ids[-limit:] for ids in prompt_ids]
+        skip = ("prompt", "input_ids", "attention_mask")
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key not in skip}
+        return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns}
+
+    def get_train_dataloader(self):
+        args = self.args
+        return PromptBatches(self.train_dataset, self._collate, args.per_process_generation // args.num_generations,
+                             self.accelerator.num_processes, self.accelerator.process_index,
+                             args.steps_per_generation * args.num_iterations, args.shuffle_dataset, args.seed)
+
+    # ------------------------------------------------------------------ rollout
+    def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None) -> Rollout:
+        """Generate `num_generations` completions per prompt with the current policy."""
+        tok = self.processing_class
+        return generate(self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
+                        eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator)
+
+    @torch.no_grad()
+    def make_experience(self, inputs: dict) -> list[dict]:
+        """Generate, score and prepare one generation batch; returns its micro-batches in training order."""
+        k = self.args.num_generations
+        self._start_time = self._start_time or time.time()
+        rollout = self.sample_completions(inputs["prompt_ids"])
+        prompts = [p for p in inputs["prompt"] for _ in range(k)]
+        columns = {key: [v for v in values for _ in range(k)] for key, values in inputs["columns"].items()}
+        texts, completions, ids = self.decode(rollout, prompts)
+        per_function, scores = self.reward_scorer(prompts, completions, ids, columns)
+        self._record_rewards(per_function)
+        self._keep_samples(prompts, texts, per_function)
+        return self.build_experience(rollout, scores)
+
+    def decode(self, rollout: Rollout, prompts: list):
+        """(texts, completions as reward functions get them (messages for chat prompts), token-id lists)."""
+        lengths = rollout.completion_mask.sum(1).tolist()
+        ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]
+        texts = self.processing_class.batch_decode(ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for p, t in zip(prompts, texts)]
+        return texts, completions, ids
+
+    # ------------------------------------------------------------------ experience
+    def _gather_rows(self, x: Tensor) -> Tensor:
+        """(N, ...) per process -> (processes * N, ...), per-token tensors padded to a common width."""
+        if self.accelerator.num_processes == 1:
+            return x
+        if x.dim() > 1:
+            x = self.accelerator.pad_across_processes(x, dim=1)
+        return self.accelerator.gather(x)
+
+    def _no_grad_forward(self, model, batch: dict, values: bool = False) -> Tensor:
+        """Log-probs (or critic values) of the completions, `local_rollout_forward_batch_size` rows at a time."""
+        step, out = self.args.local_rollout_forward_batch_size, []
+        for s in range(0, batch["completion_ids"].shape[0], step):
+            chunk = {k: v[s:s + step] for k, v in batch.items()}
+            logp, _, v = self.forward(model, chunk, with_values=values)
+            out.append(v if values else logp)
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def build_experience(self, rollout: Rollout, scores: Tensor) -> list[dict]:
+        """Penalties, reference log-probs, old values, advantages and loss denominators for one batch."""
+        args, acc = self.args, self.accelerator
+        device = acc.device
+        batch = {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask,
+                 "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
+                 "old_logp": rollout.logprobs.float()}
+        batch = {k: v.to(device) for k, v in batch.items()}
+        N, C = batch["completion_ids"].shape
+        truncated = rollout.is_truncated.to(device)
+        loss_mask = batch["completion_mask"].clone()
+        if args.mask_truncated_completions:
+            loss_mask[truncated] = 0
+        batch["loss_mask"] = loss_mask
+        scores = scores.to(device).float()
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * truncated.float()
+        if args.beta > 0:
+            with self.reference_context(self.ref_model):
+                ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
+                batch["ref_logp"] = self._no_grad_forward(ref, batch)
+        if args.advantage_estimator in CRITIC_ESTIMATORS:
+            batch["old_values"] = self._no_grad_forward(acc.unwrap_model(self.model), batch, values=True)
+
+        # everything below sees the batch of all processes
+        g = {k: self._gather_rows(batch[k]) for k in ("loss_mask", "old_logp", "ref_logp", "old_values",
+                                                      "completion_ids") if k in batch}
+        g_scores, g_truncated, mask = self._gather_rows(scores), self._gather_rows(truncated), g["loss_mask"]
+        self._record_rollout(g, g_scores, g_truncated)
+        if args.normalize_reward:
+            g_scores = (g_scores - g_scores.mean()) / (g_scores.std() + 1e-8)
+        if args.reward_clip_range is not None:
+            g_scores = g_scores.clamp(-args.reward_clip_range, args.reward_clip_range)
+        per_token = args.advantage_estimator in PER_TOKEN_ESTIMATORS
+        token_rewards = None
+        if args.kl_in_reward and "ref_logp" in g:
+            token_rewards = -args.beta * torch.where(mask.bool(), kl_penalty(g["old_logp"], g["ref_logp"],
+                                                                             args.kl_estimator), 0.0)
+            if not (per_token and args.token_level_kl):  # the summed penalty joins the sequence score
+                g_scores, token_rewards = g_scores + token_rewards.sum(1), None
+        if args.whiten_rewards and per_token:
+            rewards = _per_token_rewards(AdvantageInput(g_scores, mask, token_rewards=token_rewards), g_scores)
+            g_scores, token_rewards = torch.zeros_like(g_scores), masked_whiten(rewards, mask, shift_mean=False)
+        elif args.whiten_rewards:
+            g_scores = masked_whiten(g_scores, torch.ones_like(g_scores), shift_mean=False)
+        inp = AdvantageInput(scores=g_scores, mask=mask, group_size=args.num_generations, layout="prompt_major",
+                             token_rewards=token_rewards, values=g.get("old_values"))
+        advantages, returns = compute_advantages(args.advantage_estimator, inp, **self._options(
+            ADVANTAGES[args.advantage_estimator]))
+        mine = slice(acc.process_index * N, (acc.process_index + 1) * N)
+        batch["advantages"] = advantages[mine, :C].float()
+        if returns is not None:
+            batch["returns"] = returns[mine, :C].float()
+        if args.kl_in_reward:
+            batch.pop("ref_logp", None)  # the KL is in the advantages already
+        self._episodes += g_scores.shape[0]
+        return self._micro_batches(batch)
+
+    def _options(self, fn) -> dict:
+        """The config fields named in an estimator's / loss's keyword parameters."""
+        names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        return {name: getattr(self.args, name) for name in names if hasattr(self.args, name)}
+
+    def _micro_batches(self, batch: dict) -> list[dict]:
+        """Split into micro-batches (shuffled per pass when the policy moves within a batch), each carrying the
+        global denominators of its optimizer step."""
+        args = self.args
+        bs, ga, N = args.per_device_train_batch_size, args.gradient_accumulation_steps, batch["loss_mask"].shape[0]
+        rows = []
+        for _ in range(args.num_iterations):
+            order = torch.arange(N) if self.old_is_current else torch.randperm(N, generator=self._shuffle)
+            rows += [order[s:s + bs].to(batch["loss_mask"].device) for s in range(0, N, bs)]
+        counts = []  # per optimizer step: tokens, sequences, rows (this process)
+        for j in range(0, len(rows), ga):
+            m = batch["loss_mask"][torch.cat(rows[j:j + ga])]
+            counts.append([m.sum(), (m.sum(1) > 0).sum(), m.shape[0]])
+        counts = torch.tensor(counts, dtype=torch.float64, device=batch["loss_mask"].device)
+        world = self.accelerator.num_processes
+        if world > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        counts = counts.clamp(min=1) / world  # DDP averages gradients over processes
+        counts[:, 2] *= args.max_completion_length
+        micro = []
+        for i, idx in enumerate(rows):
+            mb = _trim({k: v[idx] for k, v in batch.items()})
+            step_counts = counts[i // ga]
+            denominator = step_counts[_COUNT[self.loss_mode]]
+            if not self.global_denominator:  # bnpo: this micro-batch's tokens
+                denominator = mb["loss_mask"].sum().clamp(min=1).double() * ga
+            mb.update(denominator=denominator.float(), token_denominator=step_counts[0].float(),
+                      old_is_current=self.old_is_current)
+            micro.append(mb)
+        return micro
+
+    # ------------------------------------------------------------------ loss
+    def forward(self, model, mb: dict, with_values: bool = False, with_entropy: bool = False):
+        """(log-probs (B, C) at the sampling temperature, entropy (B, C) or None, values (B, C) or None)."""
+        ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
+        attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
+        C = mb["completion_ids"].shape[1]
+        logp, entropy, _, out = token_logprobs(model, ids, attention, num_scored=C, temperature=self.args.temperature,
+                                               with_entropy=with_entropy, return_outputs=True)
+        values = out.value[:, -(C + 1):-1].float() if with_values else None
+        return logp, entropy, values
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if inputs["micro_index"] == 0 or not self._buffer:
+            self._buffer = self.make_experience(inputs)
+        return super().training_step(model, self._buffer[inputs["micro_index"]], num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        critic = args.advantage_estimator in CRITIC_ESTIMATORS
+        logp, entropy, values = self.forward(model, inputs, with_values=critic, with_entropy=True)
+        mask = inputs["loss_mask"]
+        old_logp = logp.detach() if inputs["old_is_current"] else inputs["old_logp"]
+        per_token, stats = POLICY_LOSSES[args.policy_loss](logp, old_logp, inputs["advantages"], mask,
+                                                           **self._options(POLICY_LOSSES[args.policy_loss]))
+        metrics = {"loss/policy_avg": masked_mean(per_token.detach(), mask)}
+        if "ref_logp" in inputs:  # GRPO: beta * KL(pi || ref) per token, in the loss
+            per_token = per_token + args.beta * kl_penalty(logp, inputs["ref_logp"], args.kl_estimator)
+        loss = aggregate_loss(per_token, mask, self.loss_mode, denominator=inputs["denominator"],
+                              max_length=args.max_completion_length)
+        if critic:
+            value_loss, value_clipped = clipped_value_loss(values, inputs["old_values"], inputs["returns"], mask,
+                                                           args.cliprange_value)
+            loss = loss + args.vf_coef * aggregate_loss(value_loss, mask, "token_mean", inputs["token_denominator"])
+            metrics.update({"loss/value_avg": masked_mean(value_loss.detach(), mask),
+                            "val/clipfrac_avg": masked_mean(value_clipped.float(), mask)})
+        metrics.update({"policy/approxkl_avg": masked_mean(stats["approx_kl"], mask),
+                        "policy/clipfrac_avg": masked_mean(stats["clipped"].float(), mask),
+                        "policy/entropy_avg": masked_mean(entropy, mask),
+                        "val/ratio": masked_mean(stats["ratio"], mask), "val/ratio_var": masked_var(stats["ratio"], mask)})
+        self.record(metrics, "train")
+        return (loss, None) if return_outputs else loss
+
+    # ------------------------------------------------------------------ metrics and samples
+    def _record_rollout(self, g: dict, scores: Tensor, truncated: Tensor):
+        mask = g["loss_mask"]
+        k, eos = self.args.num_generations, self.processing_class.eos_token_id
+        groups = scores.view(-1, k)
+        group_std = groups.std(1) if k > 1 else torch.zeros_like(groups[:, 0])
+        metrics = {"reward": scores.mean(), "reward_std": group_std.mean() if k > 1 else scores.std(),
+                   "frac_reward_zero_std": (group_std < 1e-8).float().mean(), "objective/scores": scores.mean(),
+                   "completions/mean_length": mask.sum(1).float().mean(),
+                   "completions/clipped_ratio": truncated.float().mean(),
+                   "objective/entropy": -masked_sum(g["old_logp"], mask, dim=1).mean(),
+                   "val/num_eos_tokens": ((g["completion_ids"] == eos) & mask.bool()).sum().float()}
+        if "ref_logp" in g:
+            kl = masked_sum(g["old_logp"] - g["ref_logp"], mask, dim=1)  # k1, summed per sequence
+            non_score = -self.args.beta * masked_sum(kl_penalty(g["old_logp"], g["ref_logp"], self.args.kl_estimator),
+                                                     mask, dim=1)
+            metrics.update({"objective/kl": kl.mean(), "objective/non_score_reward": non_score.mean(),
+                            "objective/rlhf_reward": (scores + non_score).mean()})
+        self.record({name: float(v) for name, v in metrics.items()}, "train")
+
+    def _record_rewards(self, per_function: Tensor):
+        table = self._gather_rows(per_function.to(self.accelerator.device))
+        for j, name in enumerate(self.reward_scorer.names):
+            col = table[:, j][~torch.isnan(table[:, j])]
+            if col.numel():
+                self.record({f"rewards/{name}/mean": col.mean().item(),
+                             f"rewards/{name}/std": col.std().item() if col.numel() > 1 else 0.0}, "train")
+
+    def _keep_samples(self, prompts, texts, per_function):
+        """Gather this batch's samples from every process when a table is due (a `num_sample_generations`
+        point now, or the next logging step with `log_completions`); write the table now if it is a point."""
+        args, step = self.args, self.state.global_step
+        every = max(1, self.state.max_steps // args.num_sample_generations) if args.num_sample_generations else 0
+        sample_now = bool(every) and step % every == 0 and step != self._last_sample_step
+        if not (args.log_completions or sample_now):
+            self._samples = None
+            return
+        from accelerate.utils import gather_object
+
+        scores = {name: per_function[:, j].tolist() for j, name in enumerate(self.reward_scorer.names)}
+        if self.accelerator.num_processes > 1:
+            prompts, texts = gather_object(list(prompts)), gather_object(list(texts))
+            scores = {name: gather_object(v) for name, v in scores.items()}
+        self._samples = (prompts, texts, scores)
+        if sample_now:
+            self._last_sample_step = step
+            if self.is_world_process_zero():
+                self.completions_table.write(step, *self._samples)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "learning_rate" in logs:  # a training log
+            logs["lr"] = logs["learning_rate"]
+            logs["episode"] = self._episodes
+            logs["eps"] = self._episodes / max(time.time() - (self._start_time or time.time()), 1e-9)
+            if self.args.log_completions and self._samples is not None and self.is_world_process_zero():
+                self.completions_table.write(self.state.global_step, *self._samples)
+        super().log(logs, start_time)
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """One completion per eval prompt with the training sampling settings; the mean rewards as metrics."""
+        from accelerate.utils import gather_object
+
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        self._check_dataset(dataset, "eval_dataset")
+        acc, bs = self.accelerator, self.args.per_device_eval_batch_size
+        mine = list(range(acc.process_index, len(dataset), acc.num_processes))
+        sampling = dataclasses.replace(self.sampling, num_generations=1)
+        rows = []  # (total reward, per-function rewards, length) per completion
+        for s in range(0, len(mine), bs):
+            batch = self._collate([dataset[i] for i in mine[s:s + bs]])
+            rollout = self.sample_completions(batch["prompt_ids"], sampling)
+            texts, completions, ids = self.decode(rollout, batch["prompt"])
+            per_function, total = self.reward_scorer(batch["prompt"], completions, ids, batch["columns"])
+            rows += zip(total.tolist(), per_function.tolist(), map(len, ids))
+        rows = gather_object(rows) if acc.num_processes > 1 else rows
+        p = metric_key_prefix
+        metrics = {f"{p}_reward": sum(r[0] for r in rows) / max(len(rows), 1),
+                   f"{p}_completions/mean_length": sum(r[2] for r in rows) / max(len(rows), 1)}
+        for j, name in enumerate(self.reward_scorer.names):
+            values = [r[1][j] for r in rows if not math.isnan(r[1][j])]
+            if values:
+                metrics[f"{p}_rewards/{name}/mean"] = sum(values) / len(values)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        model = self.accelerator.unwrap_model(self.model)
+        if isinstance(model, (CausalLMWithValueHead, PolicyWithCritic)):
+            output_dir = output_dir or self.args.output_dir
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+                model.save_pretrained(output_dir)
+                self.processing_class.save_pretrained(output_dir)
+            return
+        super().save_model(output_dir, _internal_call)
+
+
+def _trim(mb: dict) -> dict:
+    """Drop prompt columns that are padding in every row (left) and completion columns past the longest
+    completion (right)."""
+    keep_p = mb["prompt_mask"].any(0).nonzero()
+    start = int(keep_p[0]) if len(keep_p) else mb["prompt_mask"].shape[1] - 1
+    width = max(int(mb["completion_mask"].sum(1).max()), 1)
+    out = {}
+    for key, value in mb.items():
+        if key.startswith("prompt"):
+            out[key] = value[:, start:]
+        elif value.dim() == 2:
+            out[key] = value[:, :width]
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,300 @@
+"""What the offline preference trainers (reward, DPO, BCO, KTO) share: one data path and one reference path.
+
+* `prepare_preference_dataset`: validate any accepted layout (formats.validate names the bad
+  row), convert it to pairs (`prompt_ids`, `chosen_ids`, `rejected_ids`) or to unpaired rows
+  (`prompt_ids`, `completion_ids`, `label`), truncate, and report once how many rows were
+  dropped (prompt alone too long) or truncated.
+* `PreferenceCollator`: right-padded tensors. Pairs are stacked [chosen; rejected] as 2B rows,
+  so that one forward pass scores both; with `kl_pairs` (KTO) B mismatched rows (completion i
+  after prompt i+1) follow the B real ones.
+* `completion_logps`: summed completion log-probs from one forward that asks the model only for
+  the logits of the completion columns.
+* `PreferenceTrainer`: BaseTrainer plus the above, the reference forward, a prediction_step for
+  evaluation, a cumulative token count, and (BCO, DPO's bco_pair) the running reward mean δ,
+  folded in once per optimizer step and saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import TrainerCallback
+
+from posttrain.core.logprobs import sequence_logprobs, token_logprobs
+from posttrain.core.running import RunningMean
+from posttrain.data import formats
+from posttrain.data.collate import pad
+from posttrain.data.tokenize import encode_prompt_completion
+from posttrain.models import loading
+from posttrain.trainers.base import BaseTrainer
+
+logger = logging.getLogger(__name__)
+
+RUNNING_FILE = "running_reward_mean.json"  # δ's state, next to the weights of every checkpoint
+
+
+# ---------------------------------------------------------------------------------------- data
+
+def _fit(prompt_ids: list[int], completion_ids: list[int], max_length, max_prompt_length, max_completion_length):
+    """(prompt_ids, completion_ids, truncated) cut to the limits, or None when the prompt leaves no room."""
+    truncated = False
+    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+        prompt_ids, truncated = prompt_ids[-max_prompt_length:], True  # keep the end: nearest the answer
+    if max_completion_length is not None and len(completion_ids) > max_completion_length:
+        completion_ids, truncated = completion_ids[:max_completion_length], True
+    if max_length is not None:
+        if len(prompt_ids) >= max_length:
+            return None
+        room = max_length - len(prompt_ids)
+        if len(completion_ids) > room:
+            completion_ids, truncated = completion_ids[:room], True
+    return prompt_ids, completion_ids, truncated
+
+
+def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: int | None,
+                               max_prompt_length: int | None = None, max_completion_length: int | None = None,
+                               keep: tuple[str, ...] = (), name: str = "train"):
+    """Validate, convert and tokenise `dataset` for pairwise (`paired`) or unpaired training.
+
+    Any layout formats accepts works (ranked rows expand to every ordered pair, implicit prompts
+    are split off; with `paired=False` pairs become a desirable and an undesirable row). Columns
+    in `keep` (e.g. "margin") are carried through. Rows whose prompt alone reaches `max_length`
+    are dropped; long prompts lose their start, long completions their end.
+    """
+    from datasets import Dataset
+
+    if isinstance(dataset, list):
+        dataset = Dataset.from_list(dataset)
+    target = "preference" if paired else "unpaired_preference"
+    dataset, info = formats.to_canonical(dataset, target=target)  # validates every row first
+    text_cols = ("chosen", "rejected") if paired else ("completion",)
+    extras = [c for c in keep if c in dataset.column_names]
+    limits = (max_length, max_prompt_length, max_completion_length)
+
+    def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {"prompt_ids": [], "truncated": [], **{f"{c}_ids": [] for c in text_cols}}
+        if not paired:
+            out["label"] = []
+        for c in extras:
+            out[c] = []
+        for k, row in enumerate(indices):
+            pieces, truncated = [], False
+            for col in text_cols:
+                enc = encode_prompt_completion(tokenizer, batch["prompt"][k], batch[col][k], None, row)
+                fitted = _fit(enc["prompt_ids"], enc["completion_ids"], *limits)
+                if fitted is None:
+                    break
+                pieces.append(fitted)
+                truncated = truncated or fitted[2]
+            else:
+                out["prompt_ids"].append(pieces[0][0])
+                for col, piece in zip(text_cols, pieces):
+                    out[f"{col}_ids"].append(piece[1])
+                out["truncated"].append(truncated)
+                if not paired:
+                    out["label"].append(bool(batch["label"][k]))
+                for c in extras:
+                    out[c].append(batch[c][k])
+        return out
+
+    before = len(dataset)
+    dataset = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
+                          desc=f"tokenising {name} data")
+    dropped, truncated = before - len(dataset), sum(dataset["truncated"]) if len(dataset) else 0
+    if dropped or truncated:
+        unit = "pairs" if paired else "rows"
+        logger.warning(f"{name} data: dropped {dropped} of {before} {unit} whose prompt alone reaches "
+                       f"max_length={max_length}; truncated {truncated} {unit} to max_length={max_length}, "
+                       f"max_prompt_length={max_prompt_length}, max_completion_length={max_completion_length}")
+    if len(dataset) == 0:
+        raise ValueError(f"no {name} rows are left after tokenisation: every prompt reaches max_length={max_length}")
+    return dataset.remove_columns("truncated")
+
+
+class PreferenceCollator:
+    """Rows of token ids -> right-padded tensors.
+
+    paired: input_ids / attention_mask / completion_mask (2B, T), chosen rows first; optional
+    margin, ref_chosen_logps, ref_rejected_logps (B,).
+    unpaired: the same for B rows plus label (B,) bool; optional ref_logps, udm_weight (B,).
+    With kl_pairs: B more rows follow, completion i after prompt (i+1) mod B (KTO's KL estimate).
+    """
+
+    def __init__(self, pad_token_id: int, paired: bool = True, kl_pairs: bool = False, max_length: int | None = None):
+        self.pad_token_id, self.paired, self.kl_pairs, self.max_length = pad_token_id, paired, kl_pairs, max_length
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        prompts = [list(r["prompt_ids"]) for r in rows]
+        if self.paired:
+            completions = [list(r["chosen_ids"]) for r in rows] + [list(r["rejected_ids"]) for r in rows]
+            prompts = prompts + prompts
+        else:
+            completions = [list(r["completion_ids"]) for r in rows]
+        if self.kl_pairs:
+            shifted = prompts[1:] + prompts[:1]
+            room = [None if self.max_length is None else self.max_length - len(p) for p in shifted]
+            completions = completions + [c[:n] for c, n in zip(completions, room)]
+            prompts = prompts + shifted
+        seqs = [p + c for p, c in zip(prompts, completions)]
+        batch = {
+            "input_ids": pad(seqs, self.pad_token_id),
+            "attention_mask": pad([[1] * len(s) for s in seqs], 0),
+            "completion_mask": pad([[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)], 0),
+        }
+        if not self.paired:
+            batch["label"] = torch.tensor([bool(r["label"]) for r in rows])
+        for key in ("margin", "ref_chosen_logps", "ref_rejected_logps", "ref_logps", "udm_weight"):
+            if key in rows[0] and rows[0][key] is not None:
+                batch[key] = torch.tensor([float(r[key]) for r in rows])
+        return batch
+
+
+def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor):
+    """Summed completion log-probs (N,), completion lengths (N,) and mean logits (N,), detached.
+
+    Only the columns from the first completion token on are scored (`num_scored`), so the model
+    computes no logits over the prompt columns shared by every row.
+    """
+    T = input_ids.shape[1]
+    first = int(completion_mask.any(0).to(torch.int8).argmax())  # first column holding a completion token
+    K = min(T - first, T - 1)  # token 0 has no context to be scored from
+    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K)
+    mask = completion_mask[:, T - K:]
+    lengths = mask.sum(-1)
+    with torch.no_grad():
+        mean_logits = (logits.mean(-1) * mask).sum(-1) / lengths.clamp(min=1)
+    return sequence_logprobs(logps, mask), lengths, mean_logits.float()
+
+
+# ---------------------------------------------------------------------------------------- trainer
+
+class _FoldRewards(TrainerCallback):
+    """After each optimizer step, fold the step's rewards into the running mean δ (all processes)."""
+
+    def __init__(self, trainer: "PreferenceTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        pending = self.trainer._pending_rewards
+        if pending:
+            self.trainer.reward_mean.update(torch.cat(pending), self.trainer.accelerator)
+            pending.clear()
+
+
+class PreferenceTrainer(BaseTrainer):
+    """BaseTrainer for offline preference data; subclasses implement `compute_loss`."""
+
+    paired = True  # pairs (reward, DPO) or unpaired rows (BCO, KTO)
+    kl_pairs = False  # KTO: the collator appends mismatched rows for the KL reference point
+    keep_columns: tuple[str, ...] = ()  # extra dataset columns the collator reads
+    uses_reward_mean = False  # BCO / bco_pair: keep the running reward mean δ
+
+    def __init__(self, model, ref_model, args, *, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, peft_config=None, callbacks=None, optimizers=(None, None),
+                 needs_reference: bool = True, model_kind: str = "causal-lm"):
+        if train_dataset is None:
+            raise ValueError(f"{type(self).__name__} needs a train_dataset")
+        tokenizer = loading.load_tokenizer(processing_class, model=model)
+        prepare = dict(tokenizer=tokenizer, paired=self.paired, max_length=args.max_length,
+                       max_prompt_length=getattr(args, "max_prompt_length", None),
+                       max_completion_length=getattr(args, "max_completion_length", None),
+                       keep=self.keep_columns)
+        train_dataset = prepare_preference_dataset(train_dataset, **prepare)
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: prepare_preference_dataset(v, name=f"eval[{k}]", **prepare) for k, v in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = prepare_preference_dataset(eval_dataset, name="eval", **prepare)
+        collator = data_collator or PreferenceCollator(tokenizer.pad_token_id, self.paired, self.kl_pairs, args.max_length)
+        super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, data_collator=collator, peft_config=peft_config,
+                         callbacks=callbacks, optimizers=optimizers, model_kind=model_kind)
+        # compute_loss returns the micro-batch mean; let Trainer divide by the accumulation steps
+        self.loss_is_scaled_for_ga = False
+        if getattr(args, "disable_dropout", False):
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        self.ref_model = self.make_reference(ref_model, needs_reference)
+        self._num_tokens = {"train": 0, "eval": 0}
+        self.reward_mean, self._pending_rewards = RunningMean(), []
+        if self.uses_reward_mean:
+            self.add_callback(_FoldRewards(self))
+
+    # ------------------------------------------------------------------ log-probs
+    def reference_logps(self, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> Tensor:
+        """Summed completion log-probs (N,) under the reference (frozen copy or adapter-disabled model)."""
+        model = self.ref_model if self.ref_model is not None else self.accelerator.unwrap_model(self.model)
+        with torch.no_grad(), self.reference_context(self.ref_model):
+            return completion_logps(model, input_ids, attention_mask, completion_mask)[0]
+
+    # ------------------------------------------------------------------ metrics
+    def count_tokens(self, attention_mask: Tensor, mode: str) -> None:
+        """Cumulative non-padding tokens seen, over all processes (logged as num_tokens)."""
+        n = attention_mask.sum().reshape(1)
+        self._num_tokens[mode] += int(self.accelerator.gather(n).sum().item())
+        self._metrics[mode]["num_tokens"] = [float(self._num_tokens[mode])]
+
+    def masked_means(self, values: dict[str, Tensor], mask: Tensor, mode: str) -> dict[str, float] | None:
+        """Record (and return) the mean of each (B,) tensor over the rows where mask is True, across
+        processes; None when no process has such a row."""
+        mask = mask.bool()
+        stacked = torch.stack([torch.where(mask, v.detach().float(), 0.0).sum() for v in values.values()])
+        sums = self.accelerator.gather(torch.cat([stacked, mask.sum().float().reshape(1)]).reshape(1, -1)).sum(0)
+        if sums[-1] == 0:
+            return None
+        means = {name: float(total / sums[-1]) for name, total in zip(values, sums[:-1])}
+        for name, value in means.items():
+            self._metrics[mode][name].append(value)
+        return means
+
+    def record_unpaired(self, rewards: Tensor, logps: Tensor, labels: Tensor, mode: str) -> None:
+        """rewards/chosen, rewards/rejected, rewards/margins, logps/chosen, logps/rejected of unpaired
+        rows: desirable rows count as chosen, undesirable ones as rejected."""
+        labels = labels.bool()
+        good = self.masked_means({"rewards/chosen": rewards, "logps/chosen": logps}, labels, mode)
+        bad = self.masked_means({"rewards/rejected": rewards, "logps/rejected": logps}, ~labels, mode)
+        if good and bad:
+            self._metrics[mode]["rewards/margins"].append(good["rewards/chosen"] - bad["rewards/rejected"])
+
+    def mode(self) -> str:
+        return "train" if self.model.training else "eval"
+
+    # ------------------------------------------------------------------ running reward mean δ
+    def add_pending_rewards(self, rewards: Tensor) -> None:
+        """Rewards of a training micro-batch; folded into δ after the optimizer step, so every
+        micro-batch of one step sees the same δ whatever the accumulation split."""
+        if self.model.training:
+            self._pending_rewards.append(rewards.detach().float())
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        if self.uses_reward_mean and self.args.should_save:
+            folder = output_dir or self.args.output_dir
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, RUNNING_FILE), "w") as f:
+                json.dump(self.reward_mean.state_dict(), f)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.uses_reward_mean and resume_from_checkpoint:
+            folder = resume_from_checkpoint
+            if folder is True:
+                from transformers.trainer_utils import get_last_checkpoint
+
+                folder = get_last_checkpoint(self.args.output_dir)
+            path = os.path.join(folder or "", RUNNING_FILE)
+            if folder and os.path.exists(path):
+                with open(path) as f:
+                    self.reward_mean.load_state_dict(json.load(f))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # ------------------------------------------------------------------ evaluation
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None

@@ -1,0 +1,124 @@
+"""RLOO: REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE
+Style Optimization for Learning from Human Feedback in LLMs"; the baseline is Kool et al. 2019).
+
+Sample k completions per prompt; the baseline of each is the mean reward of the other k - 1,
+A_i = r_i - mean_{j != i} r_j, and the whole completion is one action of a REINFORCE update
+(clipped when the batch is reused, as PPO). The KL penalty to the reference policy goes into
+the reward: r = score - kl_coef * sum_t KL_t.
+
+A preset of the online engine: advantage_estimator="leave_one_out", KL in the reward,
+loss_type="seq_mean_token_sum" (each sequence contributes the sum over its tokens, i.e. the
+gradient of its sequence log-prob). The classic field names work (rloo_k, kl_coef,
+response_length, num_ppo_epochs, num_mini_batches, cliprange, stop_token, ...) and so do the
+GRPO-style ones (num_generations, beta, max_completion_length, num_iterations, epsilon); set
+one of each pair.
+
+Departures from the classic trainer: `per_device_train_batch_size` counts completions (as in
+GRPO), not prompts; rows are prompt-major and each prompt's group stays on one process; the
+importance ratio is per token (the classic trainer used one ratio per sequence, which only
+differs once the batch is reused, num_ppo_epochs > 1); completions always stop at EOS;
+`token_level_kl` gives the same advantages as the summed KL here, since the leave-one-out
+advantage is one number per sequence (it matters for per-token estimators).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from posttrain.trainers.online import OnlineConfig, OnlineTrainer, resolve_aliases
+
+# (classic name, GRPO-style name)
+RLOO_ALIASES = [("rloo_k", "num_generations"), ("kl_coef", "beta"), ("response_length", "max_completion_length"),
+                ("num_ppo_epochs", "num_iterations"), ("cliprange", "epsilon")]
+
+
+def apply_classic_stop(config):
+    """stop_token ("eos" or None) / stop_token_id -> stop_token_ids; shared by the classic RLOO and PPO configs."""
+    if config.stop_token not in (None, "eos"):
+        raise ValueError(f"stop_token={config.stop_token!r}: only 'eos' (or None) is supported; use stop_token_id "
+                         "for another token")
+    if config.stop_token_id is not None:
+        config.stop_token_ids = sorted(set(config.stop_token_ids or []) | {int(config.stop_token_id)})
+
+
+@dataclass
+class RLOOConfig(OnlineConfig):
+    """RLOO's configuration: classic RLOO fields and defaults, GRPO-style aliases."""
+
+    rloo_k: int = field(default=2, metadata={"help": "Completions per prompt (alias: num_generations)."})
+    num_generations: int = field(default=2, metadata={"help": "Alias of rloo_k."})
+    kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient in the reward (alias: beta)."})
+    beta: float = field(default=0.05, metadata={"help": "Alias of kl_coef."})
+    kl_estimator: str = field(default="k1", metadata={"help": "KL estimator of the penalty: 'k1', 'k2', 'k3'."})
+    kl_in_reward: bool = field(default=True, metadata={"help": "RLOO puts the KL penalty in the reward."})
+    response_length: int = field(default=53, metadata={"help": "Most tokens per completion "
+                                 "(alias: max_completion_length)."})
+    max_completion_length: int = field(default=53, metadata={"help": "Alias of response_length."})
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each batch (alias: num_iterations)."})
+    num_iterations: int = field(default=4, metadata={"help": "Alias of num_ppo_epochs."})
+    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the ratio (alias: epsilon)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Alias of cliprange."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per pass over a batch: each process "
+                                  "generates per_device_train_batch_size * gradient_accumulation_steps * "
+                                  "num_mini_batches completions at a time."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature."})
+    reward_clip_range: float | None = field(default=10.0, metadata={"help": "Clip scores to [-c, c]."})
+    advantage_estimator: str = field(default="leave_one_out", metadata={"help": "Advantage estimator."})
+    loss_type: str = field(default="seq_mean_token_sum", metadata={"help": "Loss aggregation (see OnlineConfig)."})
+    stop_token: str | None = field(default=None, metadata={"help": "'eos': completions end at EOS (always the case)."})
+    stop_token_id: int | None = field(default=None, metadata={"help": "Another token id that ends a completion."})
+    num_sample_generations: int = field(default=10, metadata={"help": "Completion tables at this many evenly "
+                                        "spaced steps."})
+    learning_rate: float = field(default=3e-6, metadata={"help": "Initial AdamW learning rate."})
+
+    def _check(self):
+        resolve_aliases(self, RLOO_ALIASES)
+        if self.steps_per_generation is None and self.generation_batch_size is None:
+            self.steps_per_generation = self.gradient_accumulation_steps * self.num_mini_batches
+        apply_classic_stop(self)
+        super()._check()
+
+
+def _grpo_style(model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
+                reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None,
+                ref_model=None):
+    pass
+
+
+def _classic(config, processing_class=None, policy=None, ref_policy=None, reward_model=None, train_dataset=None,
+             data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None, peft_config=None):
+    pass
+
+
+class RLOOTrainer(OnlineTrainer):
+    """RLOO on the online engine. Two call forms:
+
+    * GRPO style: `RLOOTrainer(model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
+      processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+      peft_config=None)`;
+    * classic: `RLOOTrainer(config, processing_class, policy, ref_policy, reward_model, train_dataset,
+      data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None)`, positional or by
+      keyword; the reward model may be a sequence-classification model or a callable.
+    """
+
+    config_class = RLOOConfig
+    _tag = "RLOO"
+
+    def __init__(self, *args, **kwargs):
+        classic = (args and isinstance(args[0], TrainingArguments)) or any(
+            k in kwargs for k in ("config", "policy", "ref_policy", "reward_model"))
+        if classic:
+            given = inspect.signature(_classic).bind(*args, **kwargs).arguments
+            if given.get("policy") is None:
+                raise ValueError("the classic RLOOTrainer form needs policy= (a causal LM or its name)")
+            kw = dict(model=given["policy"], reward_funcs=given.get("reward_model"), args=given["config"],
+                      train_dataset=given.get("train_dataset"), eval_dataset=given.get("eval_dataset"),
+                      processing_class=given.get("processing_class"), callbacks=given.get("callbacks"),
+                      optimizers=given.get("optimizers", (None, None)), peft_config=given.get("peft_config"),
+                      ref_model=given.get("ref_policy"))
+        else:
+            kw = dict(inspect.signature(_grpo_style).bind(*args, **kwargs).arguments)
+        super().__init__(**kw)

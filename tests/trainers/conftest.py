@@ -1,0 +1,60 @@
+"""Fixtures shared by the trainer tests."""
+
+import pytest
+
+
+def sft_reverse(steps: int = 130, batch_size: int = 32, lr: float = 3e-3, seed: int = 0):
+    """tiny-qwen2 after a short completion-only SFT on the built-in `reverse` task (plain torch loop).
+
+    Partially trained on purpose: held-out greedy exact match is still low while partial credit
+    (digit_match_reward) is clearly above zero, so RL has room to raise both. Returns (model, tokenizer).
+    """
+    import torch
+
+    from posttrain.data.builtin import task_dataset
+    from posttrain.data.collate import pad
+    from posttrain.data.tokenize import encode_prompt_completion
+    from posttrain.models.loading import load_causal_lm, load_tokenizer
+
+    torch.manual_seed(seed)
+    model = load_causal_lm("posttrain/tiny-qwen2")
+    tok = load_tokenizer(None, model="posttrain/tiny-qwen2")
+    rows = [encode_prompt_completion(tok, r["prompt"], r["completion"]) for r in task_dataset("reverse", "train")]
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        picked = [rows[i] for i in torch.randint(len(rows), (batch_size,), generator=g).tolist()]
+        ids = pad([r["prompt_ids"] + r["completion_ids"] for r in picked], tok.pad_token_id)
+        labels = pad([[-100] * len(r["prompt_ids"]) + r["completion_ids"] for r in picked], -100)
+        mask = pad([[1] * (len(r["prompt_ids"]) + len(r["completion_ids"])) for r in picked], 0)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="session")
+def sft_reverse_path(tmp_path_factory):
+    """Folder of the partially SFT-trained tiny model (built once per test session)."""
+    model, tok = sft_reverse()
+    path = tmp_path_factory.mktemp("sft_reverse")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def greedy_reward(model, tok, dataset, reward_func, max_new_tokens: int = 8) -> float:
+    """Mean reward of greedy completions on `dataset` (held-out prompts)."""
+    from posttrain.data.tokenize import encode_prompt
+    from posttrain.rollout.generate import SamplingConfig, generate
+
+    prompts = [encode_prompt(tok, p) for p in dataset["prompt"]]
+    out = generate(model, prompts, SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False),
+                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    lengths = out.completion_mask.sum(1).tolist()
+    texts = tok.batch_decode([ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)],
+                             skip_special_tokens=True)
+    scores = reward_func(texts, answer=dataset["answer"])
+    return sum(scores) / len(scores)
