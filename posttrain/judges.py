@@ -59,6 +59,8 @@ class PairwiseJudge:
     """Base judge. Subclasses implement `compare(prompts, pairs) -> list[int]` on pairs in the order given;
     `judge` adds input checks and the order shuffle."""
 
+    rng = random.Random()  # subclasses that skip __init__ still shuffle
+
     def __init__(self, seed: int | None = None):
         self.rng = random.Random(seed)
 
@@ -86,7 +88,7 @@ class PairwiseJudge:
         verdicts = list(self.compare(list(prompts), asked))
         if len(verdicts) != len(pairs):
             raise RuntimeError(f"{type(self).__name__}.compare returned {len(verdicts)} verdicts for {len(pairs)} pairs")
-        return [1 - v if (s and v in (0, 1)) else (v if v in (0, 1) else -1) for v, s in zip(verdicts, swapped)]
+        return [-1 if v not in (0, 1) else (1 - v if s else v) for v, s in zip(verdicts, swapped)]
 
     def compare(self, prompts: list, pairs: list[tuple[str, str]]) -> list[int]:
         raise NotImplementedError

@@ -225,6 +225,29 @@ def test_documented_implicit_prompt_split():
     assert row == {"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}
 
 
+# --------------------------------------------------------------------------- migration guide
+
+def test_migration_guide_field_table_names_real_fields():
+    import posttrain
+
+    text = (DOCS / "migrating.md").read_text()
+    rows = re.findall(r"^\| `(\w+Config)` \| (.+) \|$", text, flags=re.M)
+    assert len(rows) >= 8
+    missing = []
+    for config, cell in rows:
+        fields = {f.name for f in dataclasses.fields(getattr(posttrain, config))}
+        missing += [f"{config}.{name}" for name in re.findall(r"`(\w+)`", cell) if name not in fields]
+    assert not missing, f"docs/migrating.md lists fields that do not exist: {missing}"
+    for name in re.findall(r"from posttrain import ([\w, ]+)`", text):
+        for cls in name.split(", "):
+            assert cls in posttrain.__all__, f"docs/migrating.md: posttrain exports no {cls}"
+
+
+def test_posttrain_never_imports_trl():
+    offenders = [str(p) for p in SOURCE if re.search(r"^\s*(import trl|from trl\b)", p.read_text(), flags=re.M)]
+    assert not offenders
+
+
 @pytest.mark.parametrize("page", ["quickstart.md", "datasets.md", "metrics.md", "debugging.md", "migrating.md",
                                   "config_reference.md"])
 def test_doc_pages_exist_and_link_to_existing_pages(page):

@@ -94,19 +94,16 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
     return logits
 
 
-def _sample(logits: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per row from softmax(logits) by inverse-CDF on one uniform per row. (N, V) -> (N,).
+def _sample(logits: Tensor, u: Tensor) -> Tensor:
+    """One token per row from softmax(logits) by inverse CDF: (N, V) logits, (N,) uniforms -> (N,) ids.
 
-    The uniforms come from `generator` on its own device, so a CPU generator drives a GPU model,
-    and a row's draw depends only on the seed and its index (the shared-prefill and the
-    per-row-prefill paths sample the same tokens).
+    The caller draws one uniform per row and step from the generator (on the generator's own
+    device, so a CPU generator drives a GPU model), so a row's sample depends only on the seed,
+    its index and its distribution, not on which other rows are still being decoded.
     """
-    probs = logits.float().softmax(-1)
-    cdf = probs.cumsum(-1)
-    gen_device = generator.device if generator is not None else logits.device
-    u = torch.rand(logits.shape[0], 1, generator=generator, device=gen_device).to(logits.device)
+    cdf = logits.softmax(-1).cumsum(-1)
     # side="right": the first token whose cdf exceeds u, never a zero-probability token
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    idx = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
     return idx.clamp_(max=logits.shape[-1] - 1).squeeze(-1)
 
 
@@ -120,6 +117,14 @@ def _expand_cache(cache, repeats: int):
     if isinstance(cache, (tuple, list)):  # legacy tuple-of-tuples caches of older remote-code models
         return type(cache)(tuple(t.repeat_interleave(repeats, dim=0) for t in layer) for layer in cache)
     raise TypeError(f"cannot expand a KV cache of type {type(cache).__name__} for num_generations > 1")
+
+
+def _select_cache(cache, index: Tensor):
+    """Keep only the batch rows `index` of the KV cache (rows that finished are dropped)."""
+    if hasattr(cache, "batch_select_indices"):
+        cache.batch_select_indices(index)
+        return cache
+    return type(cache)(tuple(t[index] for t in layer) for layer in cache)
 
 
 def _unwrap(model):
@@ -189,22 +194,27 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1)
         cache = _expand_cache(out.past_key_values, G)
-        logits = out.logits[:, -1, :].repeat_interleave(G, dim=0)  # (N, V)
+        logits = out.logits[:, -1, :].repeat_interleave(G, dim=0)  # (A, V), A = rows still decoded
+        rows = torch.arange(N, device=device)  # (A,) index in the output of each decoded row
         finished = torch.zeros(N, dtype=torch.bool, device=device)
         tokens, logps, masks = [], [], []
         history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings
+        gen_device = generator.device if generator is not None else device
         for t in range(max_new):
             scaled = logits.float()
             if sampling.temperature != 1.0:
                 scaled = scaled / sampling.temperature
             if sampling.do_sample:
-                token = _sample(filter_logits(scaled, sampling.top_k, sampling.top_p, sampling.min_p), generator)
+                u = torch.rand(N, generator=generator, device=gen_device).to(device)[rows]
+                picked = _sample(filter_logits(scaled, sampling.top_k, sampling.top_p, sampling.min_p), u)
             else:
-                token = scaled.argmax(-1)
+                picked = scaled.argmax(-1)
             alive = ~finished
+            token = torch.full((N,), pad_token_id, dtype=torch.long, device=device).index_copy_(0, rows, picked)
             token = torch.where(alive, token, pad_token_id)
+            logp = torch.zeros(N, device=device).index_copy_(0, rows, selective_log_softmax(scaled, picked))
             tokens.append(token)
-            logps.append(selective_log_softmax(scaled, token).masked_fill_(finished, 0.0))
+            logps.append(logp.masked_fill_(finished, 0.0))
             masks.append(alive)
             stopped = torch.isin(token, stop_ids) if len(stop_ids) else torch.zeros_like(finished)
             if sampling.stop_strings:
@@ -216,9 +226,17 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
                 if hit_rows:
                     stopped[hit_rows] = True
             finished = finished | (stopped & alive)
-            if t == max_new - 1 or bool(finished.all()):
+            num_finished = int(finished.sum())  # the loop's one host sync per step
+            if t == max_new - 1 or num_finished == N:
                 break
-            out = net(input_ids=token[:, None], attention_mask=attention[:, : P + t + 1],
+            # Stop computing finished rows once they are a quarter of the batch (the copy of the
+            # cache this costs is then paid back within a few steps).
+            done_in_batch = num_finished - (N - len(rows))
+            if done_in_batch and 4 * done_in_batch >= len(rows):
+                keep = (~finished[rows]).nonzero().flatten()
+                cache, rows = _select_cache(cache, keep), rows[keep]
+                attention, next_position = attention[keep], next_position[keep]
+            out = net(input_ids=token[rows, None], attention_mask=attention[:, : P + t + 1],
                       position_ids=next_position + t, past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             logits = out.logits[:, -1, :]

@@ -1,6 +1,11 @@
 """Fixtures shared by the trainer tests."""
 
+import os
+import sys
+
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # plain helper modules next to the tests (online_helpers)
 
 
 def sft_reverse(steps: int = 130, batch_size: int = 32, lr: float = 3e-3, seed: int = 0):
@@ -43,18 +48,3 @@ def sft_reverse_path(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
-
-
-def greedy_reward(model, tok, dataset, reward_func, max_new_tokens: int = 8) -> float:
-    """Mean reward of greedy completions on `dataset` (held-out prompts)."""
-    from posttrain.data.tokenize import encode_prompt
-    from posttrain.rollout.generate import SamplingConfig, generate
-
-    prompts = [encode_prompt(tok, p) for p in dataset["prompt"]]
-    out = generate(model, prompts, SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False),
-                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    lengths = out.completion_mask.sum(1).tolist()
-    texts = tok.batch_decode([ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)],
-                             skip_special_tokens=True)
-    scores = reward_func(texts, answer=dataset["answer"])
-    return sum(scores) / len(scores)

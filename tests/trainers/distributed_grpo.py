@@ -1,0 +1,59 @@
+"""One GRPO step, run by tests/trainers/test_distributed.py under `accelerate launch` (2 CPU processes) and
+as a plain single process; writes the first-step loss and the updated weights to a file.
+
+Sampling is made independent of how prompts are split over processes: each prompt is sampled in its own
+`generate` call, with a generator seeded from its token ids, so both runs train on the same completions.
+"""
+
+import json
+import sys
+
+import torch
+
+from posttrain.data.builtin import task_dataset
+from posttrain.rollout.generate import Rollout, generate
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+
+def first_token_reward(completion_ids, **kwargs):
+    return [float(ids[0] % 5) if ids else 0.0 for ids in completion_ids]
+
+
+def _cat(tensors, value, left=False):
+    """Concatenate (n_i, T_i) tensors along rows, padding each to the widest (on the left or the right)."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
+                                              value=value) for t in tensors])
+
+
+class PerPromptSeededGRPO(GRPOTrainer):
+    def sample_completions(self, prompt_ids, sampling=None):
+        tok = self.processing_class
+        parts = [generate(self.policy, [ids], sampling or self.sampling, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id, generator=torch.Generator().manual_seed(sum(ids) + len(ids)))
+                 for ids in prompt_ids]
+        return Rollout(prompt_ids=_cat([p.prompt_ids for p in parts], tok.pad_token_id, left=True),
+                       prompt_mask=_cat([p.prompt_mask for p in parts], 0, left=True),
+                       completion_ids=_cat([p.completion_ids for p in parts], tok.pad_token_id),
+                       completion_mask=_cat([p.completion_mask for p in parts], 0),
+                       logprobs=_cat([p.logprobs for p in parts], 0.0),
+                       is_truncated=torch.cat([p.is_truncated for p in parts]))
+
+
+def main(out_path: str, per_device_batch: int):
+    args = GRPOConfig(output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch, num_generations=4,
+                      max_completion_length=6, learning_rate=1e-2, max_steps=1, logging_steps=1, beta=0.1,
+                      shuffle_dataset=False, report_to="none", disable_tqdm=True, use_cpu=True, ddp_backend="gloo",
+                      save_strategy="no")
+    trainer = PerPromptSeededGRPO("posttrain/tiny-qwen2", first_token_reward, args=args,
+                                  train_dataset=task_dataset("reverse", "train", size=16).remove_columns("completion"))
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        weights = {n: p.detach().double().sum().item() for n, p in trainer.policy.named_parameters()}
+        with open(out_path, "w") as f:
+            json.dump({"loss": trainer.state.log_history[0]["loss"], "reward": trainer.state.log_history[0]["reward"],
+                       "processes": trainer.accelerator.num_processes, "weights": weights}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,67 @@
+"""Helpers of the online-trainer tests (imported as a plain module; see conftest.py)."""
+
+
+def greedy_reward(model, tok, dataset, reward_func, max_new_tokens: int = 8) -> float:
+    """Mean reward of greedy completions on `dataset` (held-out prompts)."""
+    from posttrain.data.tokenize import encode_prompt
+    from posttrain.rollout.generate import SamplingConfig, generate
+
+    prompts = [encode_prompt(tok, p) for p in dataset["prompt"]]
+    out = generate(model, prompts, SamplingConfig(max_new_tokens=max_new_tokens, do_sample=False),
+                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    lengths = out.completion_mask.sum(1).tolist()
+    texts = tok.batch_decode([ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)],
+                             skip_special_tokens=True)
+    scores = reward_func(texts, answer=dataset["answer"])
+    return sum(scores) / len(scores)
+
+
+# ---------------------------------------------------------------- online trainers
+
+ONLINE_METRICS = [
+    "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+    "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
+    "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "reward", "reward_std",
+    "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std",
+]
+CRITIC_METRICS = ["loss/value_avg", "val/clipfrac_avg"]
+
+
+def first_token_reward(completion_ids, **kwargs):
+    """A reward that varies between samples of a random tiny model (so group advantages are not all 0)."""
+    return [float(ids[0] % 5) if ids else 0.0 for ids in completion_ids]
+
+
+def prompts(n: int = 32):
+    from posttrain.data.builtin import task_dataset
+
+    return task_dataset("reverse", "train", size=n).remove_columns("completion")
+
+
+def online_args(tmp_path, **overrides) -> dict:
+    """Small, fast settings for smoke runs of the online trainers."""
+    return {"output_dir": str(tmp_path), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+            "max_completion_length": 6, "learning_rate": 1e-3, "logging_steps": 1, "max_steps": 2,
+            "report_to": "none", "disable_tqdm": True, "num_sample_generations": 0, **overrides}
+
+
+def train_and_check(trainer, metrics=ONLINE_METRICS, reward_names=("first_token_reward",)):
+    """Train; assert every trainable parameter changed and every metric was logged, finite."""
+    import math
+
+    import torch
+
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    unchanged = [n for n, p in trainer.model.named_parameters() if n in before and torch.equal(p, before[n])]
+    assert not unchanged, f"parameters that did not change: {unchanged}"
+    logged: dict[str, list[float]] = {}
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            logged.setdefault(key, []).append(value)
+    wanted = list(metrics) + [f"rewards/{n}/{s}" for n in reward_names for s in ("mean", "std")]
+    missing = [m for m in wanted if m not in logged]
+    assert not missing, f"metrics never logged: {missing}"
+    bad = {m: logged[m] for m in wanted if not all(math.isfinite(v) for v in logged[m])}
+    assert not bad, f"non-finite metrics: {bad}"
+    return logged

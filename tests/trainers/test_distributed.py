@@ -1,0 +1,40 @@
+"""GRPO on 2 CPU processes (accelerate launch, gloo) equals 1 process with the same global batch."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_grpo.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_two_processes_match_one(tmp_path):
+    pytest.importorskip("accelerate")
+    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+    # 1 process x 8 completions (2 prompts) vs 2 processes x 4 completions (1 prompt each)
+    _run([sys.executable, SCRIPT, one, "8"], tmp_path)
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+          SCRIPT, two, "4"], tmp_path)
+    a, b = (json.load(open(p)) for p in (one, two))
+    assert (a["processes"], b["processes"]) == (1, 2)
+    assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same completions were sampled
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    for name, value in a["weights"].items():
+        assert b["weights"][name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
