@@ -5,7 +5,7 @@
 
 Both sample plain softmax at temperature 1 (no top-k/top-p) with EOS switched off, so every
 sample has exactly --new-tokens tokens and both do the same work. Prints the best of
---repeats runs (after one warm-up) as samples/s and new tokens/s.
+--repeats interleaved runs (after one warm-up each) as samples/s and new tokens/s.
 """
 
 from __future__ import annotations
@@ -22,18 +22,21 @@ from posttrain.rollout.generate import SamplingConfig, generate
 QUESTIONS = ["What is the capital of France?", "Write a haiku about gradient descent and patience."]
 
 
-def best_time(fn, repeats: int, device: str) -> float:
-    fn()  # warm-up
-    times = []
+def best_times(fns, repeats: int, device: str) -> list[float]:
+    """Best wall time of each function; runs are interleaved so a load change hits both alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for fn, record in zip(fns, times):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            record.append(time.perf_counter() - start)
+    return [min(t) for t in times]
 
 
 def main():
@@ -56,8 +59,9 @@ def main():
     samples = args.prompts * G
 
     sampling = SamplingConfig(max_new_tokens=T, num_generations=G)
-    ours = best_time(lambda: generate(model, prompts, sampling, pad_token_id=tok.pad_token_id, eos_token_id=None,
-                                      generator=torch.Generator().manual_seed(0)), args.repeats, args.device)
+    def ours():
+        return generate(model, prompts, sampling, pad_token_id=tok.pad_token_id, eos_token_id=None,
+                        generator=torch.Generator().manual_seed(0))
 
     tok.padding_side = "left"
     enc = tok.pad({"input_ids": prompts}, return_tensors="pt").to(args.device)
@@ -65,7 +69,7 @@ def main():
     config.eos_token_id = None  # same work as ours: always T new tokens
     config.update(do_sample=True, temperature=1.0, top_k=None, top_p=None, max_new_tokens=T, min_new_tokens=None,
                   num_return_sequences=G, pad_token_id=tok.pad_token_id)
-    hf = best_time(lambda: model.generate(**enc, generation_config=config), args.repeats, args.device)
+    ours, hf = best_times([ours, lambda: model.generate(**enc, generation_config=config)], args.repeats, args.device)
 
     print(f"model {args.model} fp32 on {args.device}: {args.prompts} prompts x {G} generations x {T} new tokens "
           f"(prompt lengths {[len(p) for p in prompts]}), best of {args.repeats}")

@@ -164,6 +164,48 @@ def run_env(script_args=None, config=None):
 COMMANDS.update({"sft": run_sft, "env": run_env})
 
 
+# ---- online RL commands (GRPO, RLOO, PPO): the rewards come from --reward_funcs and/or --reward_model_path
+
+@dataclass
+class OnlineScriptArguments(ScriptArguments):
+    """Script arguments of the online RL commands: model, dataset and reward functions."""
+
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "Reward functions: built-in names (exact_match, digit_match), "
+                                        "'module:function' paths, or reward-model names/paths. "
+                                        "--reward_model_path adds a reward model."})
+
+
+@command(config="posttrain.trainers.grpo:GRPOConfig", script_args=OnlineScriptArguments,
+         help="GRPO: online RL with group-relative advantages.")
+def run_grpo(script_args, config):
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.online import build_for_cli
+
+    return build_for_cli(GRPOTrainer, script_args, config)
+
+
+@command(config="posttrain.trainers.rloo:RLOOConfig", script_args=OnlineScriptArguments,
+         help="RLOO: REINFORCE with a leave-one-out baseline.")
+def run_rloo(script_args, config):
+    from posttrain.trainers.online import build_for_cli
+    from posttrain.trainers.rloo import RLOOTrainer
+
+    return build_for_cli(RLOOTrainer, script_args, config)
+
+
+@command(config="posttrain.trainers.ppo:PPOConfig", script_args=OnlineScriptArguments,
+         help="PPO with a critic (value head or separate value model).")
+def run_ppo(script_args, config):
+    from posttrain.trainers.online import build_for_cli
+    from posttrain.trainers.ppo import PPOTrainer
+
+    return build_for_cli(PPOTrainer, script_args, config)
+
+
+COMMANDS.update({"grpo": run_grpo, "rloo": run_rloo, "ppo": run_ppo})
+
+
 # ---------------------------------------------------------------------------- flags from dataclasses
 
 _TRUE, _FALSE, _NONE = ("true", "yes", "1", "on"), ("false", "no", "0", "off"), ("none", "null")

@@ -87,7 +87,8 @@ class PairwiseJudge:
         asked = [(b, a) if s else (a, b) for (a, b), s in zip(pairs, swapped)]
         verdicts = list(self.compare(list(prompts), asked))
         if len(verdicts) != len(pairs):
-            raise RuntimeError(f"{type(self).__name__}.compare returned {len(verdicts)} verdicts for {len(pairs)} pairs")
+            raise RuntimeError(f"{type(self).__name__}.compare returned {len(verdicts)} verdicts "
+                               f"for {len(pairs)} pairs")
         return [-1 if v not in (0, 1) else (1 - v if s else v) for v, s in zip(verdicts, swapped)]
 
     def compare(self, prompts: list, pairs: list[tuple[str, str]]) -> list[int]:
@@ -241,7 +242,8 @@ class OpenAIPairwiseJudge(PairwiseJudge):
         request = urllib.request.Request(self.base_url + "/chat/completions", data=json.dumps(body).encode(),
                                          headers=headers, method="POST")
         # a loopback server is reached directly, whatever proxy the environment names
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({})) if self._local else urllib.request.build_opener()
+        handlers = [urllib.request.ProxyHandler({})] if self._local else []
+        opener = urllib.request.build_opener(*handlers)
         try:
             with opener.open(request, timeout=self.timeout) as response:
                 raw = response.read(_MAX_BODY)
@@ -296,10 +298,11 @@ class OpenAIPairwiseJudge(PairwiseJudge):
     def compare(self, prompts, pairs):
         key = self._api_key()
         with ThreadPoolExecutor(max_workers=min(self.max_workers, len(pairs))) as pool:
-            results = list(pool.map(lambda args: self._ask(*args, key), [(p, a, b) for p, (a, b) in zip(prompts, pairs)]))
+            results = list(pool.map(lambda item: self._ask(item[0], *item[1], key), zip(prompts, pairs)))
         errors = [(i, err) for i, (_, err) in enumerate(results) if err is not None]
         if errors and len(errors) == len(results):
-            raise JudgeError(f"all {len(results)} judge requests to {self.base_url} failed; first error: {errors[0][1]}")
+            raise JudgeError(f"all {len(results)} judge requests to {self.base_url} failed; "
+                             f"first error: {errors[0][1]}")
         if errors:
             warnings.warn(f"OpenAIPairwiseJudge: {len(errors)} of {len(results)} items got no verdict (-1); "
                           f"first, item {errors[0][0]}: {errors[0][1]}")

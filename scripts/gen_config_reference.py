@@ -100,7 +100,8 @@ def render() -> tuple[str, list[str]]:
             continue
         cls = getattr(module, name)
         parent = _parent_name(cls)
-        parent_ref = f"[{parent}](#{parent.lower()})" if parent != "TrainingArguments" else "`transformers.TrainingArguments`"
+        parent_ref = (f"[{parent}](#{parent.lower()})" if parent != "TrainingArguments"
+                      else "`transformers.TrainingArguments`")
         section += [f"`{module_name}.{name}`, extends {parent_ref}.", ""]
         doc = (cls.__doc__ or "").strip().split("\n\n")[0]
         if doc and not doc.startswith(f"{name}("):  # skip the signature dataclasses writes by default
@@ -112,7 +113,8 @@ def render() -> tuple[str, list[str]]:
                 help_text = f.metadata.get("help")
                 if not help_text:
                     undocumented.append(f"{name}.{f.name}")
-                section.append(f"| `{f.name}` | {_type(f)} | {_cell(_default(f))} | {_cell(help_text or '(undocumented)')} |")
+                description = _cell(help_text or "(undocumented)")
+                section.append(f"| `{f.name}` | {_type(f)} | {_cell(_default(f))} | {description} |")
             section.append("")
         else:
             section += ["No fields of its own beyond its parent's.", ""]

@@ -101,24 +101,30 @@ def test_every_glossary_metric_appears_in_the_source():
 
 
 def _recorded_metric_names() -> set[str]:
-    """Metric names the code records: keys of dicts passed to `record(...)`/`masked_means(...)`, and constant keys
-    assigned into `_metrics[...]` buffers or into `logs` inside a `log` method."""
+    """Metric names the code records: keys of dict literals passed to `record(...)` / `masked_means(...)` or
+    built up in a variable named `metrics` (`metrics = {...}`, `metrics.update({...})`), and constant keys
+    assigned into `_metrics[...]` buffers or into `logs`."""
 
     def key_name(key) -> str | None:
         if isinstance(key, ast.Constant) and isinstance(key.value, str):
             return key.value
         if isinstance(key, ast.JoinedStr):  # f"rewards/{name}/mean" -> rewards/<name>/mean
-            return "".join(v.value if isinstance(v, ast.Constant) else "<name>" for v in key.values)
+            name = "".join(v.value if isinstance(v, ast.Constant) else "<name>" for v in key.values)
+            return name.removeprefix("<name>_")  # f"{metric_key_prefix}_reward": the eval_ name of "reward"
         return None
 
     names = set()
     for path in SOURCE:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("record", "masked_means") \
-                    and node.args and isinstance(node.args[0], ast.Dict):
-                names |= {key_name(k) for k in node.args[0].keys}
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Dict):
+                attr = getattr(node.func, "attr", None)
+                into_metrics = attr == "update" and ast.unparse(node.func.value) == "metrics"
+                if attr in ("record", "masked_means") or into_metrics:
+                    names |= {key_name(k) for k in node.args[0].keys}
             if isinstance(node, ast.Assign):
+                if isinstance(node.value, ast.Dict) and any(ast.unparse(t) == "metrics" for t in node.targets):
+                    names |= {key_name(k) for k in node.value.keys}
                 for target in node.targets:
                     if isinstance(target, ast.Subscript):
                         inner = ast.unparse(target.value)

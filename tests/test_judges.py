@@ -240,21 +240,15 @@ def test_generate_completions_left_pads(tiny_lm):
 
 
 def test_win_rate_callback_logs_eval_win_rate(tmp_path):
-    from transformers import Trainer, TrainingArguments
+    from posttrain import SFTConfig, SFTTrainer
+    from posttrain.data.builtin import task_dataset
 
-    from posttrain.models.loading import load_causal_lm, load_tokenizer
-
-    model = load_causal_lm("posttrain/tiny-qwen2")
-    tok = load_tokenizer(None, model="posttrain/tiny-qwen2")
-    ids = tok(["reverse 1234 = 4321"] * 8)["input_ids"]
-    data = [{"input_ids": i, "labels": i} for i in ids]
     prompts = ["reverse 1234 =", "reverse 987 ="]
     callback = WinRateCallback(_LongerWins(seed=0), prompts, max_new_tokens=8)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
-                             learning_rate=1e-2, eval_strategy="steps", eval_steps=2, logging_steps=2,
-                             report_to="none", save_strategy="no", use_cpu=True)
-    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:2],
-                      processing_class=tok, callbacks=[callback])
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
+                     eval_strategy="steps", eval_steps=2, logging_steps=2, use_cpu=True)
+    trainer = SFTTrainer("posttrain/tiny-qwen2", args, train_dataset=task_dataset("reverse", size=16),
+                         eval_dataset=task_dataset("reverse", "test", size=4), callbacks=[callback])
     trainer.train()
     assert callback.reference_completions is not None and len(callback.reference_completions) == 2
     rows = [r for r in trainer.state.log_history if "eval_win_rate" in r]

@@ -68,20 +68,17 @@ def test_missing_matplotlib_message(monkeypatch, tmp_path):
 
 
 def test_plot_callback_after_a_tiny_training_run(tmp_path):
-    from posttrain.models.loading import load_causal_lm, load_tokenizer
-    from posttrain.trainers.base import BaseConfig, BaseTrainer
+    from posttrain import SFTConfig, SFTTrainer
+    from posttrain.data.builtin import task_dataset
 
-    tok = load_tokenizer(None, model="posttrain/tiny-qwen2")
-    ids = tok(["reverse 1234 = 4321"] * 16)["input_ids"]
-    data = [{"input_ids": i, "labels": i} for i in ids]
-    callback = PlotCallback(keys=["loss", "grad_norm", "learning_rate"], title="tiny run")
-    args = BaseConfig(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=1,
-                      learning_rate=1e-3, use_cpu=True)
-    trainer = BaseTrainer(load_causal_lm("posttrain/tiny-qwen2"), args, processing_class=tok,
-                          train_dataset=data, callbacks=[callback])
+    callback = PlotCallback(keys=["loss", "mean_token_accuracy", "learning_rate"], title="tiny run")
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=1,
+                     learning_rate=1e-3, use_cpu=True)
+    trainer = SFTTrainer("posttrain/tiny-qwen2", args, train_dataset=task_dataset("reverse", size=24),
+                         callbacks=[callback])
     trainer.train()
     assert callback.path == str(tmp_path / "training_curves.png")
-    assert callback.plotted == ["loss", "grad_norm", "learning_rate"]
+    assert callback.plotted == ["loss", "mean_token_accuracy", "learning_rate"]
     assert _is_png(callback.path)
     # a run that logged none of the keys warns instead of failing at the very end
     quiet = PlotCallback(keys=["objective/kl"], filename="none.png")

@@ -9,6 +9,8 @@ Two ways to give PPO a critic V(s_t), both returning the policy's logits and a p
   values are its score head applied to every position of its backbone's hidden states (the
   classifier normally reads only the last one).
 
+The forward returns the policy's own output with `value` (B, K) added (K = logits_to_keep or T);
+with `use_cache=True` (generation) the critic is skipped and `value` is None.
 `value[:, t]` is V of the prefix ending at token t, i.e. it sits at the same position as the
 logits that predict token t+1, so a caller slices values exactly as it slices logits.
 Both save the policy as an ordinary checkpoint (loadable with AutoModelForCausalLM) and the
@@ -18,20 +20,11 @@ critic next to it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
-from transformers.utils import ModelOutput
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_FOLDER = "value_model"
-
-
-@dataclass
-class ValueOutput(ModelOutput):
-    logits: Tensor | None = None  # (B, K, V) the policy's logits (K = logits_to_keep or T)
-    value: Tensor | None = None  # (B, K) V(prefix up to and including each position)
 
 
 class _PolicyWrapper(nn.Module):
@@ -75,14 +68,17 @@ class CausalLMWithValueHead(_PolicyWrapper):
         nn.init.zeros_(self.v_head.weight)
         nn.init.zeros_(self.v_head.bias)
 
-    def forward(self, input_ids=None, attention_mask=None, logits_to_keep: int = 0, **kwargs) -> ValueOutput:
+    def forward(self, input_ids=None, attention_mask=None, logits_to_keep: int = 0, use_cache=None, **kwargs):
         out = self.policy(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
-                          output_hidden_states=True, **kwargs)
-        hidden = out.hidden_states[-1]  # (B, T, H), after the final norm
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        value = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1)
-        return ValueOutput(logits=out.logits, value=value)
+                          use_cache=use_cache, output_hidden_states=not use_cache, **kwargs)
+        value = None
+        if not use_cache:
+            hidden = out.hidden_states[-1]  # (B, T, H), after the final norm
+            if logits_to_keep:
+                hidden = hidden[:, -logits_to_keep:]
+            value = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1)
+        out["value"] = value
+        return out
 
     def save_pretrained(self, save_directory: str, **kwargs):
         from safetensors.torch import save_file
@@ -123,16 +119,19 @@ class PolicyWithCritic(_PolicyWrapper):
         _backbone_and_head(value_model)  # fail early on a model without a score head
         self.policy, self.value_model = policy, value_model
 
-    def forward(self, input_ids=None, attention_mask=None, logits_to_keep: int = 0, **kwargs) -> ValueOutput:
+    def forward(self, input_ids=None, attention_mask=None, logits_to_keep: int = 0, use_cache=None, **kwargs):
         out = self.policy(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
-                          **kwargs)
-        backbone, head = _backbone_and_head(self.value_model)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=kwargs.get("position_ids"), use_cache=False).last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        value = head(hidden)[..., 0]  # (B, K): label 0 of the score head at every position
-        return ValueOutput(logits=out.logits, value=value)
+                          use_cache=use_cache, **kwargs)
+        value = None
+        if not use_cache:
+            backbone, head = _backbone_and_head(self.value_model)
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=kwargs.get("position_ids"), use_cache=False).last_hidden_state
+            if logits_to_keep:
+                hidden = hidden[:, -logits_to_keep:]
+            value = head(hidden)[..., 0]  # (B, K): label 0 of the score head at every position
+        out["value"] = value
+        return out
 
     def save_pretrained(self, save_directory: str, **kwargs):
         self.policy.save_pretrained(save_directory, **kwargs)

@@ -188,7 +188,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     stop_ids = torch.tensor(eos + list(sampling.stop_token_ids), dtype=torch.long, device=device)
     window = 4 * max((len(s) for s in sampling.stop_strings), default=0) + 4
 
-    was_training = net.training
+    modes = [m.training for m in net.modules()]  # restored one by one: a submodule may be kept in eval on purpose
     net.eval()
     try:
         out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
@@ -241,7 +241,8 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
             cache = out.past_key_values
             logits = out.logits[:, -1, :]
     finally:
-        net.train(was_training)
+        for m, mode in zip(net.modules(), modes):
+            m.training = mode
 
     return Rollout(
         prompt_ids=prompts.repeat_interleave(G, dim=0),

@@ -98,23 +98,32 @@ class _Caller:
             self.params = None
 
     def arguments(self, available: dict[str, Any]) -> tuple[tuple, dict]:
+        """(args, kwargs) for this function, picked by name from `available`."""
         params = self.params
         if params is None:
             return (available["completions"],), {}
         if any(p.kind is p.VAR_KEYWORD for p in params.values()):
             return (), dict(available)
-        plain = [p for p in params.values() if p.kind is not p.VAR_POSITIONAL]
-        if len(plain) <= 1 and not (plain and plain[0].name in available):
-            if plain and plain[0].kind is plain[0].KEYWORD_ONLY:
-                raise RewardError(f"reward function {self.name!r} takes only the keyword argument "
-                                  f"{plain[0].name!r}, which is not among the available arguments {sorted(available)}")
-            return (available["completions"],), {}
-        missing = [p.name for p in plain if p.default is p.empty and p.name not in available]
+        named = [p for p in params.values() if p.kind is not p.VAR_POSITIONAL]
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        args = ()
+        first = named[0] if named else None
+        if first is None:
+            if len(params) == 0:
+                raise RewardError(f"reward function {self.name!r} takes no arguments")
+            return (available["completions"],), {}  # only *args
+        # One required positional parameter that names nothing available (`lambda texts: ...`,
+        # `def f(x, scale=2)`): it receives the completions.
+        required = [p for p in named if p.default is p.empty]
+        if first.kind in positional and required in ([], [first]) and \
+                (first.name not in available or first.kind is first.POSITIONAL_ONLY):
+            args, named = (available["completions"],), named[1:]
+        missing = [p.name for p in named if p.default is p.empty and p.name not in available]
         if missing:
             raise RewardError(f"reward function {self.name!r} needs argument(s) {missing}, which are not among "
                               f"the available arguments {sorted(available)} (prompts, completions, completion_ids "
                               f"and the dataset columns)")
-        return (), {p.name: available[p.name] for p in plain if p.name in available}
+        return args, {p.name: available[p.name] for p in named if p.name in available}
 
 
 class RewardScorer:

@@ -31,7 +31,7 @@ import inspect
 import math
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -201,18 +201,18 @@ class OnlineConfig(BaseConfig):
             raise ValueError("num_iterations and max_completion_length must be >= 1")
 
 
-def resolve_aliases(config, pairs: list[tuple[str, str]]):
-    """Make each (classic name, GRPO name) pair agree: the one set away from its default wins; both set
-    to different values is an error."""
-    defaults = {f.name: f.default for f in fields(config)}
-    for classic, other in pairs:
-        a, b = getattr(config, classic), getattr(config, other)
-        a_set, b_set = a != defaults[classic], b != defaults[other]
-        if a_set and b_set and a != b:
-            raise ValueError(f"{classic}={a!r} and {other}={b!r} name the same setting; set only one of them")
-        value = a if a_set else b if b_set else defaults[classic]
-        setattr(config, classic, value)
-        setattr(config, other, value)
+def build_for_cli(trainer_class, script_args, config):
+    """A trainer for `posttrain grpo|rloo|ppo`: datasets from the script arguments; rewards from
+    --reward_funcs (names, module:function paths, reward models) plus --reward_model_path."""
+    from posttrain.cli import load_datasets
+
+    train, evaluation = load_datasets(script_args, config)
+    rewards = list(script_args.reward_funcs or []) + ([config.reward_model_path] if config.reward_model_path else [])
+    if not rewards:
+        raise ValueError("no reward: give --reward_funcs (exact_match, digit_match, module:function, or a reward "
+                         "model path) and/or --reward_model_path")
+    return trainer_class(model=script_args.model_name_or_path, reward_funcs=rewards, args=config,
+                         train_dataset=train, eval_dataset=evaluation)
 
 
 class PromptBatches:

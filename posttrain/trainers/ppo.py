@@ -33,8 +33,8 @@ import torch
 
 from posttrain.data.collate import pad
 from posttrain.rollout.generate import Rollout
-from posttrain.trainers.online import OnlineConfig, OnlineTrainer, resolve_aliases
-from posttrain.trainers.rloo import apply_classic_stop
+from posttrain.trainers.online import OnlineConfig, OnlineTrainer
+from posttrain.trainers.rloo import apply_classic_stop, resolve_aliases
 
 PPO_ALIASES = [("kl_coef", "beta"), ("response_length", "max_completion_length"),
                ("num_ppo_epochs", "num_iterations"), ("cliprange", "epsilon")]

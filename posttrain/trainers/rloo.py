@@ -24,15 +24,29 @@ advantage is one number per sequence (it matters for per-token estimators).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
-from posttrain.trainers.online import OnlineConfig, OnlineTrainer, resolve_aliases
+from posttrain.trainers.online import OnlineConfig, OnlineTrainer
 
 # (classic name, GRPO-style name)
 RLOO_ALIASES = [("rloo_k", "num_generations"), ("kl_coef", "beta"), ("response_length", "max_completion_length"),
                 ("num_ppo_epochs", "num_iterations"), ("cliprange", "epsilon")]
+
+
+def resolve_aliases(config, pairs: list[tuple[str, str]]):
+    """Make each (classic name, GRPO name) pair agree: the one set away from its default wins; both set
+    to different values is an error."""
+    defaults = {f.name: f.default for f in fields(config)}
+    for classic, other in pairs:
+        a, b = getattr(config, classic), getattr(config, other)
+        a_set, b_set = a != defaults[classic], b != defaults[other]
+        if a_set and b_set and a != b:
+            raise ValueError(f"{classic}={a!r} and {other}={b!r} name the same setting; set only one of them")
+        value = a if a_set else b if b_set else defaults[classic]
+        setattr(config, classic, value)
+        setattr(config, other, value)
 
 
 def apply_classic_stop(config):

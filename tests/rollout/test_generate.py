@@ -209,9 +209,10 @@ def test_eval_mode_during_generation_and_restored(tok, prompt_ids):
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(config)
     m.train()
+    m.model.norm.eval()  # a submodule kept in eval on purpose stays so
     kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=None)
     a = generate(m, prompt_ids, SamplingConfig(max_new_tokens=6, do_sample=False), **kw)
-    assert m.training
+    assert m.training and m.model.layers[0].self_attn.training and not m.model.norm.training
     m.eval()
     b = generate(m, prompt_ids, SamplingConfig(max_new_tokens=6, do_sample=False), **kw)
     assert not m.training

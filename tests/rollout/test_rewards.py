@@ -41,8 +41,16 @@ def test_arguments_follow_the_signature():
         seen["kw"] = (completions, answer, prompts)
         return [0.0] * len(completions)
 
-    per, total = score([reward_len, level_reward, only_ids, keyword_only, lambda texts: [1.0] * len(texts)])
-    assert per.dtype == torch.float32 and per.shape == (3, 5)
+    def scaled(texts, level=None, scale=2.0):  # one required positional, unknown name: the completions
+        return [scale * len(t) + lv for t, lv in zip(texts, level)]
+
+    def positional_only(completions, /):
+        return [1.0] * len(completions)
+
+    per, total = score([reward_len, level_reward, only_ids, keyword_only, lambda texts: [1.0] * len(texts),
+                        scaled, positional_only], weights=[1, 1, 1, 1, 1, 0, 0])
+    assert per[:, 5].tolist() == [7.0, 12.0, 7.0] and per[:, 6].tolist() == [1.0] * 3
+    assert per.dtype == torch.float32 and per.shape == (3, 7)
     assert per[:, 0].tolist() == [3.0, 5.0, 2.0]  # reward_len(prompts, completions)
     assert per[:, 1].tolist() == [1.0, 2.0, 3.0]  # **kwargs receives every column
     assert per[:, 2].tolist() == [2.0, 3.0, 1.0] and seen["ids"] is IDS
@@ -164,8 +172,13 @@ def test_missing_argument_and_bad_columns():
     def needs_solution(completions, solution):
         return [0.0] * len(completions)
 
+    def two_unknown(texts, solution):
+        return [0.0] * len(texts)
+
     with pytest.raises(RewardError, match=r"'needs_solution' needs argument\(s\) \['solution'\]"):
         score([needs_solution])
+    with pytest.raises(RewardError, match=r"'two_unknown' needs argument\(s\) \['texts', 'solution'\]"):
+        score([two_unknown])
     with pytest.raises(ValueError, match="'answer' has 2 values but there are 3 completions"):
         score([reward_len], columns={"answer": ["1", "2"]})
 

@@ -65,3 +65,24 @@ def train_and_check(trainer, metrics=ONLINE_METRICS, reward_names=("first_token_
     bad = {m: logged[m] for m in wanted if not all(math.isfinite(v) for v in logged[m])}
     assert not bad, f"non-finite metrics: {bad}"
     return logged
+
+
+def sampled_reward(model, tok, dataset, reward_func, num_generations: int = 4, temperature: float = 1.0,
+                   max_new_tokens: int = 8, seed: int = 0) -> float:
+    """Mean reward of sampled completions on `dataset` (the policy's expected reward on held-out prompts)."""
+    import torch
+
+    from posttrain.data.tokenize import encode_prompt
+    from posttrain.rollout.generate import SamplingConfig, generate
+
+    prompts = [encode_prompt(tok, p) for p in dataset["prompt"]]
+    out = generate(model, prompts, SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                  num_generations=num_generations),
+                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                   generator=torch.Generator().manual_seed(seed))
+    lengths = out.completion_mask.sum(1).tolist()
+    texts = tok.batch_decode([ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)],
+                             skip_special_tokens=True)
+    answers = [a for a in dataset["answer"] for _ in range(num_generations)]
+    scores = reward_func(texts, answer=answers)
+    return sum(scores) / len(scores)

@@ -7,7 +7,8 @@ from online_helpers import first_token_reward, online_args, prompts
 from posttrain.core.logprobs import token_logprobs
 from posttrain.trainers import online
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from posttrain.trainers.online import OnlineConfig, OnlineTrainer, resolve_aliases
+from posttrain.trainers.online import OnlineConfig, OnlineTrainer
+from posttrain.trainers.rloo import resolve_aliases
 
 
 def grpo(tmp_path, model="posttrain/tiny-qwen2", **overrides):

@@ -1,0 +1,165 @@
+"""Online RL throughput: GRPO and RLOO steps of the posttrain engine vs a straightforward loop.
+
+Each step: 2 prompts x 4 generations x up to 32 new tokens, reward, advantages, one clipped-surrogate
+update (fp32, AdamW). Measured per method, each in its own process (so peak memory is its own):
+samples/s over the timed steps (after one warm-up step) and the peak resident memory.
+
+  ours-grpo    GRPOTrainer.training_step: one prefill per prompt with the KV cache expanded to the
+               group, a lean sampling loop that keeps the token log-probs, no old-log-prob pass
+               (ratio = 1), logits only for completion positions, no reference model (beta = 0)
+  ours-rloo    RLOOTrainer.training_step, the same with the KL penalty in the reward: one extra
+               no-grad reference forward (beta = 0.05)
+  baseline     transformers `model.generate` per prompt with num_return_sequences, then a separate
+               no-grad forward for the old log-probs and full-vocabulary log_softmax in both passes
+
+    python benchmarks/online_bench.py [--model posttrain/smollm2-135m-instruct] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+PROMPTS = ["Write a short story about a dragon who learns to cook.",
+           "Explain, step by step, how a bicycle works."]
+NUM_GENERATIONS, NEW_TOKENS = 4, 32
+
+
+def length_reward(completions, **kwargs):
+    return [len(c) / 100 for c in completions]
+
+
+def _dataset():
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 8)
+
+
+def run_ours(model_name: str, algo: str, steps: int) -> dict:
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    common = dict(output_dir="/tmp/online_bench", per_device_train_batch_size=len(PROMPTS) * NUM_GENERATIONS,
+                  num_generations=NUM_GENERATIONS, max_completion_length=NEW_TOKENS, learning_rate=1e-6,
+                  report_to="none", disable_tqdm=True, shuffle_dataset=False, temperature=1.0)
+    if algo == "grpo":
+        trainer = GRPOTrainer(model_name, length_reward, args=GRPOConfig(**common), train_dataset=_dataset())
+    else:
+        trainer = RLOOTrainer(model_name, length_reward, args=RLOOConfig(**common, num_ppo_epochs=1),
+                              train_dataset=_dataset())
+    trainer.create_optimizer_and_scheduler(num_training_steps=steps + 1)
+    batches = iter(trainer.get_train_dataloader())
+    lengths, times = [], []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        trainer.training_step(trainer.model, next(batches))
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+        lengths.append(trainer._metrics["train"]["completions/mean_length"][-1])
+    return {"seconds": times[1:], "mean_length": sum(lengths[1:]) / steps}
+
+
+def run_baseline(model_name: str, steps: int) -> dict:
+    import torch
+
+    from posttrain.models.loading import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(model_name)
+    tok = load_tokenizer(None, model=model_name)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
+    times, lengths = [], []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        model.eval()
+        sequences, masks, starts = [], [], []
+        with torch.no_grad():
+            for ids in prompt_ids:  # one generate call per prompt, the group via num_return_sequences
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                     top_k=0, max_new_tokens=NEW_TOKENS, num_return_sequences=NUM_GENERATIONS,
+                                     pad_token_id=tok.pad_token_id)
+                completion = out[:, ids.shape[1]:]
+                done = (completion == tok.eos_token_id).int().cumsum(1)
+                mask = ((done == 0) | ((done == 1) & (completion == tok.eos_token_id))).long()
+                sequences += list(out)
+                masks += list(mask)
+                starts += [ids.shape[1]] * NUM_GENERATIONS
+        texts = [tok.decode(s[p:][m.bool()], skip_special_tokens=True) for s, p, m in zip(sequences, starts, masks)]
+        rewards = torch.tensor(length_reward(texts)).view(len(PROMPTS), NUM_GENERATIONS)
+        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
+        model.train()
+        ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=tok.pad_token_id)
+        comp_mask = torch.zeros_like(ids, dtype=torch.float)
+        for i, (p, m) in enumerate(zip(starts, masks)):
+            comp_mask[i, p:p + len(m)] = m.float()
+        attention = torch.ones_like(ids)
+        targets = ids[:, 1:]
+        with torch.no_grad():  # old-policy log-probs: a separate pass, full log_softmax
+            old = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1], -1)
+            old = old.gather(-1, targets[..., None]).squeeze(-1)
+        new = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1], -1)
+        new = new.gather(-1, targets[..., None]).squeeze(-1)
+        ratio = torch.exp(new - old)
+        loss_tok = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
+        mask = comp_mask[:, 1:]
+        loss = (loss_tok * mask).sum() / mask.sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        times.append(time.perf_counter() - start)
+        lengths.append(float(torch.stack([m.sum() for m in masks]).float().mean()))
+    return {"seconds": times[1:], "mean_length": sum(lengths[1:]) / steps}
+
+
+def child(args):
+    import torch
+
+    torch.manual_seed(0)
+    result = run_baseline(args.model, args.steps) if args.method == "baseline" else \
+        run_ours(args.model, args.method.removeprefix("ours-"), args.steps)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="posttrain/smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--method", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.method:
+        return child(args)
+    rows = {}
+    for method in ("baseline", "ours-grpo", "ours-rloo"):
+        out = subprocess.run([sys.executable, __file__, "--model", args.model, "--steps", str(args.steps),
+                              "--method", method], capture_output=True, text=True, env={**os.environ})
+        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            raise SystemExit(f"{method} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+        rows[method] = json.loads(line[len("RESULT "):])
+    from rich.console import Console
+    from rich.table import Table
+
+    samples = len(PROMPTS) * NUM_GENERATIONS
+    table = Table(title=f"online RL step on {args.model}: {len(PROMPTS)} prompts x {NUM_GENERATIONS} generations x "
+                        f"<= {NEW_TOKENS} new tokens, fp32, {args.steps} timed steps")
+    for col in ("method", "samples/s", "s/step", "mean completion tokens", "peak RSS (MiB)", "vs baseline"):
+        table.add_column(col, justify="right" if col != "method" else "left")
+    base = samples / (sum(rows["baseline"]["seconds"]) / args.steps)
+    for method, r in rows.items():
+        per_step = sum(r["seconds"]) / args.steps
+        rate = samples / per_step
+        table.add_row(method, f"{rate:.2f}", f"{per_step:.2f}", f"{r['mean_length']:.1f}", f"{r['peak_rss_mib']:.0f}",
+                      f"{rate / base:.2f}x")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

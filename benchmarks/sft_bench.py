@@ -1,0 +1,223 @@
+"""SFT throughput and memory: a straightforward transformers Trainer against SFTTrainer.
+
+    python benchmarks/sft_bench.py [--model posttrain/smollm2-135m-instruct] [--steps 3] [--warmup 1]
+                                   [--only baseline,packed-rows,...] [--profile]
+
+Workload: language-modeling SFT at max_length 256, batch 4, on documents of uniformly random
+length between 32 and 384 tokens (deterministic slices of the Python docs that ship with
+Python, cut to 256), so a padded batch wastes what real chat data wastes. Every variant trains
+on the same token ids.
+
+Variants (each in a fresh child process, so its peak memory is its own):
+  baseline      plain `transformers.Trainer`, `labels`, every row padded to max_length, full logits
+  unpacked      SFTTrainer without packing: rows padded to the longest in the batch, logits only
+                where there is a target
+  padding-free  SFTTrainer, packing (best-fit decreasing), each batch flattened into one row
+  packed-rows   SFTTrainer, packing, one bin per row (padding_free=False): attention costs
+                B * 256^2 instead of (4 * 256)^2
+  ... and the same with `-bf16` (bf16 autocast; only where the CPU supports bf16).
+
+tokens/s counts real (non-padding) tokens trained on, per second of wall-clock step time
+(data loading, forward, backward and optimizer step), median over the measured steps after
+the warm-up steps. Peak memory is the process's peak resident set size from
+`resource.getrusage(RUSAGE_SELF).ru_maxrss` (the whole process: weights, gradients, AdamW
+state, activations); "train +" is that peak minus the resident size just before training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+SEQ_LEN, BATCH = 256, 4
+VARIANTS = {
+    "baseline": dict(trainer="plain"),
+    "unpacked": dict(trainer="sft"),
+    "padding-free": dict(trainer="sft", packing=True, padding_free=True),
+    "packed-rows": dict(trainer="sft", packing=True, padding_free=False),
+}
+
+
+def documents(tokenizer, n: int = 256, seed: int = 0) -> list[list[int]]:
+    """`n` token-id documents, lengths uniform in [32, 384], cut to SEQ_LEN."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text[:2_000_000], add_special_tokens=False)["input_ids"]
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        length = rng.randint(32, 384)
+        start = rng.randrange(0, len(ids) - length)
+        docs.append(ids[start:start + length][: SEQ_LEN - 1] + [tokenizer.eos_token_id])
+    return docs
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def child(spec: dict) -> dict:
+    """Train one variant for warmup + steps steps; return its timings and memory."""
+    import torch
+    from datasets import Dataset
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from posttrain.models.loading import load_causal_lm, load_tokenizer
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(spec["model"])
+    docs = documents(tokenizer)
+    model = load_causal_lm(spec["model"])
+    common = dict(output_dir="/tmp/posttrain-sft-bench", per_device_train_batch_size=BATCH, learning_rate=1e-5,
+                  max_steps=spec["warmup"] + spec["steps"], logging_steps=1000, report_to="none",
+                  save_strategy="no", disable_tqdm=True, bf16=spec["bf16"], dataloader_pin_memory=False, seed=0,
+                  use_cpu=not torch.cuda.is_available())
+    counts: list[int] = []  # real tokens in each batch, in the order the trainer asks for them
+
+    if spec["trainer"] == "plain":
+        def encode(row):
+            pad = SEQ_LEN - len(row["ids"])
+            ids = row["ids"] + [tokenizer.pad_token_id] * pad
+            mask = [1] * len(row["ids"]) + [0] * pad
+            return {"input_ids": ids, "attention_mask": mask,
+                    "labels": [t if m else -100 for t, m in zip(ids, mask)]}
+
+        data = Dataset.from_dict({"ids": docs}).map(encode, remove_columns=["ids"])
+
+        def collate(rows):
+            counts.append(sum(sum(r["attention_mask"]) for r in rows))
+            return {k: torch.tensor([r[k] for r in rows]) for k in ("input_ids", "attention_mask", "labels")}
+
+        trainer = Trainer(model=model, args=TrainingArguments(**common, remove_unused_columns=False),
+                          train_dataset=data, data_collator=collate)
+    else:
+        config = SFTConfig(**common, max_length=SEQ_LEN, packing=spec.get("packing", False),
+                           padding_free=spec.get("padding_free"))
+        trainer = SFTTrainer(model, args=config, train_dataset=Dataset.from_dict({"input_ids": docs}),
+                             processing_class=tokenizer)
+        inner = trainer.data_collator
+
+        def collate(rows):
+            counts.append(sum(len(r["input_ids"]) for r in rows))
+            return inner(rows)
+
+        trainer.data_collator = collate
+
+    marks: dict[str, list[float]] = {k: [] for k in ("step", "forward", "loss", "backward", "optimizer")}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            self.t_opt = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            marks["optimizer"].append(time.perf_counter() - self.t_opt)
+
+        def on_step_end(self, args, state, control, **kw):
+            marks["step"].append(time.perf_counter() - self.t0)
+
+    trainer.add_callback(Clock())
+    if spec["profile"]:  # wall-clock split of a step: model forward, loss, backward, optimizer
+        def timed(fn, key, minus=()):
+            def wrapper(*a, **kw):
+                t = time.perf_counter()
+                before = {k: sum(marks[k]) for k in minus}
+                out = fn(*a, **kw)
+                marks[key].append(time.perf_counter() - t - sum(sum(marks[k]) - before[k] for k in minus))
+                return out
+            return wrapper
+
+        fwd_start = []
+        trainer.model.register_forward_pre_hook(lambda *a: fwd_start.append(time.perf_counter()))
+        trainer.model.register_forward_hook(lambda *a: marks["forward"].append(time.perf_counter() - fwd_start[-1]))
+        trainer.compute_loss = timed(trainer.compute_loss, "loss", minus=("forward",))
+        trainer.training_step = timed(trainer.training_step, "backward", minus=("forward", "loss"))
+
+    rss_before = rss_mib()
+    trainer.train()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    w = spec["warmup"]
+    steps, tokens = marks["step"][w:], counts[w:w + spec["steps"]]
+    return {
+        "tokens_per_s": statistics.median(n / t for n, t in zip(tokens, steps)),
+        "step_s": statistics.median(steps),
+        "tokens_per_step": statistics.mean(tokens),
+        "peak_mib": peak,
+        "train_mib": peak - rss_before,
+        "optim": str(trainer.args.optim).split(".")[-1],
+        "profile": {k: statistics.median(v[w:]) for k, v in marks.items() if k != "step" and v[w:]} or None,
+    }
+
+
+def bf16_supported() -> bool:
+    import torch
+
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="posttrain/smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per variant")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    parser.add_argument("--only", default="", help="comma-separated variants (default: all)")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast variants")
+    parser.add_argument("--profile", action="store_true", help="split each step into forward/loss/backward/optimizer")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
+        return
+
+    names = [f"{v}{p}" for p in ("", "-bf16") for v in VARIANTS]
+    if args.no_bf16 or not bf16_supported():
+        names = [n for n in names if not n.endswith("-bf16")]
+    if args.only:
+        names = [n for n in names if n in args.only.split(",")]
+    print(f"model {args.model}, max_length {SEQ_LEN}, batch {BATCH}, {args.warmup} warm-up + {args.steps} "
+          f"measured steps per variant; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    results = {}
+    for name in names:
+        base, bf16 = name.removesuffix("-bf16"), name.endswith("-bf16")
+        spec = {**VARIANTS[base], "model": args.model, "steps": args.steps, "warmup": args.warmup, "bf16": bf16,
+                "profile": args.profile}
+        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{name}: failed\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        results[name] = r = json.loads(line[len("RESULT "):])
+        print(f"  {name:<18} {r['tokens_per_s']:7.1f} tokens/s  ({r['step_s']:.2f} s/step)", flush=True)
+
+    reference = results.get("baseline", {}).get("tokens_per_s")
+    header = f"{'variant':<18} {'tokens/s':>9} {'x baseline':>10} {'tokens/step':>11} {'s/step':>7} " \
+             f"{'peak RSS MiB':>12} {'train + MiB':>11}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for name, r in results.items():
+        ratio = f"{r['tokens_per_s'] / reference:.2f}" if reference else "-"
+        print(f"{name:<18} {r['tokens_per_s']:>9.1f} {ratio:>10} {r['tokens_per_step']:>11.0f} {r['step_s']:>7.2f} "
+              f"{r['peak_mib']:>12.0f} {r['train_mib']:>11.0f}")
+    if args.profile:
+        print("\nmedian seconds per step: forward / loss / backward / optimizer")
+        for name, r in results.items():
+            p = r["profile"] or {}
+            print(f"{name:<18} " + " / ".join(f"{p.get(k, float('nan')):.2f}" for k in
+                                              ("forward", "loss", "backward", "optimizer")))
+    print(f"\noptimizer: {next(iter(results.values()))['optim'] if results else '-'}; "
+          f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
