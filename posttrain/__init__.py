@@ -20,6 +20,9 @@ _EXPORTS = {
     "RLOOConfig": "posttrain.trainers.rloo", "RLOOTrainer": "posttrain.trainers.rloo",
     "PPOConfig": "posttrain.trainers.ppo", "PPOTrainer": "posttrain.trainers.ppo",
     "ReinforcePPConfig": "posttrain.trainers.reinforce_pp", "ReinforcePPTrainer": "posttrain.trainers.reinforce_pp",
+    "PairwiseJudge": "posttrain.judges", "RewardModelJudge": "posttrain.judges",
+    "OpenAIPairwiseJudge": "posttrain.judges", "WinRateCallback": "posttrain.judges", "win_rate": "posttrain.judges",
+    "PlotCallback": "posttrain.plotting", "generation_accuracy": "posttrain.eval",
     "load_builtin": "posttrain.data.builtin", "task_dataset": "posttrain.data.builtin", "zen": "posttrain.data.builtin",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
 }

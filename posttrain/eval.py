@@ -1,37 +1,53 @@
-"""Held-out evaluation helpers shared by tests, examples and the demo."""
+"""Held-out evaluation helpers shared by tests, examples, judges and the demo."""
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import torch
 
 from posttrain.data.builtin import check
-from posttrain.data.collate import pad
-from posttrain.data.tokenize import encode_prompt
 
 
 @torch.no_grad()
+def generate_completions(model, tokenizer, prompts: Sequence[Any], max_new_tokens: int = 32,
+                         batch_size: int = 64, **generation_kwargs) -> list[str]:
+    """Greedy completions (text, special tokens dropped) of `prompts`: strings or message lists.
+
+    Prompts are encoded like the trainers encode them (chat template with the generation prompt
+    for conversations) and left-padded so every row ends where generation starts.
+    `generation_kwargs` go to `model.generate` (e.g. `generation_config=`, which then decides the decoding).
+    The model's train/eval mode is restored.
+    """
+    from posttrain.data.collate import pad
+    from posttrain.data.tokenize import encode_prompt
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    kwargs = dict(pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, use_cache=True)
+    if "generation_config" not in generation_kwargs:  # a GenerationConfig, when given, decides the decoding
+        kwargs.update(do_sample=False, max_new_tokens=max_new_tokens)
+    kwargs.update(generation_kwargs)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    texts = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            encoded = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
+            ids = pad(encoded, pad_id, "left").to(device)
+            mask = pad([[1] * len(e) for e in encoded], 0, "left").to(device)
+            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            texts += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+    return texts
+
+
 def generation_accuracy(model, tokenizer, dataset, max_new_tokens: int = 8, batch_size: int = 64) -> float:
     """Fraction of rows whose greedy completion passes `check(completion, row["answer"])`.
 
     `dataset` has `prompt` (a string or messages) and `answer` columns, as the built-in tasks do.
-    Prompts are left-padded and generated in batches; the model's train/eval mode is restored.
     """
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    correct = 0
-    try:
-        for start in range(0, len(dataset), batch_size):
-            rows = dataset[start:start + batch_size]
-            prompts = [encode_prompt(tokenizer, p) for p in rows["prompt"]]
-            input_ids = pad(prompts, pad_id, side="left").to(device)
-            attention_mask = pad([[1] * len(p) for p in prompts], 0, side="left").to(device)
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                                 eos_token_id=tokenizer.eos_token_id)
-            texts = tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
-            correct += sum(check(text, answer) for text, answer in zip(texts, rows["answer"]))
-    finally:
-        model.train(was_training)
-    return correct / max(len(dataset), 1)
+    texts = generate_completions(model, tokenizer, list(dataset["prompt"]), max_new_tokens, batch_size)
+    answers = list(dataset["answer"])
+    return sum(check(t, a) for t, a in zip(texts, answers)) / max(len(answers), 1)

@@ -36,6 +36,8 @@ from typing import Any, Sequence
 import torch
 from transformers import TrainerCallback
 
+from posttrain.eval import generate_completions
+
 __all__ = ["PairwiseJudge", "BasePairwiseJudge", "RewardModelJudge", "OpenAIPairwiseJudge", "JudgeError", "win_rate",
            "WinRateCallback", "generate_completions"]
 
@@ -339,38 +341,6 @@ def win_rate(judge: PairwiseJudge, prompts: Sequence[Any], completions: Sequence
 
 
 @torch.no_grad()
-def generate_completions(model, tokenizer, prompts: Sequence[Any], max_new_tokens: int = 32,
-                         batch_size: int = 16, **generation_kwargs) -> list[str]:
-    """Greedy completions (text, special tokens dropped) of `prompts`: strings or message lists.
-
-    `generation_kwargs` go to `model.generate` (e.g. `generation_config=`, which then decides the decoding).
-
-    Prompts are encoded like the trainers encode them (chat template with the generation prompt
-    for conversations) and left-padded so every row ends where generation starts.
-    """
-    from posttrain.data.collate import pad
-    from posttrain.data.tokenize import encode_prompt
-
-    kwargs = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True)
-    if "generation_config" not in generation_kwargs:  # a GenerationConfig, when given, decides the decoding
-        kwargs.update(do_sample=False, max_new_tokens=max_new_tokens)
-    kwargs.update(generation_kwargs)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    texts = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            encoded = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
-            ids = pad(encoded, tokenizer.pad_token_id, "left").to(device)
-            mask = pad([[1] * len(e) for e in encoded], 0, "left").to(device)
-            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-            texts += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
-    finally:
-        model.train(was_training)
-    return texts
-
-
 class WinRateCallback(TrainerCallback):
     """At each evaluation, greedy-generate completions for `eval_prompts` and log `eval_win_rate` against
     `reference_completions` (default: what the model generated for the same prompts when training began).

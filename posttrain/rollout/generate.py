@@ -6,6 +6,8 @@ plain loop of one-token forwards with `logits_to_keep=1`; positions come from th
 mask because prompts are left-padded. We do not call `model.generate`: the trainer needs the
 log-prob of every sampled token under the sampling distribution (before any filtering), the
 exact stop mask, and a sampler whose randomness depends only on the seed and the row.
+Rows that have stopped are dropped from the decoding batch (and their KV cache) once they are a
+quarter of it, so long-tail samples do not keep the whole group computing.
 
 Log-probs are those of softmax(logits / temperature) *before* top-k / top-p / min-p filtering,
 i.e. the same quantity `core.logprobs.token_logprobs(..., temperature=T)` recomputes; a trainer
