@@ -340,7 +340,6 @@ def win_rate(judge: PairwiseJudge, prompts: Sequence[Any], completions: Sequence
     return {"win_rate": rate, "num_judged": judged, "num_failed": failed, "num_ties": ties}
 
 
-@torch.no_grad()
 class WinRateCallback(TrainerCallback):
     """At each evaluation, greedy-generate completions for `eval_prompts` and log `eval_win_rate` against
     `reference_completions` (default: what the model generated for the same prompts when training began).
