@@ -206,6 +206,43 @@ def run_ppo(script_args, config):
 COMMANDS.update({"grpo": run_grpo, "rloo": run_rloo, "ppo": run_ppo})
 
 
+# ---- offline preference commands (reward model, DPO, BCO, KTO): preference or unpaired datasets
+
+@command(config="posttrain.trainers.reward:RewardConfig", help="Reward model (Bradley-Terry) on preference pairs.")
+def run_reward(script_args, config):
+    from posttrain.trainers.preference_base import build_for_cli
+    from posttrain.trainers.reward import RewardTrainer
+
+    return build_for_cli(RewardTrainer, script_args, config)
+
+
+@command(config="posttrain.trainers.dpo:DPOConfig", help="DPO and its pairwise variants on preference pairs.")
+def run_dpo(script_args, config):
+    from posttrain.trainers.dpo import DPOTrainer
+    from posttrain.trainers.preference_base import build_for_cli
+
+    return build_for_cli(DPOTrainer, script_args, config)
+
+
+@command(config="posttrain.trainers.bco:BCOConfig", help="BCO on unpaired (or paired) feedback.")
+def run_bco(script_args, config):
+    from posttrain.trainers.bco import BCOTrainer
+    from posttrain.trainers.preference_base import build_for_cli
+
+    return build_for_cli(BCOTrainer, script_args, config)
+
+
+@command(config="posttrain.trainers.kto:KTOConfig", help="KTO on unpaired (or paired) feedback.")
+def run_kto(script_args, config):
+    from posttrain.trainers.kto import KTOTrainer
+    from posttrain.trainers.preference_base import build_for_cli
+
+    return build_for_cli(KTOTrainer, script_args, config)
+
+
+COMMANDS.update({"reward": run_reward, "dpo": run_dpo, "bco": run_bco, "kto": run_kto})
+
+
 # ---------------------------------------------------------------------------- flags from dataclasses
 
 _TRUE, _FALSE, _NONE = ("true", "yes", "1", "on"), ("false", "no", "0", "off"), ("none", "null")

@@ -298,3 +298,11 @@ class PreferenceTrainer(BaseTrainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+
+def build_for_cli(trainer_class, script_args, config):
+    """A trainer for `posttrain reward|dpo|bco|kto`: model and datasets from the script arguments."""
+    from posttrain.cli import load_datasets
+
+    train, evaluation = load_datasets(script_args, config)
+    return trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation)
