@@ -17,7 +17,7 @@ def test_sft_end_to_end_writes_a_loadable_model(tmp_path):
     trainer = cli.main(["sft", *TINY, "--dataset_name", "zen/prompt_completion", "--output_dir", str(out),
                         "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3",
                         "--packing", "--max_length", "64", "--disable_tqdm", "true"])
-    assert trainer.state.global_step == 2 and trainer.args.packing and trainer.args.padding_free
+    assert trainer.state.global_step == 2 and trainer.args.packing and trainer.args.padding_free is False
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "qwen2"
     assert (out / "tokenizer.json").exists()
@@ -31,7 +31,7 @@ def test_yaml_values_are_overridden_by_flags(tmp_path):
                                             "--packing", "false", "--lr_scheduler_kwargs", '{"num_cycles": 2}'])
     assert script_args.model_name_or_path == "posttrain/tiny-qwen2" and script_args.dataset_name == "zen"
     assert config.learning_rate == 1e-3  # PyYAML reads 1e-3 as a string; the field's type converts it
-    assert config.max_length == 32 and config.packing is False and config.padding_free is False
+    assert config.max_length == 32 and config.packing is False and config.padding_free is None
     assert config.model_init_kwargs == {"dtype": "float32"} and config.lr_scheduler_kwargs == {"num_cycles": 2}
     _, config = cli.parse("sft", [*TINY, "--dataset_name", "zen", "--output_dir", "o", "--completion_only_loss", "none",
                                   "--eval_packing", "true", "--max-length", "7"])

@@ -18,18 +18,47 @@ def selective_log_softmax(logits: Tensor, index: Tensor, chunk_rows: int = CHUNK
     """log softmax(logits)[..., index] without a full log-softmax copy.
 
     logits: (..., V); index: (...) token ids. Returns (...) in float32 (or float64 for float64 logits).
+    The gradient, softmax - one_hot(index) per row, is written chunk by chunk into one tensor the
+    shape of `logits` (autograd through logsumexp + gather would build several).
     """
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _SelectiveLogSoftmax.apply(logits, index, chunk_rows)
+    return _selective_log_softmax(logits, index, chunk_rows)[0]
+
+
+def _selective_log_softmax(logits: Tensor, index: Tensor, chunk_rows: int) -> tuple[Tensor, Tensor]:
+    """(log-probs of `index`, log-sum-exp of each row), both shaped like `index`."""
     out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     flat = logits.reshape(-1, logits.shape[-1])
     idx = index.reshape(-1)
-    pieces = []
+    lse = torch.empty(flat.shape[0], dtype=out_dtype, device=logits.device)
     for start in range(0, flat.shape[0], chunk_rows):
-        rows = flat[start:start + chunk_rows].to(out_dtype)  # no copy when already float32/64
-        chosen = rows.gather(-1, idx[start:start + chunk_rows, None]).squeeze(-1)
-        pieces.append(chosen - torch.logsumexp(rows, dim=-1))
-    if not pieces:
-        return logits.new_zeros(index.shape, dtype=out_dtype)
-    return torch.cat(pieces).view(index.shape)
+        lse[start:start + chunk_rows] = torch.logsumexp(flat[start:start + chunk_rows].to(out_dtype), dim=-1)
+    chosen = flat.gather(-1, idx[:, None]).squeeze(-1).to(out_dtype)
+    return (chosen - lse).view(index.shape), lse.view(index.shape)
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, index, chunk_rows):
+        logps, lse = _selective_log_softmax(logits, index, chunk_rows)
+        ctx.save_for_backward(logits, index, lse)
+        ctx.chunk_rows = chunk_rows
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, index, lse = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        idx, lse, g = index.reshape(-1, 1), lse.reshape(-1, 1), grad.reshape(-1, 1).to(lse.dtype)
+        out = torch.empty_like(flat)
+        for start in range(0, flat.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            # d logp[i] / d logits[j] = 1[j == index] - softmax[j]
+            chunk = torch.sub(flat[rows].to(lse.dtype), lse[rows]).exp_().mul_(-g[rows])
+            chunk.scatter_add_(1, idx[rows], g[rows])
+            out[rows] = chunk
+        return out.view_as(logits), None, None
 
 
 def entropy_from_logits(logits: Tensor, chunk_rows: int = CHUNK_ROWS) -> Tensor:

@@ -69,11 +69,15 @@ class DensityRatioClassifier:
         self.weight, self.bias, self.mean, self.scale = weight, bias, mean, scale  # (D,), (), (D,), (D,)
 
     @classmethod
-    def fit(cls, desirable: Tensor, undesirable: Tensor, l2: float = 1e-3, steps: int = 200) -> "DensityRatioClassifier":
-        """desirable (N, D), undesirable (M, D) embeddings; `l2` penalises the squared weights."""
+    def fit(cls, desirable: Tensor, undesirable: Tensor, l2: float | None = None,
+            steps: int = 200) -> "DensityRatioClassifier":
+        """desirable (N, D), undesirable (M, D) embeddings; `l2` penalises the squared weights (default
+        0.5 / (N + M), the usual C = 1 of logistic regression on a mean loss): with few prompts in many
+        dimensions the classes are separable, and without it the fit memorises the sampled prompts."""
         if len(desirable) == 0 or len(undesirable) == 0:
             raise ValueError("the density-ratio classifier needs desirable and undesirable prompts")
         x = torch.cat([desirable, undesirable]).double()
+        l2 = 0.5 / len(x) if l2 is None else l2
         y = torch.cat([torch.ones(len(desirable)), torch.zeros(len(undesirable))]).double()
         # each class weighs 1/2 in total: the fitted prior odds are 1, leaving the density ratio
         w_row = torch.where(y > 0, 0.5 / len(desirable), 0.5 / len(undesirable)).double()

@@ -20,8 +20,8 @@ critic next to it.
 from __future__ import annotations
 
 import os
-import torch
-from torch import Tensor, nn
+
+from torch import nn
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_FOLDER = "value_model"

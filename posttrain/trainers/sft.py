@@ -54,7 +54,10 @@ class SFTConfig(BaseConfig):
                                          "'wrapped': concatenate everything and cut every max_length tokens."})
     padding_free: bool | None = field(
         default=None, metadata={"help": "Flatten each batch into one row with no padding, sequences told apart by "
-                                        "restarting position_ids. Default: True when packing, else False."})
+                                        "restarting position_ids. None: True when packing with a flash-attention "
+                                        "model (varlen kernels), else False; packed data without it is one bin per "
+                                        "row, also with restarting position_ids, so attention costs B*L^2 instead of "
+                                        "(B*L)^2 under sdpa/eager."})
     completion_only_loss: bool | None = field(
         default=None, metadata={"help": "Loss on completion tokens only, for prompt-completion data. "
                                         "None: on for prompt-completion data."})
@@ -67,8 +70,6 @@ class SFTConfig(BaseConfig):
         default=None, metadata={"help": "Pack the eval dataset too. None: same as `packing`."})
 
     def __post_init__(self):
-        if self.padding_free is None:
-            self.padding_free = self.packing
         if self.eval_packing is None:
             self.eval_packing = self.packing
         super().__post_init__()
@@ -104,6 +105,9 @@ class SFTTrainer(BaseTrainer):
             eval_dataset = {k: prepare(v, args.eval_packing) for k, v in eval_dataset.items()}
         elif eval_dataset is not None:
             eval_dataset = prepare(eval_dataset, args.eval_packing)
+        if args.padding_free is None:  # one flat row only pays off with varlen (flash) attention kernels
+            attention = str(getattr(model.config, "_attn_implementation", "") or "")
+            args.padding_free = bool(args.packing and "flash" in attention)
         if data_collator is None:
             data_collator = LanguageModelingCollator(tokenizer.pad_token_id, padding_free=args.padding_free)
         super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,

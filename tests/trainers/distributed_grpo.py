@@ -6,6 +6,7 @@ Sampling is made independent of how prompts are split over processes: each promp
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -43,7 +44,8 @@ class PerPromptSeededGRPO(GRPOTrainer):
 def main(out_path: str, per_device_batch: int):
     args = GRPOConfig(output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch, num_generations=4,
                       max_completion_length=6, learning_rate=1e-2, max_steps=1, logging_steps=1, beta=0.1,
-                      shuffle_dataset=False, report_to="none", disable_tqdm=True, use_cpu=True, ddp_backend="gloo",
+                      shuffle_dataset=False, report_to="none", disable_tqdm=True, use_cpu=True,
+                      ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
                       save_strategy="no")
     trainer = PerPromptSeededGRPO("posttrain/tiny-qwen2", first_token_reward, args=args,
                                   train_dataset=task_dataset("reverse", "train", size=16).remove_columns("completion"))

@@ -14,11 +14,16 @@ TINY = "posttrain/tiny-qwen2"
 
 
 def corrupt(answer: str, rng: random.Random, how: str) -> str:
-    """A wrong answer: one digit replaced by a letter ("letter"), or one digit dropped ("drop")."""
-    i = rng.randrange(len(answer))
+    """A wrong answer: one digit replaced by a letter ("letter"), or one digit dropped ("drop").
+
+    The letter never replaces the first digit: " 1a74" tokenises as " ", "1", "a", "7", "4", like the
+    right answer, but " a274" merges " a" into one token, and a shorter rejected answer would be
+    favoured by its length alone."""
     if how == "letter":
+        i = rng.randrange(1, len(answer))
         return answer[:i] + rng.choice(string.ascii_lowercase) + answer[i + 1:]
     if how == "drop":
+        i = rng.randrange(len(answer))
         return answer[:i] + answer[i + 1:]
     raise ValueError(how)
 

@@ -1,4 +1,9 @@
-"""GRPO on 2 CPU processes (accelerate launch, gloo) equals 1 process with the same global batch."""
+"""GRPO on 2 CPU processes (accelerate launch, gloo) equals 1 process with the same global batch.
+
+`accelerate launch --cpu --num_processes 2` starts one process unless MPI is installed, so the test
+asks for the torch.distributed launcher (`--multi_gpu`) and the script puts the run on the CPU
+(`use_cpu=True`) with the gloo backend.
+"""
 
 import json
 import os
@@ -29,7 +34,7 @@ def test_two_processes_match_one(tmp_path):
     one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
     # 1 process x 8 completions (2 prompts) vs 2 processes x 4 completions (1 prompt each)
     _run([sys.executable, SCRIPT, one, "8"], tmp_path)
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
           SCRIPT, two, "4"], tmp_path)
     a, b = (json.load(open(p)) for p in (one, two))

@@ -187,12 +187,12 @@ def test_bad_rows_are_named(tmp_path, rows, message):
 def test_dpo_learns_to_prefer_held_out_correct_answers(tmp_path):
     """Random-init tiny-qwen2, `reverse` pairs (rejected: one answer digit replaced by a letter)."""
     torch.manual_seed(0)
-    args = DPOConfig(**config_kwargs(tmp_path, per_device_train_batch_size=16, max_steps=25, learning_rate=3e-3,
-                                     logging_steps=25, max_length=64))
+    args = DPOConfig(**config_kwargs(tmp_path, per_device_train_batch_size=8, max_steps=12, learning_rate=3e-3,
+                                     logging_steps=12, max_length=64))
     trainer = DPOTrainer(TINY, args=args, train_dataset=task_pairs("train", 400))
     test = task_pairs("test", 200)
     before = preference_rate(trainer.model, trainer.processing_class, test)
     trainer.train()
     after = preference_rate(trainer.model, trainer.processing_class, test)
     print(f"DPO held-out preference for the correct answer: {before:.3f} -> {after:.3f}")
-    assert before < 0.5 and after > 0.9
+    assert before < 0.7 and after > 0.95

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from online_helpers import (CRITIC_METRICS, ONLINE_METRICS, first_token_reward, greedy_reward, online_args, prompts,
-                      train_and_check)
+from online_helpers import (CRITIC_METRICS, ONLINE_METRICS, first_token_reward, heldout_reward, learning_args,
+                            online_args, prompts, train_and_check)
 
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
@@ -70,13 +70,14 @@ def test_classic_manual_loop(tmp_path):
 
 @pytest.mark.slow
 def test_ppo_raises_heldout_reward(sft_reverse_path, tmp_path):
+    """PPO from the partially SFT-trained tiny model raises the held-out mean reward (sampled, digit_match)."""
     from posttrain.data.builtin import digit_match_reward, task_dataset
 
-    trainer = PPOTrainer(args=PPOConfig(**LEARNING), model=sft_reverse_path, reward_funcs=digit_match_reward,
-                         train_dataset=task_dataset("reverse", "train"))
-    test = task_dataset("reverse", "test", size=100)
-    before = greedy_reward(trainer.policy, trainer.processing_class, test, digit_match_reward)
+    train = task_dataset("reverse", "train").remove_columns("completion")
+    trainer = PPOTrainer(args=PPOConfig(**learning_args(tmp_path, num_ppo_epochs=1)), model=sft_reverse_path,
+                         reward_funcs=digit_match_reward, train_dataset=train)
+    before = heldout_reward(trainer)
     trainer.train()
-    after = greedy_reward(trainer.policy, trainer.processing_class, test, digit_match_reward)
-    print(f"PPO held-out digit_match: {before:.3f} -> {after:.3f}")
-    assert after > before + 0.05
+    after = heldout_reward(trainer)
+    print(f"PPO held-out mean reward: {before:.3f} -> {after:.3f}")
+    assert after > before + 0.02

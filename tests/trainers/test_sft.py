@@ -197,7 +197,10 @@ def test_default_args(tmp_path, monkeypatch):
     assert trainer.args.output_dir == "tiny-qwen2-SFT"
     assert trainer.args.learning_rate == 2e-5 and trainer.args.max_length == 1024
     assert trainer.args.padding_free is False and not trainer.args.gradient_checkpointing
-    assert SFTConfig(output_dir="x", packing=True).padding_free is True
+    assert SFTConfig(output_dir="x", packing=True).padding_free is None  # resolved by the trainer:
+    packed = SFTTrainer(MODEL, args=SFTConfig(output_dir="x", packing=True, max_length=64), train_dataset=zen())
+    assert packed.args.padding_free is False  # sdpa: one bin per row, cheaper attention than one flat row
+    assert "position_ids" in packed.data_collator([packed.train_dataset[0], packed.train_dataset[1]])
 
 
 @pytest.mark.slow  # 220 optimizer steps: the tiny model picks up reversal between steps ~150 and ~200

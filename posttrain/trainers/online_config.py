@@ -1,0 +1,161 @@
+"""The online engine's configuration: `OnlineConfig`, every field the loop in
+`posttrain.trainers.online` reads, with GRPO's defaults; the presets (GRPOConfig, RLOOConfig,
+PPOConfig, ReinforcePPConfig) subclass it and change defaults.
+
+Batch semantics: `per_device_train_batch_size` counts completions per micro-batch; each process
+generates `per_device_train_batch_size * steps_per_generation` completions at a time, whole
+groups of `num_generations`, and trains on them for `steps_per_generation * num_iterations`
+micro-batches (`gradient_accumulation_steps` per optimizer step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.core.advantages import ADVANTAGES
+from posttrain.core.kl import KL_ESTIMATORS
+from posttrain.core.masked import AGGREGATIONS
+from posttrain.core.policy_losses import POLICY_LOSSES
+from posttrain.trainers.base import BaseConfig
+
+# GRPO-family loss names -> (aggregation mode, whether the denominator is global)
+LOSS_TYPES = {"grpo": ("seq_mean_token_mean", True), "bnpo": ("token_mean", False),
+              "dr_grpo": ("seq_mean_token_sum_norm", True), "dapo": ("token_mean", True),
+              **{mode: (mode, True) for mode in AGGREGATIONS}}
+# which global count each aggregation divides by: 0 tokens, 1 sequences, 2 rows * max_completion_length
+_COUNT = {"token_mean": 0, "seq_mean_token_mean": 1, "seq_mean_token_sum": 1, "seq_mean_token_sum_norm": 2}
+# estimators that read per-token rewards (AdvantageInput.token_rewards); the others see one score per sequence
+PER_TOKEN_ESTIMATORS = {"gae", "reinforce_pp", "reinforce_pp_baseline"}
+CRITIC_ESTIMATORS = {"gae"}
+
+
+@dataclass
+class OnlineConfig(BaseConfig):
+    """Configuration of the online engine; GRPO's defaults. Every TrainingArguments field applies too."""
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
+    # ---- rollout
+    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the group); must divide "
+                                 "per_device_train_batch_size * steps_per_generation."})
+    max_prompt_length: int | None = field(default=512, metadata={"help": "Keep the last this many prompt tokens."})
+    max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (training log-probs use it too)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (1.0: off)."})
+    top_k: int | None = field(default=0, metadata={"help": "Sample among the k most likely tokens (0/None: off)."})
+    min_p: float | None = field(default=0.0, metadata={"help": "Drop tokens below min_p * p_max (0/None: off)."})
+    stop_strings: list[str] | None = field(default=None, metadata={"help": "Texts that end a completion besides EOS."})
+    stop_token_ids: list[int] | None = field(default=None, metadata={"help": "Tokens that end a completion besides EOS."})
+    steps_per_generation: int | None = field(default=None, metadata={"help": "Micro-batches per generation batch "
+                                             "and pass (None: gradient_accumulation_steps)."})
+    generation_batch_size: int | None = field(default=None, metadata={"help": "Completions per generation over all "
+                                              "processes; sets steps_per_generation."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Visit the prompts in a new random order each epoch."})
+    # ---- reward
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight per reward function (1.0)."})
+    reward_model_path: str | None = field(default=None, metadata={"help": "Reward model (name or path) used when "
+                                          "the trainer is given no reward."})
+    missing_eos_penalty: float | None = field(default=None, metadata={"help": "Subtracted from the score of a "
+                                              "completion without EOS / stop."})
+    normalize_reward: bool = field(default=False, metadata={"help": "Z-score the scores over the global batch."})
+    reward_clip_range: float | None = field(default=None, metadata={"help": "Clip scores to [-c, c] (after "
+                                            "normalize_reward)."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Scale rewards (per token, or per sequence for "
+                                 "group estimators) to unit variance, keeping the mean."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions without a stop "
+                                             "out of the loss."})
+    # ---- reference and KL
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient; 0: no reference model at all."})
+    kl_estimator: str = field(default="k3", metadata={"help": "'k1', 'k2', 'k3' or 'abs' (core.kl)."})
+    kl_in_reward: bool = field(default=False, metadata={"help": "-beta * KL in the reward (PPO/RLOO) instead of "
+                               "beta * KL in the loss (GRPO)."})
+    token_level_kl: bool = field(default=False, metadata={"help": "With kl_in_reward and a per-token estimator: a "
+                                 "penalty at every token; else the summed KL joins the sequence score."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "ref <- alpha * policy + (1 - alpha) * ref every "
+                                 "ref_model_sync_steps (TR-DPO); needs beta > 0."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "alpha of sync_ref_model."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "Steps between reference syncs."})
+    # ---- advantages
+    advantage_estimator: str = field(default="group_norm", metadata={"help": "A core.advantages estimator: "
+                                     "group_norm, leave_one_out, gae, reinforce_pp, reinforce_pp_baseline."})
+    scale_rewards: str = field(default="group", metadata={"help": "group_norm divides by the 'group' (True) or "
+                               "'batch' std, or by nothing: 'none' (False)."})
+    normalize_advantage: bool = field(default=False, metadata={"help": "leave_one_out: whiten the advantages."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount (gae, reinforce_pp)."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    whiten_advantages: bool = field(default=True, metadata={"help": "gae: whiten the advantages."})
+    # ---- policy update
+    policy_loss: str = field(default="clipped", metadata={"help": "A core.policy_losses.POLICY_LOSSES name."})
+    loss_type: str = field(default="dapo", metadata={"help": "'grpo' (per-sequence token means), 'bnpo' (token "
+                           "mean per micro-batch), 'dr_grpo' (token sum / max_completion_length), 'dapo' (token "
+                           "mean over the step), or a core.masked aggregation."})
+    num_iterations: int = field(default=1, metadata={"help": "Passes over each generation batch (PPO epochs)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Clip range of the importance ratio."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO); None: epsilon."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "'token', or 'sequence' (GSPO)."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss (gae)."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value update (gae)."})
+    # ---- misc
+    disable_dropout: bool = field(default=True, metadata={"help": "No dropout in the policy, so the sampler's "
+                                  "log-probs equal the training forward's."})
+    local_rollout_forward_batch_size: int = field(default=64, metadata={"help": "Rows per no-grad forward "
+                                                  "(reference log-probs, old values)."})
+    total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (sets max_steps)."})
+    log_completions: bool = field(default=False, metadata={"help": "A completions table at every logging step."})
+    num_completions_to_print: int | None = field(default=None, metadata={"help": "Table rows printed (None: all)."})
+    num_sample_generations: int = field(default=0, metadata={"help": "Completion tables (and completions.jsonl "
+                                        "rows) at this many evenly spaced steps."})
+
+    def __post_init__(self):
+        if isinstance(self.scale_rewards, bool):
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        self.top_k, self.min_p = self.top_k or 0, self.min_p or 0.0
+        super().__post_init__()
+
+    @property
+    def per_process_generation(self) -> int:
+        """Completions each process generates at a time."""
+        return self.per_device_train_batch_size * self.steps_per_generation
+
+    def _check(self):
+        bs, ga, k = self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_generations
+        if self.generation_batch_size is not None:
+            per_step = bs * self.world_size
+            if self.generation_batch_size % per_step:
+                raise ValueError(f"generation_batch_size={self.generation_batch_size} must be a multiple of "
+                                 f"per_device_train_batch_size * processes = {per_step}")
+            spg = self.generation_batch_size // per_step
+            if self.steps_per_generation not in (None, spg):
+                raise ValueError("set generation_batch_size or steps_per_generation, not both")
+            self.steps_per_generation = spg
+        self.steps_per_generation = self.steps_per_generation or ga
+        if k < 1:
+            raise ValueError(f"num_generations must be >= 1, got {k}")
+        if self.per_process_generation % k:
+            raise ValueError(
+                f"each process generates whole groups: per_device_train_batch_size * steps_per_generation = {bs} * "
+                f"{self.steps_per_generation} = {self.per_process_generation} completions must be a multiple of "
+                f"num_generations={k}; set num_generations to a divisor of {self.per_process_generation}, or change "
+                f"per_device_train_batch_size / gradient_accumulation_steps / steps_per_generation")
+        if self.steps_per_generation % ga:
+            raise ValueError(f"steps_per_generation={self.steps_per_generation} must be a multiple of "
+                             f"gradient_accumulation_steps={ga}: an optimizer step never spans two generation batches")
+        for name, value, known in [("advantage_estimator", self.advantage_estimator, ADVANTAGES),
+                                   ("policy_loss", self.policy_loss, POLICY_LOSSES),
+                                   ("loss_type", self.loss_type, LOSS_TYPES), ("kl_estimator", self.kl_estimator,
+                                                                              KL_ESTIMATORS),
+                                   ("scale_rewards", self.scale_rewards, ("group", "batch", "none")),
+                                   ("importance_sampling_level", self.importance_sampling_level,
+                                    ("token", "sequence"))]:
+            if value not in known:
+                raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(known)}")
+        if self.advantage_estimator in ("leave_one_out", "reinforce_pp_baseline") and k < 2:
+            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} compares the completions of a "
+                             "prompt with each other: set num_generations >= 2")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("sync_ref_model needs a reference model, which exists only when beta > 0")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.num_iterations < 1 or self.max_completion_length < 1:
+            raise ValueError("num_iterations and max_completion_length must be >= 1")
