@@ -1,7 +1,7 @@
 """DPO training-step throughput and peak memory: posttrain's DPOTrainer vs a straightforward DPO, same run.
 
     python benchmarks/dpo_bench.py [--model posttrain/smollm2-135m-instruct] [--batch-size 4]
-        [--max-length 256] [--steps 3] [--device cpu|cuda]
+        [--max-length 256] [--steps 2] [--device cpu|cuda]
 
 Both do the same optimizer step (sigmoid DPO, β = 0.1, AdamW) on the same tokenised pairs:
   * posttrain: `DPOTrainer.compute_loss`: chosen and rejected stacked into one forward pass of
@@ -9,9 +9,13 @@ Both do the same optimizer step (sigmoid DPO, β = 0.1, AdamW) on the same token
     selective log-softmax;
   * straightforward: separate chosen and rejected forwards for policy and reference (four in
     all), full-sequence logits, a full log_softmax, then gather.
-Each implementation runs in its own child process (so peak memory is its own): one warm-up step,
-then --steps timed steps; the best step time is reported. Peak memory is
-torch.cuda.max_memory_allocated on CUDA and the peak resident set size on CPU.
+Each implementation runs in its own child process: one warm-up step (AdamW creates its state),
+then --steps timed steps; the best step time is reported. Memory is the step's working memory:
+the peak of everything allocated during the timed steps (activations, logits, log-probs,
+gradients) above what lives across steps (weights of policy and reference, AdamW state). On
+CUDA it is max_memory_allocated minus the allocation before the steps; on CPU it is the peak of
+the live tensor storages, tracked op by op with a TorchDispatchMode (exact, unlike the resident
+set size, which the C allocator keeps high after frees).
 """
 
 from __future__ import annotations
@@ -19,13 +23,39 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import subprocess
 import sys
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of the CPU tensor storages created inside the mode and still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.current, self.peak = {}, 0, 0
+
+    def _free(self, key):
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._free, key)
+        return out
 
 
 def make_pairs(n: int, seed: int = 0):
@@ -98,19 +128,25 @@ def child(args):
         return loss.item()
 
     cuda = args.device == "cuda"
-    times, losses = [], []
-    for i, batch in enumerate(batches):
+    times, losses = [], [step(batches[0])]  # warm-up
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    tracker = LiveTensorBytes() if not cuda else None
+    for batch in batches[1:]:
         if cuda:
             torch.cuda.synchronize()
-            if i == 1:
-                torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        losses.append(step(batch))
+        if tracker is not None:
+            with tracker:
+                losses.append(step(batch))
+        else:
+            losses.append(step(batch))
         if cuda:
             torch.cuda.synchronize()
-        if i > 0:  # the first step is the warm-up
-            times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() - baseline if cuda else tracker.peak
     print(json.dumps({"best_s": min(times), "mean_s": sum(times) / len(times), "peak_bytes": peak,
                       "tokens_per_step": tokens, "first_loss": losses[0]}))
 
@@ -120,7 +156,7 @@ def main():
     parser.add_argument("--model", default="posttrain/smollm2-135m-instruct")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--impl", choices=["posttrain", "straightforward"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -131,13 +167,13 @@ def main():
     for impl in ("posttrain", "straightforward"):
         out = subprocess.run([sys.executable, __file__, "--impl", impl, "--model", args.model, "--batch-size",
                               str(args.batch_size), "--max-length", str(args.max_length), "--steps", str(args.steps),
-                              "--device", args.device], capture_output=True, text=True)
+                               "--device", args.device], capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{impl} failed:\n{out.stderr[-4000:]}")
         results[impl] = json.loads(out.stdout.strip().splitlines()[-1])
     ours, plain = results["posttrain"], results["straightforward"]
     assert abs(ours["first_loss"] - plain["first_loss"]) < 1e-3, (ours["first_loss"], plain["first_loss"])
-    memory = "peak GPU memory allocated" if args.device == "cuda" else "peak RSS"
+    memory = "step working memory"
     print(f"DPO step, {args.model} fp32 on {args.device}: {args.batch_size} pairs/step, max_length {args.max_length}, "
           f"~{ours['tokens_per_step']:.0f} tokens/step, best of {args.steps} steps after 1 warm-up")
     print(f"{'implementation':<44}{'s/step':>8}{'pairs/s':>9}{memory:>28}")

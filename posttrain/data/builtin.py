@@ -142,6 +142,35 @@ def task_dataset(task: str = "reverse", split: str = "train", size: int | None =
     return Dataset.from_list(rows)
 
 
+def task_preference_dataset(task: str = "reverse", split: str = "train", size: int | None = None,
+                            corruption: str = "letter", unpaired: bool = False, seed: int = 0):
+    """Preference data for a task: `prompt`, `chosen` (the right answer), `rejected` (a corrupted one), `answer`.
+
+    corruption "letter": one digit becomes a lowercase letter, a malformed answer (never the
+    first digit: " a274" would merge " a" into one token, and a shorter rejected answer is
+    favoured by its length alone); "digit": one digit becomes another digit, a wrong answer of
+    the right form (much harder to learn). With `unpaired`: `prompt`, `completion`, `label`,
+    one row per prompt, alternately the right (True) and the corrupted (False) answer.
+    """
+    from datasets import Dataset
+
+    if corruption not in ("letter", "digit"):
+        raise ValueError(f"unknown corruption {corruption!r}; choose 'letter' or 'digit'")
+    rng = random.Random(f"{task}-{split}-{corruption}-{seed}")
+    rows = []
+    for i, row in enumerate(task_dataset(task, split, size, seed=seed)):
+        answer = row["answer"]
+        k = rng.randrange(1, len(answer)) if len(answer) > 1 else 0
+        pool = "abcdefghijklmnopqrstuvwxyz" if corruption == "letter" else "0123456789".replace(answer[k], "")
+        good, bad = " " + answer, " " + answer[:k] + rng.choice(pool) + answer[k + 1:]
+        if unpaired:
+            rows.append({"prompt": row["prompt"], "completion": good if i % 2 == 0 else bad, "label": i % 2 == 0,
+                         "answer": answer})
+        else:
+            rows.append({"prompt": row["prompt"], "chosen": good, "rejected": bad, "answer": answer})
+    return Dataset.from_list(rows)
+
+
 def completion_text(completion) -> str:
     """The text of a completion, whether a string or a list of chat messages."""
     if isinstance(completion, list):
@@ -186,17 +215,21 @@ REWARD_FUNCTIONS = {"exact_match": exact_match_reward, "digit_match": digit_matc
 
 
 def load_builtin(name: str, split: str = "train"):
-    """Datasets by CLI name: "zen", "zen/<layout>", "zen-chat/<layout>", "<task>", "<task>-chat"."""
+    """Datasets by CLI name: "zen", "zen/<layout>", "zen-chat/<layout>", "<task>", "<task>-chat",
+    "<task>/preference", "<task>/unpaired_preference" (`task_preference_dataset`)."""
     base, _, layout = name.partition("/")
     if base in ("zen", "zen-chat"):
         return zen(layout or "language_modeling", conversational=base == "zen-chat")
     conversational = base.endswith("-chat")
     task = base[: -len("-chat")] if conversational else base
     if task in TASKS:
+        if layout in ("preference", "unpaired_preference") and not conversational:
+            return task_preference_dataset(task, split=split, unpaired=layout == "unpaired_preference")
         return task_dataset(task, split=split, conversational=conversational)
     raise KeyError(name)
 
 
 def builtin_names() -> list[str]:
     names = ["zen", "zen-chat"] + [f"zen/{l}" for l in ZEN_LAYOUTS] + [f"zen-chat/{l}" for l in ZEN_LAYOUTS]
-    return names + list(TASKS) + [f"{t}-chat" for t in TASKS]
+    return (names + list(TASKS) + [f"{t}-chat" for t in TASKS]
+            + [f"{t}/{layout}" for t in TASKS for layout in ("preference", "unpaired_preference")])

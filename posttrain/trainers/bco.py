@@ -21,8 +21,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-import torch
-
 from posttrain.core.preference_losses import bco_loss
 from posttrain.models.embedding import DensityRatioClassifier, embed_texts
 from posttrain.trainers.base import BaseConfig

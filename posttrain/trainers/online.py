@@ -307,6 +307,14 @@ class OnlineTrainer(BaseTrainer):
         names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
         return {name: getattr(self.args, name) for name in names if hasattr(self.args, name)}
 
+    # A micro-batch is a dict of tensors (Trainer moves it to the device), B rows of one generation batch:
+    #   prompt_ids (B, P) left-padded         prompt_mask (B, P)      completion_ids (B, C) right-padded
+    #   completion_mask (B, C) 1 up to and including the stop token (attention)
+    #   loss_mask (B, C) completion_mask, 0 for masked truncated rows   advantages (B, C), 0 on padding
+    #   old_logp (B, C) log pi_old, the sampler's   ref_logp (B, C) only with beta > 0 and the KL in the loss
+    #   old_values, returns (B, C) only with a critic
+    #   denominator, token_denominator: scalars, this optimizer step's global counts / processes
+    #   old_is_current: bool, the policy has not moved since sampling (old_logp = logp.detach())
     def _micro_batches(self, batch: dict) -> list[dict]:
         """Split into micro-batches (shuffled per pass when the policy moves within a batch), each carrying the
         global denominators of its optimizer step."""

@@ -171,6 +171,23 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
     return sequence_logprobs(logps, mask), lengths, mean_logits.float()
 
 
+@torch.no_grad()
+def preference_accuracy(model, tokenizer, dataset, batch_size: int = 64) -> float:
+    """Fraction of preference pairs for which the policy gives the chosen completion the higher
+    log-probability, log π(chosen|x) > log π(rejected|x) (e.g. on held-out data)."""
+    data = prepare_preference_dataset(dataset, tokenizer, paired=True, max_length=None, name="evaluation")
+    collate, device, was_training = PreferenceCollator(tokenizer.pad_token_id), next(model.parameters()).device, model.training
+    model.eval()
+    wins = 0
+    for start in range(0, len(data), batch_size):
+        batch = collate([data[i] for i in range(start, min(start + batch_size, len(data)))])
+        logps = completion_logps(model, *(batch[k].to(device) for k in ("input_ids", "attention_mask", "completion_mask")))[0]
+        chosen, rejected = logps.chunk(2)
+        wins += int((chosen > rejected).sum())
+    model.train(was_training)
+    return wins / len(data)
+
+
 # ---------------------------------------------------------------------------------------- trainer
 
 class _FoldRewards(TrainerCallback):

@@ -19,6 +19,10 @@ Departures from the usual recipe, all for speed and none changing the objective:
   boolean mask), so prompts and padding never reach the vocabulary projection;
 * packing (best-fit decreasing or wrapped) with position ids restarting per sequence: packed
   sequences never attend to each other, so packed and unpacked training give the same loss.
+  Without flash attention a packed batch stays one bin per row (attention costs B * L^2, not
+  the (B * L)^2 of one flattened row); `padding_free=True` flattens it anyway;
+* log-probs, entropy and accuracy come from one chunked pass over the kept logits
+  (`selective_log_softmax_stats`), whose gradient is written straight into one buffer.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.core.logprobs import entropy_from_logits, selective_log_softmax
+from posttrain.core.logprobs import selective_log_softmax_stats
 from posttrain.data import formats
 from posttrain.data.collate import IGNORE_INDEX, LanguageModelingCollator
 from posttrain.data.packing import STRATEGIES, pack_dataset
@@ -194,21 +198,18 @@ class SFTTrainer(BaseTrainer):
             outputs = model(**model_inputs, use_cache=False)
             logits = outputs.logits[keep]
         targets = targets[keep]  # (N,)
-        logps = selective_log_softmax(logits, targets)  # (N,)
+        logps, entropy, argmax = selective_log_softmax_stats(logits, targets)  # (N,) each; one pass over logits
         denominator = num_items_in_batch if num_items_in_batch is not None else keep.sum().clamp(min=1)
         loss = -logps.sum() / denominator
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
 
         mode = "train" if model.training else "eval"
-        if mode == "train":
+        if mode == "train":  # tokens fed to the model (packed rows: including the few pads after the last bin)
             mask = inputs.get("attention_mask")
             self._num_tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
         if targets.numel():
-            with torch.no_grad():
-                detached = logits.detach()
-                self.record({"entropy": entropy_from_logits(detached).mean(),
-                             "mean_token_accuracy": (detached.argmax(-1) == targets).float().mean()}, mode=mode)
+            self.record({"entropy": entropy.mean(), "mean_token_accuracy": (argmax == targets).float().mean()}, mode)
         outputs.logits = logits
         return (loss, outputs) if return_outputs else loss
 

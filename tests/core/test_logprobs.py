@@ -101,3 +101,24 @@ def test_token_logprobs_real_model_padding_invariance(tiny_lm):
         full = model(input_ids=torch.tensor([b])).logits[0].double()
     ref = torch.log_softmax(full[:-1], -1).gather(-1, torch.tensor(b[1:])[:, None]).squeeze(-1)
     assert torch.allclose(alone[0].double(), ref, atol=1e-5)
+
+
+def test_custom_gradient_and_stats_match_float64_reference():
+    from posttrain.core.logprobs import selective_log_softmax_stats
+
+    torch.manual_seed(4)
+    x = torch.randn(5, 3, 11, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 11, (5, 3))
+    assert torch.autograd.gradcheck(lambda t: selective_log_softmax(t, index, chunk_rows=4), (x,))
+    assert torch.autograd.gradcheck(lambda t: selective_log_softmax_stats(t, index, chunk_rows=4)[0], (x,))
+    logps, entropy, argmax = selective_log_softmax_stats(x, index, chunk_rows=4)
+    logp_all = torch.log_softmax(x.detach(), -1)
+    assert torch.allclose(logps, logp_all.gather(-1, index[..., None]).squeeze(-1), atol=1e-12)
+    assert torch.allclose(entropy, -(logp_all.exp() * logp_all).sum(-1), atol=1e-12)
+    assert torch.equal(argmax, x.argmax(-1)) and not entropy.requires_grad
+    # bf16 logits: float32 results, gradient in bf16
+    xb = x.detach()[0].to(torch.bfloat16).requires_grad_(True)
+    selective_log_softmax_stats(xb, index[0])[0].sum().backward()
+    ref = xb.detach().float().requires_grad_(True)
+    torch.log_softmax(ref, -1).gather(-1, index[0][:, None]).sum().backward()
+    assert xb.grad.dtype == torch.bfloat16 and torch.allclose(xb.grad.float(), ref.grad, atol=1e-2)

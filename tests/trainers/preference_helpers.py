@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
-import string
 
 import pytest
 import torch
@@ -13,53 +11,11 @@ from transformers import TrainerCallback
 TINY = "posttrain/tiny-qwen2"
 
 
-def corrupt(answer: str, rng: random.Random, how: str) -> str:
-    """A wrong answer: one digit replaced by a letter ("letter"), or one digit dropped ("drop").
+def task_pairs(split: str = "train", size: int = 200):
+    """`reverse` pairs: chosen = the right answer, rejected = one digit replaced by a letter."""
+    from posttrain.data.builtin import task_preference_dataset
 
-    The letter never replaces the first digit: " 1a74" tokenises as " ", "1", "a", "7", "4", like the
-    right answer, but " a274" merges " a" into one token, and a shorter rejected answer would be
-    favoured by its length alone."""
-    if how == "letter":
-        i = rng.randrange(1, len(answer))
-        return answer[:i] + rng.choice(string.ascii_lowercase) + answer[i + 1:]
-    if how == "drop":
-        i = rng.randrange(len(answer))
-        return answer[:i] + answer[i + 1:]
-    raise ValueError(how)
-
-
-def task_pairs(split: str = "train", size: int = 200, how: str = "letter", unpaired: bool = False):
-    """Preference pairs from the built-in `reverse` task: chosen = the right answer, rejected = a corrupted
-    one (held-out prompts for split="test"). With `unpaired`, one row per prompt, alternately labelled."""
-    from datasets import Dataset
-
-    from posttrain.data.builtin import task_dataset
-
-    rng = random.Random(f"{split}-{how}")
-    rows = []
-    for i, row in enumerate(task_dataset("reverse", split, size)):
-        good, bad = " " + row["answer"], " " + corrupt(row["answer"], rng, how)
-        if unpaired:
-            rows.append({"prompt": row["prompt"], "completion": good if i % 2 == 0 else bad, "label": i % 2 == 0})
-        else:
-            rows.append({"prompt": row["prompt"], "chosen": good, "rejected": bad})
-    return Dataset.from_list(rows)
-
-
-@torch.no_grad()
-def preference_rate(model, tokenizer, pairs) -> float:
-    """Fraction of pairs with log π(chosen|x) > log π(rejected|x)."""
-    from posttrain.trainers.preference_base import PreferenceCollator, completion_logps, prepare_preference_dataset
-
-    data = prepare_preference_dataset(pairs, tokenizer, paired=True, max_length=None, name="held-out")
-    batch = PreferenceCollator(tokenizer.pad_token_id)([data[i] for i in range(len(data))])
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    logps = completion_logps(model, *(batch[k].to(device) for k in ("input_ids", "attention_mask", "completion_mask")))[0]
-    model.train(was_training)
-    n = len(data)
-    return (logps[:n] > logps[n:]).float().mean().item()
+    return task_preference_dataset("reverse", split, size).remove_columns("answer")
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:

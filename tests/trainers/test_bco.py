@@ -6,7 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 from preference_helpers import (TINY, assert_all_changed, assert_finite_metrics, assert_split_invariant,
-                                config_kwargs, preference_rate, snapshot, task_pairs)
+                                config_kwargs, snapshot, task_pairs)
 
 from posttrain.core.preference_losses import bco_loss
 from posttrain.data.builtin import zen
@@ -14,7 +14,7 @@ from posttrain.data.formats import FormatError
 from posttrain.models.embedding import DensityRatioClassifier, minilm_path
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.trainers.bco import BCOConfig, BCOTrainer
-from posttrain.trainers.preference_base import RUNNING_FILE, completion_logps
+from posttrain.trainers.preference_base import RUNNING_FILE, completion_logps, preference_accuracy
 
 METRICS = ["loss", "delta", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "num_tokens"]
@@ -158,9 +158,9 @@ def test_bco_learns_to_prefer_held_out_correct_answers(tmp_path):
                                      logging_steps=30, max_length=64))
     trainer = BCOTrainer(TINY, args=args, train_dataset=task_pairs("train", 400))
     test = task_pairs("test", 200)
-    before = preference_rate(trainer.model, trainer.processing_class, test)
+    before = preference_accuracy(trainer.model, trainer.processing_class, test)
     trainer.train()
-    after = preference_rate(trainer.model, trainer.processing_class, test)
+    after = preference_accuracy(trainer.model, trainer.processing_class, test)
     print(f"BCO held-out preference for the correct answer: {before:.3f} -> {after:.3f}")
     assert math.isfinite(trainer.state.log_history[-2]["delta"])
     assert before < 0.7 and after > 0.9

@@ -3,14 +3,14 @@ import math
 import pytest
 import torch
 from preference_helpers import (TINY, assert_all_changed, assert_finite_metrics, assert_split_invariant,
-                                config_kwargs, preference_rate, snapshot, task_pairs)
+                                config_kwargs, snapshot, task_pairs)
 
 from posttrain.core.preference_losses import DPO_LOSSES, PreferenceInput, dpo_loss
 from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError
 from posttrain.models.loading import frozen_copy, load_causal_lm
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
-from posttrain.trainers.preference_base import completion_logps
+from posttrain.trainers.preference_base import completion_logps, preference_accuracy
 
 METRICS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "logits/chosen", "logits/rejected", "num_tokens"]
@@ -191,8 +191,23 @@ def test_dpo_learns_to_prefer_held_out_correct_answers(tmp_path):
                                      logging_steps=12, max_length=64))
     trainer = DPOTrainer(TINY, args=args, train_dataset=task_pairs("train", 400))
     test = task_pairs("test", 200)
-    before = preference_rate(trainer.model, trainer.processing_class, test)
+    before = preference_accuracy(trainer.model, trainer.processing_class, test)
     trainer.train()
-    after = preference_rate(trainer.model, trainer.processing_class, test)
+    after = preference_accuracy(trainer.model, trainer.processing_class, test)
     print(f"DPO held-out preference for the correct answer: {before:.3f} -> {after:.3f}")
     assert before < 0.7 and after > 0.95
+
+
+def test_task_preference_dataset_corrupts_one_digit_keeping_the_token_count():
+    from posttrain.data.builtin import load_builtin, task_preference_dataset
+    from posttrain.models.loading import load_tokenizer
+
+    tok = load_tokenizer(TINY)
+    for corruption in ("letter", "digit"):
+        for row in task_preference_dataset("reverse", "test", 50, corruption=corruption):
+            assert row["chosen"] == " " + row["answer"] and row["rejected"] != row["chosen"]
+            assert row["rejected"][:2] == row["chosen"][:2]  # the first digit is kept
+            assert sum(a != b for a, b in zip(row["chosen"], row["rejected"])) == 1
+            assert len(tok(row["rejected"])["input_ids"]) == len(tok(row["chosen"])["input_ids"])
+    unpaired = load_builtin("reverse/unpaired_preference", "test")
+    assert unpaired["label"][:4] == [True, False, True, False]

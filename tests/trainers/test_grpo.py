@@ -59,7 +59,7 @@ def test_grpo_raises_heldout_reward(sft_reverse_path, tmp_path):
     trainer.train()
     after = heldout_reward(trainer)
     print(f"GRPO held-out mean reward: {before:.3f} -> {after:.3f}")
-    assert after > before + 0.02
+    assert after > before + 0.03
 
 
 def test_cli_with_builtin_and_module_reward_functions(tmp_path):

@@ -1,14 +1,14 @@
 import pytest
 import torch
 from preference_helpers import (TINY, assert_all_changed, assert_finite_metrics, assert_split_invariant,
-                                config_kwargs, preference_rate, snapshot, task_pairs)
+                                config_kwargs, snapshot, task_pairs)
 
 from posttrain.core.preference_losses import kto_loss
 from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError
 from posttrain.trainers.bco import BCOConfig, BCOTrainer
 from posttrain.trainers.kto import KTOConfig, KTOTrainer
-from posttrain.trainers.preference_base import completion_logps
+from posttrain.trainers.preference_base import completion_logps, preference_accuracy
 
 METRICS = ["loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "num_tokens"]
@@ -81,8 +81,8 @@ def test_kto_learns_to_prefer_held_out_correct_answers(tmp_path):
                                      logging_steps=40, max_length=64))
     trainer = KTOTrainer(TINY, args=args, train_dataset=task_pairs("train", 400))
     test = task_pairs("test", 200)
-    before = preference_rate(trainer.model, trainer.processing_class, test)
+    before = preference_accuracy(trainer.model, trainer.processing_class, test)
     trainer.train()
-    after = preference_rate(trainer.model, trainer.processing_class, test)
+    after = preference_accuracy(trainer.model, trainer.processing_class, test)
     print(f"KTO held-out preference for the correct answer: {before:.3f} -> {after:.3f}")
     assert before < 0.7 and after > 0.9

@@ -80,4 +80,4 @@ def test_ppo_raises_heldout_reward(sft_reverse_path, tmp_path):
     trainer.train()
     after = heldout_reward(trainer)
     print(f"PPO held-out mean reward: {before:.3f} -> {after:.3f}")
-    assert after > before + 0.02
+    assert after > before + 0.03

@@ -51,7 +51,7 @@ def test_rloo_raises_heldout_reward(sft_reverse_path, tmp_path):
     trainer.train()
     after = heldout_reward(trainer)
     print(f"RLOO held-out mean reward: {before:.3f} -> {after:.3f}")
-    assert after > before + 0.02
+    assert after > before + 0.03
 
 
 def test_cli_classic_flags(tmp_path):
