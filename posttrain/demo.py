@@ -37,15 +37,15 @@ class DemoPlan:
     stages: tuple[str, ...] = STAGES
     output_dir: str = "demo_output"
     seed: int = 0
-    sft_steps: int = 120
+    sft_steps: int = 170
     reward_steps: int = 60
     rl_steps: int = 40
     pref_steps: int = 40
     eval_size: int = 100
     max_new_tokens: int = 8
     sft_lr: float = 3e-3
-    rl_lr: float = 2e-3
-    pref_lr: float = 1e-3
+    rl_lr: float = 1e-3
+    pref_lr: float = 5e-4
     results: list[dict] = field(default_factory=list)
 
 
