@@ -1,30 +1,31 @@
-"""DPO training-step throughput and peak memory: posttrain's DPOTrainer vs a straightforward DPO, same run.
+"""DPO training-step throughput and memory: posttrain's DPOTrainer vs a straightforward DPO, same run.
 
     python benchmarks/dpo_bench.py [--model posttrain/smollm2-135m-instruct] [--batch-size 4]
         [--max-length 256] [--steps 2] [--device cpu|cuda]
 
-Both do the same optimizer step (sigmoid DPO, β = 0.1, AdamW) on the same tokenised pairs:
+All rows do the same optimizer step (sigmoid DPO, β = 0.1, AdamW) on the same tokenised pairs,
+each with its own copy of the policy (same initial weights) and optimizer:
   * posttrain: `DPOTrainer.compute_loss`: chosen and rejected stacked into one forward pass of
     the policy and one of the reference, logits only for the completion columns, chunked
     selective log-softmax;
   * straightforward: separate chosen and rejected forwards for policy and reference (four in
-    all), full-sequence logits, a full log_softmax, then gather.
-Each implementation runs in its own child process: one warm-up step (AdamW creates its state),
-then --steps timed steps; the best step time is reported. Memory is the step's working memory:
-the peak of everything allocated during the timed steps (activations, logits, log-probs,
-gradients) above what lives across steps (weights of policy and reference, AdamW state). On
-CUDA it is max_memory_allocated minus the allocation before the steps; on CPU it is the peak of
-the live tensor storages, tracked op by op with a TorchDispatchMode (exact, unlike the resident
-set size, which the C allocator keeps high after frees).
+    all), full-sequence logits, a full log_softmax, then gather;
+  * posttrain with precompute_ref_log_probs=True (extra row): the reference scores the data once
+    before training (its time is printed apart), so a step is one policy forward and backward.
+Steps are interleaved (one of each, round after round) so that a change in machine load hits
+all rows alike; the first round is a warm-up (AdamW creates its state); the best of --steps
+timed rounds is reported. Memory is the step's working memory: the peak of what is allocated
+during the step (activations, logits, log-probs, gradients) above what lives across steps
+(weights, AdamW state). On CUDA: max_memory_allocated minus the allocation before the step; on
+CPU: the peak of the live tensor storages, tracked op by op with a TorchDispatchMode (exact,
+unlike the resident set size, which the C allocator keeps high after frees).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import random
-import subprocess
-import sys
 import time
 import weakref
 
@@ -91,97 +92,99 @@ def straightforward_step(model, ref_model, batch, beta=0.1):
     return -F.logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected))).mean()
 
 
-def child(args):
+def main():
     from posttrain.data.collate import pad
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
-    torch.manual_seed(0)
-    config = DPOConfig(output_dir="/tmp/dpo_bench", max_length=args.max_length, per_device_train_batch_size=args.batch_size,
-                       use_cpu=args.device == "cpu", disable_tqdm=True, report_to="none")
-    trainer = DPOTrainer(args.model, args=config, train_dataset=make_pairs(args.batch_size * (args.steps + 1)))
-    model, ref_model, data = trainer.model, trainer.ref_model, trainer.train_dataset
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
-    pad_id = trainer.processing_class.pad_token_id
-    batches = []
-    for start in range(0, len(data), args.batch_size):
-        rows = [data[i] for i in range(start, start + args.batch_size)]
-        if args.impl == "posttrain":
-            batch = {k: v.to(args.device) for k, v in trainer.data_collator(rows).items()}
-        else:  # chosen and rejected padded on their own, loss masks over the completion tokens
-            batch = {}
-            for col in ("chosen_ids", "rejected_ids"):
-                seqs = [r["prompt_ids"] + r[col] for r in rows]
-                batch[col[:-4]] = (pad(seqs, pad_id).to(args.device), pad([[1] * len(s) for s in seqs], 0).to(args.device),
-                                   pad([[0] * len(r["prompt_ids"]) + [1] * len(r[col]) for r in rows], 0).to(args.device))
-        batches.append(batch)
-    tokens = sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in data) / len(batches)
-
-    def step(batch):
-        if args.impl == "posttrain":
-            loss = trainer.compute_loss(model, batch)
-        else:
-            loss = straightforward_step(model, ref_model, batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
-    cuda = args.device == "cuda"
-    times, losses = [], [step(batches[0])]  # warm-up
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-    tracker = LiveTensorBytes() if not cuda else None
-    for batch in batches[1:]:
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        if tracker is not None:
-            with tracker:
-                losses.append(step(batch))
-        else:
-            losses.append(step(batch))
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() - baseline if cuda else tracker.peak
-    print(json.dumps({"best_s": min(times), "mean_s": sum(times) / len(times), "peak_bytes": peak,
-                      "tokens_per_step": tokens, "first_loss": losses[0]}))
-
-
-def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="posttrain/smollm2-135m-instruct")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--impl", choices=["posttrain", "straightforward"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.impl:
-        return child(args)
+    cuda = args.device == "cuda"
 
-    results = {}
-    for impl in ("posttrain", "straightforward"):
-        out = subprocess.run([sys.executable, __file__, "--impl", impl, "--model", args.model, "--batch-size",
-                              str(args.batch_size), "--max-length", str(args.max_length), "--steps", str(args.steps),
-                               "--device", args.device], capture_output=True, text=True)
-        if out.returncode:
-            sys.exit(f"{impl} failed:\n{out.stderr[-4000:]}")
-        results[impl] = json.loads(out.stdout.strip().splitlines()[-1])
-    ours, plain = results["posttrain"], results["straightforward"]
-    assert abs(ours["first_loss"] - plain["first_loss"]) < 1e-3, (ours["first_loss"], plain["first_loss"])
-    memory = "step working memory"
-    print(f"DPO step, {args.model} fp32 on {args.device}: {args.batch_size} pairs/step, max_length {args.max_length}, "
-          f"~{ours['tokens_per_step']:.0f} tokens/step, best of {args.steps} steps after 1 warm-up")
-    print(f"{'implementation':<44}{'s/step':>8}{'pairs/s':>9}{memory:>28}")
-    for name, r in [("posttrain DPOTrainer (1+1 fwd, completion logits)", ours),
-                    ("straightforward (4 fwd, full log_softmax)", plain)]:
-        print(f"{name:<44}{r['best_s']:>8.3f}{args.batch_size / r['best_s']:>9.2f}{r['peak_bytes'] / 2**20:>24.0f} MiB")
-    print(f"speed-up: {plain['best_s'] / ours['best_s']:.2f}x; memory: {ours['peak_bytes'] / plain['peak_bytes']:.2f}x "
-          f"of the straightforward implementation")
+    torch.manual_seed(0)
+    pairs = make_pairs(args.batch_size * (args.steps + 1))
+
+    def config(**kw):
+        return DPOConfig(output_dir="/tmp/dpo_bench", max_length=args.max_length, disable_tqdm=True,
+                         per_device_train_batch_size=args.batch_size, use_cpu=not cuda, report_to="none", **kw)
+
+    ours = DPOTrainer(args.model, args=config(), train_dataset=pairs)
+    start = time.perf_counter()
+    pre = DPOTrainer(copy.deepcopy(ours.model), args=config(precompute_ref_log_probs=True), train_dataset=pairs,
+                     processing_class=ours.processing_class)
+    precompute_s = time.perf_counter() - start
+    plain_model, ref_model, data = copy.deepcopy(ours.model), ours.ref_model, ours.train_dataset
+    pad_id = ours.processing_class.pad_token_id
+
+    def split_batch(rows):  # chosen and rejected padded on their own, loss masks over the completion tokens
+        batch = {}
+        for col in ("chosen_ids", "rejected_ids"):
+            seqs = [r["prompt_ids"] + r[col] for r in rows]
+            batch[col[:-4]] = tuple(t.to(args.device) for t in (
+                pad(seqs, pad_id), pad([[1] * len(x) for x in seqs], 0),
+                pad([[0] * len(r["prompt_ids"]) + [1] * len(r[col]) for r in rows], 0)))
+        return batch
+
+    def to_device(batch):
+        return {k: v.to(args.device) for k, v in batch.items()}
+
+    n = args.batch_size
+    chunks = [list(range(i, i + n)) for i in range(0, len(data), n)]
+    runs = {  # name -> (model, loss function, batches)
+        "posttrain DPOTrainer (1+1 fwd, completion logits)": (
+            ours.model, lambda m, b: ours.compute_loss(m, b),
+            [to_device(ours.data_collator([data[i] for i in c])) for c in chunks]),
+        "straightforward (4 fwd, full log_softmax)": (
+            plain_model, lambda m, b: straightforward_step(m, ref_model, b),
+            [split_batch([data[i] for i in c]) for c in chunks]),
+        "posttrain, precompute_ref_log_probs=True": (
+            pre.model, lambda m, b: pre.compute_loss(m, b),
+            [to_device(pre.data_collator([pre.train_dataset[i] for i in c])) for c in chunks]),
+    }
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-7) for name, (model, _, _) in runs.items()}
+    results = {name: {"times": [], "memory": 0, "losses": []} for name in runs}
+    for round_ in range(args.steps + 1):
+        for name, (model, loss_fn, batches) in runs.items():
+            model.train()
+            tracker = None if cuda else LiveTensorBytes()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                baseline = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            with tracker if tracker is not None else torch.enable_grad():
+                loss = loss_fn(model, batches[round_])
+                loss.backward()
+                optimizers[name].step()
+                optimizers[name].zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            memory = torch.cuda.max_memory_allocated() - baseline if cuda else tracker.peak
+            results[name]["losses"].append(loss.item())
+            if round_ > 0:  # round 0 is the warm-up
+                results[name]["times"].append(elapsed)
+                results[name]["memory"] = max(results[name]["memory"], memory)
+
+    losses = [r["losses"][0] for r in results.values()]
+    assert max(losses) - min(losses) < 1e-3, losses  # the same loss at the shared starting point
+    tokens = sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in data) / len(chunks)
+    print(f"DPO step, {args.model} fp32 on {args.device}: {n} pairs/step, max_length {args.max_length}, "
+          f"~{tokens:.0f} tokens/step, best of {args.steps} interleaved steps after 1 warm-up")
+    print(f"{'implementation':<52}{'s/step':>8}{'pairs/s':>9}{'step memory':>14}")
+    for name, r in results.items():
+        best = min(r["times"])
+        print(f"{name:<52}{best:>8.3f}{n / best:>9.2f}{r['memory'] / 2**20:>10.0f} MiB")
+    names = list(results)
+    plain, ours_r = results[names[1]], results[names[0]]
+    print(f"speed-up of posttrain over straightforward: {min(plain['times']) / min(ours_r['times']):.2f}x; "
+          f"step memory {ours_r['memory'] / plain['memory']:.2f}x")
+    print(f"with precomputed reference log-probs: {min(plain['times']) / min(results[names[2]]['times']):.2f}x "
+          f"(the one-off reference pass over the {len(data)} pairs, plus building that trainer: {precompute_s:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -441,6 +441,14 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     return script_args, config
 
 
+def run_demo(script_args=None, config=None):
+    """Placeholder entry: `main` hands `posttrain demo ...` to posttrain.demo.main with its own flags."""
+
+
+run_demo.help = "End-to-end pipeline on the built-in task: every method, accuracy before -> after."
+COMMANDS["demo"] = run_demo
+
+
 def main(argv: list[str] | None = None):
     """Entry point of the `posttrain` command; returns the trainer for training commands."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -452,6 +460,11 @@ def main(argv: list[str] | None = None):
         print(usage)
         return None
     name = argv[0]
+    if name == "demo":  # the demo has its own small flag set
+        from posttrain import demo
+
+        demo.main(argv[1:])
+        return None
     script_args, config = parse(name, argv[1:])
     trainer = COMMANDS[name](script_args, config)
     if trainer is None:

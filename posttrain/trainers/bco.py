@@ -118,8 +118,8 @@ class BCOTrainer(PreferenceTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = self.mode()
         ids, mask, cmask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"], inputs["label"]
+        ref_logps = self.reference_logps(ids, mask, cmask)  # first: its temporaries go before the policy's
         logps = completion_logps(model, ids, mask, cmask)[0]
-        ref_logps = self.reference_logps(ids, mask, cmask)
         delta = self.reward_mean.mean
         losses, rewards = bco_loss(logps, ref_logps, labels, beta=self.args.beta, delta=delta,
                                    weights=inputs.get("udm_weight"))

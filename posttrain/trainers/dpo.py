@@ -151,7 +151,7 @@ class DPOTrainer(PreferenceTrainer):
         args, mode = self.args, self.mode()
         ids, mask, cmask = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
         B = ids.shape[0] // 2
-        logps, lengths, mean_logits = completion_logps(model, ids, mask, cmask)
+        # the reference first: its temporaries are freed before the policy's activations exist
         if self.reference_free:
             ref_chosen = ref_rejected = None
         elif "ref_chosen_logps" in inputs:
@@ -159,6 +159,7 @@ class DPOTrainer(PreferenceTrainer):
         else:
             ref = self.reference_logps(ids, mask, cmask)
             ref_chosen, ref_rejected = ref[:B], ref[B:]
+        logps, lengths, mean_logits = completion_logps(model, ids, mask, cmask)
         inp = PreferenceInput(logps[:B], logps[B:], ref_chosen, ref_rejected, lengths[:B], lengths[B:])
 
         options = {}

@@ -75,11 +75,11 @@ class KTOTrainer(PreferenceTrainer):
         args, mode = self.args, self.mode()
         ids, mask, cmask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"], inputs["label"]
         B = labels.shape[0]  # rows [0, B): the data; rows [B, 2B): completion i after prompt i+1
-        logps = completion_logps(model, ids[:B], mask[:B], cmask[:B])[0]
+        ref = self.reference_logps(ids, mask, cmask)  # first: its temporaries go before the policy's
+        ref_logps, ref_kl_logps = ref[:B], ref[B:]
         with torch.no_grad():
             kl_logps = completion_logps(model, ids[B:], mask[B:], cmask[B:])[0]
-        ref = self.reference_logps(ids, mask, cmask)
-        ref_logps, ref_kl_logps = ref[:B], ref[B:]
+        logps = completion_logps(model, ids[:B], mask[:B], cmask[:B])[0]
         kl = self.accelerator.gather((kl_logps - ref_kl_logps).mean().reshape(1)).mean().clamp(min=0)
         losses, rewards = kto_loss(logps, ref_logps, labels, kl, beta=args.beta,
                                    desirable_weight=args.desirable_weight, undesirable_weight=args.undesirable_weight)
