@@ -1,7 +1,7 @@
 """SFT throughput and memory: a straightforward transformers Trainer against SFTTrainer.
 
     python benchmarks/sft_bench.py [--model posttrain/smollm2-135m-instruct] [--steps 3] [--warmup 1]
-                                   [--threads 1] [--only baseline,packed,...] [--profile]
+                                   [--threads 1] [--repeat 2] [--only baseline,packed,...] [--profile]
 
 Workload: language-modeling SFT at max_length 256, batch 4, on documents of uniformly random
 length between 32 and 384 tokens (deterministic slices of the Python docs that ship with
@@ -22,7 +22,7 @@ fp32 accumulation; no autocast copies). -bf16/-mm16 run only where the CPU suppo
 
 tokens/s counts real (non-padding) tokens trained on per second of step time (forward,
 backward, optimizer step; the batch is fetched before the clock starts), median over the
-measured steps. tok/CPU-s divides by this process's CPU time instead of wall time: with
+measured steps (and over --repeat runs). tok/CPU-s divides by this process's CPU time instead of wall time: with
 --threads 1 it is immune to other processes competing for the cores, so use it on a shared
 machine. Peak memory is the process's peak resident set size from
 `resource.getrusage(RUSAGE_SELF).ru_maxrss` (weights, gradients, AdamW state, activations);
@@ -197,6 +197,8 @@ def main():
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per run (0: torch's default). On a shared machine use 1 and read "
                              "tokens per CPU-second, which other processes do not distort")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the whole list this many times, interleaved, and report medians")
     parser.add_argument("--profile", action="store_true", help="split each step into forward/loss/backward/optimizer")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -213,10 +215,10 @@ def main():
     if args.no_bf16 or not bf16_supported():
         names = [n for n in names if not n.endswith(("-bf16", "-mm16"))]
     print(f"model {args.model}, max_length {SEQ_LEN}, batch {BATCH}, {args.warmup} warm-up + {args.steps} "
-          f"measured steps per variant, threads {args.threads or 'default'}; load average "
+          f"measured steps per variant, {args.repeat} run(s) each, threads {args.threads or 'default'}; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
-    results = {}
-    for name in names:
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for name in names * args.repeat:  # interleaved: a slow spell on a shared machine hits every variant
         base = name.removesuffix("-bf16").removesuffix("-mm16")
         spec = {**VARIANTS[base], "model": args.model, "steps": args.steps, "warmup": args.warmup,
                 "precision": name[len(base):], "threads": args.threads, "profile": args.profile}
@@ -225,9 +227,16 @@ def main():
         if line is None:
             print(f"{name}: failed\n{proc.stderr[-3000:]}", flush=True)
             continue
-        results[name] = r = json.loads(line[len("RESULT "):])
+        runs[name].append(r := json.loads(line[len("RESULT "):]))
         print(f"  {name:<18} {r['tokens_per_s']:7.1f} tokens/s  {r['tokens_per_cpu_s']:7.1f} tokens/CPU-s", flush=True)
 
+    results = {}
+    for name, rs in runs.items():
+        if rs:
+            results[name] = {k: statistics.median(r[k] for r in rs) for k in
+                             ("tokens_per_s", "tokens_per_cpu_s", "step_s", "tokens_per_step", "peak_mib", "train_mib")}
+            results[name].update(optim=rs[0]["optim"], profile={
+                k: statistics.median(r["profile"][k] for r in rs) for k in (rs[0]["profile"] or {})} or None)
     reference = results.get("baseline", {})
     header = (f"{'variant':<18} {'tokens/s':>9} {'x base':>7} {'tok/CPU-s':>10} {'x base':>7} {'tokens/step':>11} "
               f"{'s/step':>7} {'peak RSS MiB':>12} {'train + MiB':>11}")

@@ -111,7 +111,7 @@ def entropy_from_logits(logits: Tensor, chunk_rows: int = CHUNK_ROWS) -> Tensor:
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored: int | None = None,
                    temperature: float = 1.0, with_entropy: bool = False, return_outputs: bool = False,
-                   **model_kwargs):
+                   exact_positions: bool = False, **model_kwargs):
     """Log-probs of the last `num_scored` tokens of each row under `model` (and their entropies).
 
     input_ids, attention_mask: (B, T). Token t is scored by the logits at t-1, so the model is
@@ -121,6 +121,10 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored:
     position j of the result scores input_ids[:, T-K+j].
     With `return_outputs`, the model's raw outputs come as a 4th element (e.g. a value head's
     values from the same forward).
+    With `exact_positions`, `logits_to_keep` is the tensor of the K scoring positions, so the
+    model computes exactly the K logits and they come out contiguous: the log-softmax and its
+    backward then copy nothing (the last-K+1-then-slice default copies the (B, K, V) logits
+    twice). Needs a model whose forward takes a tensor `logits_to_keep` (transformers causal LMs).
     """
     T = input_ids.shape[1]
     K = T - 1 if num_scored is None else num_scored
@@ -128,9 +132,15 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored:
         # Left padding (rollouts): positions count real tokens only, as in the sampler; without
         # this, transformers would number the pad columns too and shift every position.
         model_kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=K + 1,
-                    use_cache=False, **model_kwargs)
-    logits = outputs.logits[:, -(K + 1):-1, :]  # (B, K, V)
+    if exact_positions:
+        keep = torch.arange(T - K - 1, T - 1, device=input_ids.device)
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep,
+                        use_cache=False, **model_kwargs)
+        logits = outputs.logits  # (B, K, V), contiguous
+    else:
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=K + 1,
+                        use_cache=False, **model_kwargs)
+        logits = outputs.logits[:, -(K + 1):-1, :]  # (B, K, V)
     if temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, T - K:]

@@ -71,7 +71,7 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
     if isinstance(dataset, list):
         dataset = Dataset.from_list(dataset)
     target = "preference" if paired else "unpaired_preference"
-    dataset, info = formats.to_canonical(dataset, target=target)  # validates every row first
+    dataset, _ = formats.to_canonical(dataset, target=target)  # validates every row first
     text_cols = ("chosen", "rejected") if paired else ("completion",)
     extras = [c for c in keep if c in dataset.column_names]
     limits = (max_length, max_prompt_length, max_completion_length)
@@ -121,7 +121,7 @@ class PreferenceCollator:
 
     paired: input_ids / attention_mask / completion_mask (2B, T), chosen rows first; optional
     margin, ref_chosen_logps, ref_rejected_logps (B,).
-    unpaired: the same for B rows plus label (B,) bool; optional ref_logps, udm_weight (B,).
+    unpaired: the same for B rows plus label (B,) bool; optional udm_weight (B,) (BCO's density ratios).
     With kl_pairs: B more rows follow, completion i after prompt (i+1) mod B (KTO's KL estimate).
     """
 
@@ -148,7 +148,7 @@ class PreferenceCollator:
         }
         if not self.paired:
             batch["label"] = torch.tensor([bool(r["label"]) for r in rows])
-        for key in ("margin", "ref_chosen_logps", "ref_rejected_logps", "ref_logps", "udm_weight"):
+        for key in ("margin", "ref_chosen_logps", "ref_rejected_logps", "udm_weight"):
             if key in rows[0] and rows[0][key] is not None:
                 batch[key] = torch.tensor([float(r[key]) for r in rows])
         return batch
@@ -163,7 +163,7 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
     T = input_ids.shape[1]
     first = int(completion_mask.any(0).to(torch.int8).argmax())  # first column holding a completion token
     K = min(T - first, T - 1)  # token 0 has no context to be scored from
-    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K)
+    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
     mask = completion_mask[:, T - K:]
     lengths = mask.sum(-1)
     with torch.no_grad():

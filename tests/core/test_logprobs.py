@@ -103,6 +103,17 @@ def test_token_logprobs_real_model_padding_invariance(tiny_lm):
     assert torch.allclose(alone[0].double(), ref, atol=1e-5)
 
 
+def test_token_logprobs_exact_positions_matches_the_default(tiny_lm):
+    model, tok = tiny_lm
+    ids = torch.tensor([tok("Beautiful is better than ugly.")["input_ids"]] * 2)
+    mask = torch.ones_like(ids)
+    default, _, logits = token_logprobs(model, ids, mask, num_scored=4)
+    exact, _, exact_logits = token_logprobs(model, ids, mask, num_scored=4, exact_positions=True)
+    assert exact_logits.is_contiguous() and exact_logits.shape == logits.shape
+    torch.testing.assert_close(exact, default, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(exact_logits, logits, rtol=1e-5, atol=1e-5)
+
+
 def test_custom_gradient_and_stats_match_float64_reference():
     from posttrain.core.logprobs import selective_log_softmax_stats
 

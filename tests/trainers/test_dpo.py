@@ -65,7 +65,7 @@ def test_one_concatenated_forward_with_completion_logits_only(tmp_path):
     (rows, width), (_, kept, _) = calls[0]
     assert rows == 8
     first_completion = int(batch["completion_mask"].any(0).int().argmax())
-    assert kept == width - first_completion + 1 < width
+    assert kept == width - first_completion < width  # exactly the scoring positions, no extra column
 
 
 def test_precomputed_reference_gives_the_live_loss_and_frees_the_reference(tmp_path):
