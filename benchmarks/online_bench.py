@@ -4,11 +4,18 @@ Each step: 2 prompts x 4 generations x up to 32 new tokens, reward, advantages, 
 update (fp32, AdamW). Measured per method, each in its own process (so peak memory is its own):
 samples/s over the timed steps (after one warm-up step) and the peak resident memory.
 
-  ours-grpo    GRPOTrainer.training_step: one prefill per prompt with the KV cache expanded to the
-               group, a lean sampling loop that keeps the token log-probs, no old-log-prob pass
-               (ratio = 1), logits only for completion positions, no reference model (beta = 0)
+  ours-grpo    GRPOTrainer.training_step. Sampling (`rollout.generate`): one prefill per prompt, the KV
+               cache expanded to the group, all 8 rows decoded together with every linear weight
+               MKL-prepacked once per step for that row count (a one-token step is bound by
+               streaming the fp32 weights; a plain linear repacks them on every call), the token
+               log-probs kept. Training forward (`completion_logprobs`): each prompt and its 4
+               completions form one sequence with a block attention mask, so the prompt is computed
+               (and back-propagated) once per group and every weight once, logits only at the 32
+               scoring positions of each completion, entropy from the same log-softmax pass. No
+               old-log-prob pass (ratio = 1 from the detached current log-probs), no reference
+               model (beta = 0)
   ours-rloo    RLOOTrainer.training_step, the same with the KL penalty in the reward: one extra
-               no-grad reference forward (beta = 0.05)
+               no-grad reference forward (beta = 0.05), also one sequence per prompt group
   baseline     transformers `model.generate` per prompt with num_return_sequences, then a separate
                no-grad forward for the old log-probs and full-vocabulary log_softmax in both passes
 

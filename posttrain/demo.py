@@ -29,6 +29,18 @@ from pathlib import Path
 STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "dpo", "bco", "kto")
 
 
+ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp")
+PREFERENCE = ("dpo", "bco", "kto")
+
+# Budgets and learning rates per stage, measured on the tiny model (see the table in README.md).
+# The online stages count rollouts of 8 prompts x 8 samples: RLOO and PPO take num_ppo_epochs (4)
+# optimizer steps per rollout, so every online method sees the same 100 rollouts.
+STEPS = {"sft": 170, "reward": 200, "grpo": 100, "rloo": 100, "ppo": 100, "reinforce_pp": 100,
+         "dpo": 200, "bco": 100, "kto": 100}
+LEARNING_RATES = {"sft": 3e-3, "reward": 1e-3, "grpo": 1e-3, "rloo": 1e-3, "ppo": 1e-3, "reinforce_pp": 1e-3,
+                  "dpo": 3e-4, "bco": 5e-4, "kto": 5e-4}
+
+
 @dataclass
 class DemoPlan:
     model: str = "posttrain/tiny-qwen2"
@@ -37,22 +49,26 @@ class DemoPlan:
     stages: tuple[str, ...] = STAGES
     output_dir: str = "demo_output"
     seed: int = 0
-    sft_steps: int = 170
-    reward_steps: int = 60
-    rl_steps: int = 40
-    pref_steps: int = 40
+    steps: dict[str, int] = field(default_factory=lambda: dict(STEPS))
+    learning_rates: dict[str, float] = field(default_factory=lambda: dict(LEARNING_RATES))
+    rl_batch_size: int = 64  # completions per rollout (num_generations per prompt)
+    num_generations: int = 8
     eval_size: int = 100
     max_new_tokens: int = 8
-    sft_lr: float = 3e-3
-    rl_lr: float = 1e-3
-    pref_lr: float = 5e-4
     results: list[dict] = field(default_factory=list)
+
+    def set_steps(self, group: str, n: int):
+        """--sft_steps / --reward_steps / --rl_steps (every online stage) / --pref_steps (DPO, BCO, KTO)."""
+        names = {"sft": ("sft",), "reward": ("reward",), "rl": ONLINE, "pref": PREFERENCE}[group]
+        self.steps.update({name: n for name in names})
 
 
 def plan_for(model: str | None) -> DemoPlan:
     if model in ("smollm2", "posttrain/smollm2-135m-instruct"):
-        return DemoPlan(model="posttrain/smollm2-135m-instruct", task="quick-add", conversational=True,
-                        stages=("grpo",), rl_steps=30, eval_size=30, max_new_tokens=12, rl_lr=2e-6)
+        plan = DemoPlan(model="posttrain/smollm2-135m-instruct", task="quick-add", conversational=True,
+                        stages=("grpo",), eval_size=30, max_new_tokens=12, rl_batch_size=8, num_generations=4)
+        plan.steps["grpo"], plan.learning_rates["grpo"] = 30, 2e-6
+        return plan
     plan = DemoPlan()
     if model:
         plan.model = model if "/" in model or os.path.isdir(model) else f"posttrain/{model}"
@@ -75,10 +91,12 @@ def _accuracy(model_or_path, tokenizer, test, plan: DemoPlan) -> float:
     return generation_accuracy(model, tokenizer, test, max_new_tokens=plan.max_new_tokens)
 
 
-def _common_args(plan: DemoPlan, name: str, steps: int, lr: float, **extra):
-    return dict(output_dir=str(Path(plan.output_dir) / name), max_steps=steps, learning_rate=lr,
+def _common_args(plan: DemoPlan, name: str, steps: int | None = None, **extra):
+    steps = steps or plan.steps[name]
+    args = dict(output_dir=str(Path(plan.output_dir) / name), max_steps=steps, learning_rate=plan.learning_rates[name],
                 logging_steps=max(1, steps // 10), seed=plan.seed, save_strategy="no", report_to="none",
-                lr_scheduler_type="constant", disable_tqdm=False, **extra)
+                lr_scheduler_type="constant", disable_tqdm=False)
+    return {**args, **extra}
 
 
 def _corrupt(answer: str, rng: random.Random) -> str:
@@ -109,8 +127,8 @@ def run_sft(plan, tokenizer, train, test, base_acc):
     from posttrain import SFTConfig, SFTTrainer
 
     trainer = SFTTrainer(model=plan.model, processing_class=tokenizer, train_dataset=train,
-                         args=SFTConfig(**_common_args(plan, "sft", plan.sft_steps, plan.sft_lr,
-                                                       per_device_train_batch_size=32, max_length=64)))
+                         args=SFTConfig(**_common_args(plan, "sft", per_device_train_batch_size=32, max_length=64,
+                                                       lr_scheduler_type="constant_with_warmup", warmup_steps=10)))
     trainer.train()
     path = _finish(trainer, plan, "sft")
     return path, ("held-out accuracy", base_acc, _accuracy(trainer.model, tokenizer, test, plan))
@@ -128,32 +146,17 @@ def _answer_pairs(dataset, seed):
 
 
 def run_reward(plan, tokenizer, train, test, start):
-    import torch
-
     from posttrain import RewardConfig, RewardTrainer
 
     pairs, held_out = _answer_pairs(train, plan.seed), _answer_pairs(test, plan.seed + 1)
-    trainer = RewardTrainer(model=start, processing_class=tokenizer, train_dataset=pairs,
-                            args=RewardConfig(**_common_args(plan, "reward", plan.reward_steps, 1e-3,
-                                                             per_device_train_batch_size=32, max_length=64)))
-
-    def pairwise_accuracy():
-        model = trainer.model.eval()
-        wins = 0
-        with torch.no_grad():
-            for row in held_out:
-                scores = []
-                for completion in (row["chosen"], row["rejected"]):
-                    ids = tokenizer(row["prompt"] + completion, return_tensors="pt")
-                    scores.append(model(**ids).logits[0, 0].item())
-                wins += scores[0] > scores[1]
-        model.train()
-        return wins / len(held_out)
-
-    before = pairwise_accuracy()
+    trainer = RewardTrainer(model=start, processing_class=tokenizer, train_dataset=pairs, eval_dataset=held_out,
+                            args=RewardConfig(**_common_args(plan, "reward",
+                                                             per_device_train_batch_size=32, max_length=64,
+                                                             per_device_eval_batch_size=100)))
+    before = trainer.evaluate()["eval_accuracy"]  # chosen scored above rejected, held-out pairs
     trainer.train()
     path = _finish(trainer, plan, "reward")
-    return path, ("pairwise accuracy", before, pairwise_accuracy())
+    return path, ("pairwise accuracy", before, trainer.evaluate()["eval_accuracy"])
 
 
 def _online(plan, name, tokenizer, train, test, start, sft_acc):
@@ -165,12 +168,12 @@ def _online(plan, name, tokenizer, train, test, start, sft_acc):
     trainer_cls = getattr(posttrain, config_cls.__name__.replace("Config", "Trainer"))
     reward = exact_match_reward if plan.task == "quick-add" else digit_match_reward
     prompts = train.remove_columns("completion")
-    extra = dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=plan.max_new_tokens,
-                 temperature=1.0, log_completions=True, num_completions_to_print=4)
-    if plan.task == "quick-add":
-        extra.update(per_device_train_batch_size=8, num_generations=4)
+    extra = dict(per_device_train_batch_size=plan.rl_batch_size, num_generations=plan.num_generations,
+                 max_completion_length=plan.max_new_tokens, temperature=1.0, log_completions=True,
+                 num_completions_to_print=4)
+    passes = getattr(config_cls, "num_ppo_epochs", 1)  # RLOO and PPO: optimizer steps per rollout (default 4)
     trainer = trainer_cls(model=start, reward_funcs=reward, processing_class=tokenizer, train_dataset=prompts,
-                          args=config_cls(**_common_args(plan, name, plan.rl_steps, plan.rl_lr, **extra)))
+                          args=config_cls(**_common_args(plan, name, plan.steps[name] * passes, **extra)))
     trainer.train()
     path = _finish(trainer, plan, name)
     return path, ("held-out accuracy", sft_acc, _accuracy(trainer.model, tokenizer, test, plan))
@@ -215,7 +218,7 @@ def _preference(plan, name, tokenizer, pairs, test, start, sft_acc):
 
     config_cls = getattr(posttrain, f"{name.upper()}Config")
     trainer_cls = getattr(posttrain, f"{name.upper()}Trainer")
-    args = config_cls(**_common_args(plan, name, plan.pref_steps, plan.pref_lr,
+    args = config_cls(**_common_args(plan, name,
                                      per_device_train_batch_size=16, max_length=64))
     data = pairs
     if name in ("bco", "kto"):
@@ -356,8 +359,10 @@ def main(argv=None):
     parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--output_dir", default=None)
     parser.add_argument("--seed", type=int, default=None)
-    for name in ("sft_steps", "reward_steps", "rl_steps", "pref_steps", "eval_size"):
-        parser.add_argument(f"--{name}", type=int, default=None)
+    for group in ("sft", "reward", "rl", "pref"):
+        parser.add_argument(f"--{group}_steps", type=int, default=None,
+                            help={"rl": "rollouts per online stage", "pref": "steps per DPO/BCO/KTO stage"}.get(group))
+    parser.add_argument("--eval_size", type=int, default=None, help="held-out prompts evaluated")
     args = parser.parse_args(argv)
     plan = plan_for(args.model)
     if args.stages:
@@ -366,9 +371,12 @@ def main(argv=None):
         if unknown:
             parser.error(f"unknown stage(s) {unknown}; choose from {','.join(STAGES)}")
         plan.stages = wanted
-    for name in ("output_dir", "seed", "sft_steps", "reward_steps", "rl_steps", "pref_steps", "eval_size"):
+    for name in ("output_dir", "seed", "eval_size"):
         if getattr(args, name) is not None:
             setattr(plan, name, getattr(args, name))
+    for group in ("sft", "reward", "rl", "pref"):
+        if getattr(args, f"{group}_steps") is not None:
+            plan.set_steps(group, getattr(args, f"{group}_steps"))
     run(plan)
 
 

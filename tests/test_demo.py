@@ -11,7 +11,8 @@ def _tiny_plan(tmp_path, name, stages):
     plan = demo.plan_for(None)
     plan.output_dir = str(tmp_path / name)
     plan.stages = stages
-    plan.sft_steps, plan.reward_steps, plan.rl_steps, plan.pref_steps, plan.eval_size = 20, 4, 2, 2, 16
+    plan.steps = dict.fromkeys(demo.STEPS, 2) | {"sft": 20, "reward": 4}
+    plan.eval_size, plan.rl_batch_size = 16, 16
     return plan
 
 

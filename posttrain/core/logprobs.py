@@ -3,10 +3,15 @@
 Every trainer gets per-token log-probs and entropies from here. Two habits keep memory flat:
 the model is asked only for the logits of the positions we score (``logits_to_keep``), and
 log-softmax is never materialised as a full float32 (B, T, V) copy: we gather the chosen
-logit and subtract a log-sum-exp computed a few rows at a time.
+logit and subtract a log-sum-exp computed a few rows at a time. Where the output layer is a
+plain linear map (`plain_lm_head`), `linear_selective_log_softmax` fuses it in: logits a
+vocabulary block at a time, online softmax statistics, and a backward that hands each block's
+gradient straight to the two matmuls.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor
@@ -93,6 +98,169 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             if chunk.data_ptr() != out[rows].data_ptr():
                 out[rows] = chunk
         return out.view_as(logits), None, None, None
+
+
+VOCAB_CHUNK = 4096  # vocabulary columns per block of the fused head: a block is rows * VOCAB_CHUNK floats
+
+
+def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, index: Tensor, with_stats: bool = False,
+                                 vocab_chunk: int = VOCAB_CHUNK):
+    """`selective_log_softmax(hidden @ weight.T, index)` with the vocabulary projection fused in.
+
+    hidden: (..., H) final hidden states; weight: (V, H) the output embedding (lm_head, possibly
+    tied to the input embedding); index: (...) token ids. Returns (log-probs, entropy, argmax),
+    each shaped like `index`; entropy and argmax (metrics, no gradient) are None unless
+    `with_stats`. Log-probs are float32 (float64 for float64 inputs).
+
+    The logits are computed `vocab_chunk` columns at a time with online softmax statistics, so
+    no (N, V) temporaries are made besides the logits kept for backward (in the matmul dtype:
+    bf16 under bf16 autocast). Backward turns each block into its gradient
+    g * (one_hot(index) - softmax) in one reused buffer and feeds it straight to the two matmuls
+    (dL/dhidden, dL/dweight); it never builds the (N, V) gradient.
+    """
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        logps, entropy, argmax = _LinearSelectiveLogSoftmax.apply(hidden, weight, index, vocab_chunk, with_stats)
+    else:
+        logps, entropy, argmax, _, _ = _linear_selective_log_softmax(hidden, weight, index, vocab_chunk,
+                                                                     with_stats, keep=False)
+    return logps, entropy, argmax
+
+
+_PLAIN_HEADS = weakref.WeakKeyDictionary()  # model -> (its output layer, that layer if plain else None)
+
+
+def plain_lm_head(model, input_ids: Tensor):
+    """The model's output layer if its logits are exactly `head(outputs.hidden_states[-1])`, else None.
+
+    That is what `linear_selective_log_softmax` needs: a bias-free `nn.Linear` head (no adapter on
+    it), no logit scaling or soft-capping, and a last hidden state that already went through
+    the final norm. Checked once per model (and output layer) on the first 8 tokens of
+    `input_ids` (one row, eval mode, no grad).
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    known = _PLAIN_HEADS.get(model)
+    if known is not None and known[0] is head:
+        return known[1]
+    config = getattr(model, "config", None)
+    # (a partitioned weight, e.g. DeepSpeed ZeRO-3, lives only inside the forward: shape (0,), not plain)
+    plain = type(head) is torch.nn.Linear and head.bias is None and head.weight.dim() == 2 and all(
+        getattr(config, k, None) in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if plain:
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
+                out = model(input_ids=input_ids[:1, :8], output_hidden_states=True, use_cache=False)
+                plain = bool(out.hidden_states) and torch.allclose(head(out.hidden_states[-1]).float(),
+                                                                   out.logits.float(), rtol=1e-4, atol=1e-4)
+        finally:
+            model.train(training)
+    _PLAIN_HEADS[model] = (head, head if plain else None)
+    return head if plain else None
+
+
+def _matmul_dtype(hidden: Tensor) -> torch.dtype:
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def _linear_selective_log_softmax(hidden, weight, index, chunk, stats, keep):
+    """(log-probs, entropy, argmax, log-sum-exp, logit blocks kept for backward or None); flat (N,) each."""
+    dtype = _matmul_dtype(hidden)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    h = hidden.detach().reshape(-1, hidden.shape[-1]).to(dtype)
+    idx = index.reshape(-1)
+    n, V = h.shape[0], weight.shape[0]
+    blocks = []
+    chosen = torch.zeros(n, dtype=acc, device=h.device)
+    top = total = spread = argmax = None  # running max, sum exp(x - top), sum exp(x - top) * (x - top), argmax
+    for lo in range(0, V, chunk):
+        hi = min(lo + chunk, V)
+        block = torch.mm(h, weight.detach()[lo:hi].to(dtype).t())  # (N, hi - lo) logits
+        if keep:
+            blocks.append(block)
+        x = block if block.dtype == acc else block.to(acc)
+        m, at = x.max(-1)
+        local = (idx - lo).clamp(0, hi - lo - 1)
+        inside = (idx >= lo) & (idx < hi)
+        chosen = torch.where(inside, x.gather(1, local[:, None]).squeeze(1), chosen)
+        new_top = m if top is None else torch.maximum(top, m)
+        shifted = x - new_top[:, None]
+        weights = shifted.exp()
+        if top is None:
+            total = weights.sum(-1)
+            if stats:
+                spread, argmax = torch.linalg.vecdot(weights, shifted), at
+        else:
+            scale = (top - new_top).exp()
+            if stats:  # rebase to the new max: (x - new) = (x - old) + (old - new)
+                spread = scale * (spread + (top - new_top) * total) + torch.linalg.vecdot(weights, shifted)
+                argmax = torch.where(m > top, at + lo, argmax)  # ties keep the earlier (lower) id
+            total = total * scale + weights.sum(-1)
+        top = new_top
+    if top is None:  # no rows or an empty vocabulary
+        top = total = spread = torch.zeros(n, dtype=acc, device=h.device)
+        argmax = torch.zeros(n, dtype=torch.long, device=h.device)
+    lse = top + total.log()
+    shape = index.shape
+    entropy = (total.log() - spread / total).view(shape) if stats else None  # H = log Z - E_p[x - max]
+    return (chosen - lse).view(shape), entropy, argmax.view(shape) if stats else None, lse, blocks
+
+
+class _LinearSelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, index, chunk, stats):
+        logps, entropy, argmax, lse, blocks = _linear_selective_log_softmax(hidden, weight, index, chunk, stats,
+                                                                            keep=True)
+        ctx.save_for_backward(hidden, weight, index, lse, *blocks)
+        ctx.chunk = chunk
+        if stats:
+            ctx.mark_non_differentiable(entropy, argmax)
+        return logps, entropy, argmax
+
+    @staticmethod
+    def backward(ctx, grad, *unused):
+        hidden, weight, index, lse, *blocks = ctx.saved_tensors
+        with torch.autocast(hidden.device.type, enabled=False):  # the matmul dtype is the one forward chose
+            return _LinearSelectiveLogSoftmax._backward(ctx, grad, hidden, weight, index, lse, blocks)
+
+    @staticmethod
+    def _backward(ctx, grad, hidden, weight, index, lse, blocks):
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        h = hidden.reshape(-1, hidden.shape[-1])
+        dtype = blocks[0].dtype if blocks else h.dtype
+        h = h.to(dtype)
+        idx, g = index.reshape(-1), grad.reshape(-1).to(lse.dtype)
+        grad_hidden = torch.zeros(h.shape, dtype=lse.dtype, device=h.device) if want_hidden else None
+        grad_weight = torch.empty_like(weight) if want_weight else None
+        buffer = None
+        for block, lo in zip(blocks, range(0, weight.shape[0], ctx.chunk)):
+            hi = lo + block.shape[1]
+            if buffer is None or buffer.shape != block.shape:
+                buffer = torch.empty(block.shape, dtype=lse.dtype, device=block.device)
+            # d logp[i] / d logits[j] = 1[j == index] - softmax[j], times the incoming gradient
+            if block.dtype == lse.dtype:
+                torch.sub(block, lse[:, None], out=buffer)
+            else:
+                buffer.copy_(block).sub_(lse[:, None])
+            buffer.exp_().mul_(-g[:, None])
+            inside = (idx >= lo) & (idx < hi)
+            buffer.scatter_add_(1, (idx - lo).clamp(0, hi - lo - 1)[:, None], torch.where(inside, g, 0)[:, None])
+            part = buffer if dtype == lse.dtype else buffer.to(dtype)
+            w = weight[lo:hi].to(dtype)
+            if want_hidden:
+                if part.dtype == grad_hidden.dtype:
+                    grad_hidden.addmm_(part, w)
+                else:
+                    grad_hidden += torch.mm(part, w)
+            if want_weight:
+                if grad_weight.dtype == dtype:
+                    torch.mm(part.t(), h, out=grad_weight[lo:hi])
+                else:
+                    grad_weight[lo:hi] = torch.mm(part.t(), h)
+        if want_hidden:
+            grad_hidden = grad_hidden.to(hidden.dtype).view(hidden.shape)
+        return grad_hidden, grad_weight, None, None, None
 
 
 def entropy_from_logits(logits: Tensor, chunk_rows: int = CHUNK_ROWS) -> Tensor:

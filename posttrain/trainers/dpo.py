@@ -55,6 +55,10 @@ class DPOConfig(BaseConfig):
                 "rate for 'robust'); only sigmoid, robust and simpo accept it."})
     simpo_gamma: float | None = field(default=None, metadata={
         "help": "SimPO's target margin γ; None: γ = 0.5 β (the paper's γ/β = 0.5)."})
+    rpo_alpha: float | None = field(default=None, metadata={
+        "help": "RPO (Pang et al., 2024): add rpo_alpha x the chosen completions' mean per-token negative "
+                "log-likelihood to the loss, so the chosen log-probs do not drift down with the rejected ones "
+                "(None: off)."})
     precompute_ref_log_probs: bool = field(default=False, metadata={
         "help": "Score the train (and eval) data with the reference once before training, store the "
                 "log-probs as dataset columns and free the reference model."})
@@ -77,6 +81,8 @@ class DPOConfig(BaseConfig):
                              f"({types}); give one weight per loss type")
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
+        if self.rpo_alpha is not None and self.rpo_alpha < 0:
+            raise ValueError(f"rpo_alpha must be >= 0 (or None to turn the NLL term off), got {self.rpo_alpha}")
         if self.label_smoothing and any(t not in SMOOTHABLE for t in types):
             raise ValueError(f"label_smoothing={self.label_smoothing} applies only to {SMOOTHABLE}; "
                              f"set it to 0 for loss_type {types}")
@@ -169,6 +175,10 @@ class DPOTrainer(PreferenceTrainer):
             options["simpo_gamma"] = args.simpo_gamma
         losses = dpo_loss(inp, args.loss_types, args.beta, args.label_smoothing, args.loss_weights, **options)
         loss = losses.mean()
+        if args.rpo_alpha is not None:  # RPO: NLL of the chosen completions, per token
+            nll = (-logps[:B] / lengths[:B].clamp(min=1)).mean()
+            loss = loss + args.rpo_alpha * nll
+            self.record({"nll_loss": nll.detach()}, mode)
 
         if self.reference_free:  # SimPO's implicit reward: β × mean token log-prob
             chosen_rewards = (args.beta * logps[:B] / lengths[:B].clamp(min=1)).detach()

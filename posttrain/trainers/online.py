@@ -10,6 +10,8 @@
   6. for each of `num_iterations` passes and each micro-batch: loss = aggregate(`POLICY_LOSSES
      [policy_loss]`) + beta * KL (KL in the loss, GRPO) + vf_coef * value loss (with a critic).
      With `kl_in_reward`, -beta * KL goes into the reward instead (PPO, RLOO, REINFORCE++).
+     Policy and reference log-probs come from one forward that computes each prompt once per group
+     (`rollout.generate.completion_logprobs`: block attention mask, logits at scoring positions only).
 
 The configuration, `OnlineConfig`, lives in `online_config.py` (imported here).
 
@@ -45,7 +47,7 @@ from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss
 from posttrain.data.tokenize import encode_prompt
 from posttrain.models import loading
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
-from posttrain.rollout.generate import Rollout, SamplingConfig, generate
+from posttrain.rollout.generate import Rollout, SamplingConfig, completion_logprobs, generate
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import BaseTrainer, SyncRefModelCallback
 from posttrain.trainers.online_config import (_COUNT, CRITIC_ESTIMATORS, LOSS_TYPES, PER_TOKEN_ESTIMATORS,
@@ -348,7 +350,12 @@ class OnlineTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ loss
     def forward(self, model, mb: dict, with_values: bool = False, with_entropy: bool = False):
-        """(log-probs (B, C) at the sampling temperature, entropy (B, C) or None, values (B, C) or None)."""
+        """(log-probs (B, C) at the sampling temperature, entropy (B, C) or None, values (B, C) or None).
+        Without a critic, each distinct prompt of the micro-batch is computed once (`completion_logprobs`)."""
+        if not with_values:
+            logp, entropy = completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                                mb["completion_mask"], self.args.temperature, with_entropy)
+            return logp, entropy, None
         ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
         attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
         C = mb["completion_ids"].shape[1]

@@ -8,7 +8,9 @@
   so that one forward pass scores both; with `kl_pairs` (KTO) B mismatched rows (completion i
   after prompt i+1) follow the B real ones.
 * `completion_logps`: summed completion log-probs from one forward that asks the model only for
-  the logits of the completion columns.
+  the logits of the completion columns; where the output layer is a plain linear map
+  (`core.logprobs.plain_lm_head`) it is fused into the log-softmax, so no (N, K, V) logits,
+  softmax or logit gradient is ever built whole.
 * `PreferenceTrainer`: BaseTrainer plus the above, the reference forward, a prediction_step for
   evaluation, a cumulative token count, and (BCO, DPO's bco_pair) the running reward mean δ,
   folded in once per optimizer step and saved with every checkpoint.
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor
 from transformers import TrainerCallback
 
-from posttrain.core.logprobs import sequence_logprobs, token_logprobs
+from posttrain.core.logprobs import linear_selective_log_softmax, plain_lm_head, sequence_logprobs, token_logprobs
 from posttrain.core.running import RunningMean
 from posttrain.data import formats
 from posttrain.data.collate import pad
@@ -163,11 +165,22 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
     T = input_ids.shape[1]
     first = int(completion_mask.any(0).to(torch.int8).argmax())  # first column holding a completion token
     K = min(T - first, T - 1)  # token 0 has no context to be scored from
-    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
+    head = plain_lm_head(model, input_ids)
+    if head is None:
+        logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
+        with torch.no_grad():
+            token_mean_logits = logits.mean(-1)  # (N, K)
+    else:  # the model stops at its hidden states; the output layer is fused into the log-softmax
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
+                        logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+        hidden = outputs.hidden_states[-1][:, T - K - 1:T - 1]  # (N, K, H): position t scores token t + 1
+        logps = linear_selective_log_softmax(hidden, head.weight, input_ids[:, T - K:])[0]
+        with torch.no_grad():  # mean over the vocabulary of hidden @ W.T
+            token_mean_logits = hidden @ head.weight.mean(0)
     mask = completion_mask[:, T - K:]
     lengths = mask.sum(-1)
     with torch.no_grad():
-        mean_logits = (logits.mean(-1) * mask).sum(-1) / lengths.clamp(min=1)
+        mean_logits = (token_mean_logits * mask).sum(-1) / lengths.clamp(min=1)
     return sequence_logprobs(logps, mask), lengths, mean_logits.float()
 
 

@@ -21,8 +21,12 @@ Departures from the usual recipe, all for speed and none changing the objective:
   sequences never attend to each other, so packed and unpacked training give the same loss.
   Without flash attention a packed batch stays one bin per row (attention costs B * L^2, not
   the (B * L)^2 of one flattened row); `padding_free=True` flattens it anyway;
-* log-probs, entropy and accuracy come from one chunked pass over the kept logits
-  (`selective_log_softmax_stats`), whose gradient is written straight into one buffer.
+* the vocabulary projection is fused with the loss (`linear_selective_log_softmax`): the model
+  returns its final hidden states, and log-probs, entropy and accuracy come from one pass over
+  the logits computed a vocabulary block at a time, whose backward feeds each block's gradient
+  straight to the matmuls (no (N, V) softmax, gradient or temporaries). Used when the model's
+  logits are exactly `lm_head(last hidden state)` (checked once on a few tokens); otherwise the
+  model computes the kept logits and `selective_log_softmax_stats` takes them.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.core.logprobs import selective_log_softmax_stats
+from posttrain.core.logprobs import linear_selective_log_softmax, plain_lm_head, selective_log_softmax_stats
 from posttrain.data import formats
 from posttrain.data.collate import IGNORE_INDEX, LanguageModelingCollator
 from posttrain.data.packing import STRATEGIES, pack_dataset
@@ -123,6 +127,7 @@ class SFTTrainer(BaseTrainer):
         self._num_tokens = 0
         base = self.model.get_base_model() if loading.is_peft_model(self.model) else self.model
         self._logits_to_keep_mask = "logits_to_keep" in inspect.signature(base.forward).parameters
+        self._fuse_head = self._logits_to_keep_mask  # fuse the output layer into the loss where it is plain
 
     # ------------------------------------------------------------------ data
     @staticmethod
@@ -191,14 +196,25 @@ class SFTTrainer(BaseTrainer):
         targets[:, :-1] = labels[:, 1:]  # targets[:, t] is predicted by the logits at t
         keep = targets != IGNORE_INDEX  # (B, T)
         model_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
-        if self._logits_to_keep_mask:  # the vocabulary projection only where there is a target: (N, V)
+        head = None
+        if self._fuse_head and not return_outputs:
+            head = plain_lm_head(self.accelerator.unwrap_model(model), inputs["input_ids"])
+        if head is not None:  # the model stops at its hidden states; the output layer is fused into the loss
+            outputs = model(**model_inputs, logits_to_keep=torch.zeros_like(keep), output_hidden_states=True,
+                            use_cache=False)
+        elif self._logits_to_keep_mask:  # the vocabulary projection only where there is a target: (N, V)
             outputs = model(**model_inputs, logits_to_keep=keep, use_cache=False)
             logits = outputs.logits
         else:
             outputs = model(**model_inputs, use_cache=False)
             logits = outputs.logits[keep]
         targets = targets[keep]  # (N,)
-        logps, entropy, argmax = selective_log_softmax_stats(logits, targets)  # (N,) each; one pass over logits
+        if head is not None:  # (N,) each; one pass over the logits, a vocabulary block at a time
+            logps, entropy, argmax = linear_selective_log_softmax(outputs.hidden_states[-1][keep], head.weight,
+                                                                  targets, with_stats=True)
+            logits = None
+        else:
+            logps, entropy, argmax = selective_log_softmax_stats(logits, targets)  # (N,) each; one pass over logits
         denominator = num_items_in_batch if num_items_in_batch is not None else keep.sum().clamp(min=1)
         loss = -logps.sum() / denominator
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:

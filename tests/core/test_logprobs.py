@@ -133,3 +133,59 @@ def test_custom_gradient_and_stats_match_float64_reference():
     ref = xb.detach().float().requires_grad_(True)
     torch.log_softmax(ref, -1).gather(-1, index[0][:, None]).sum().backward()
     assert xb.grad.dtype == torch.bfloat16 and torch.allclose(xb.grad.float(), ref.grad, atol=1e-2)
+
+
+def test_fused_head_matches_plain_cross_entropy_and_its_gradients():
+    """linear_selective_log_softmax == -cross_entropy(hidden @ W.T): values, stats, gradients to the
+    hidden states and to a weight tied to an embedding (both gradients land in the one weight)."""
+    from posttrain.core.logprobs import linear_selective_log_softmax
+
+    torch.manual_seed(5)
+    N, H, V = 13, 6, 37  # a vocabulary block of 8 does not divide V
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        hidden0 = torch.randn(N, H, dtype=torch.float64) * 2
+        weight0 = torch.randn(V, H, dtype=torch.float64)
+        ids = torch.randint(0, V, (N,))
+        index = torch.randint(0, V, (N,))
+        upstream = torch.randn(N, dtype=torch.float64)  # any per-token gradient, not only a mean
+        results = []
+        for fused in (False, True):
+            hidden = hidden0.to(dtype).requires_grad_(True)
+            weight = weight0.to(dtype).requires_grad_(True)
+            h = hidden + torch.nn.functional.embedding(ids, weight)  # tied: the weight is the embedding too
+            if fused:
+                logps, entropy, argmax = linear_selective_log_softmax(h, weight, index, with_stats=True, vocab_chunk=8)
+            else:
+                logits = h @ weight.t()
+                logps = -torch.nn.functional.cross_entropy(logits, index, reduction="none")
+                entropy, argmax = entropy_from_logits(logits.detach()), logits.argmax(-1)
+            (logps * upstream.to(dtype)).sum().backward()
+            results.append((logps, entropy, argmax, hidden.grad, weight.grad))
+        for name, plain, fused in zip(("logps", "entropy", "argmax", "d hidden", "d weight"), *results):
+            assert torch.allclose(fused.double(), plain.double(), atol=tol, rtol=tol), (dtype, name)
+        assert results[1][0].dtype == dtype and not results[1][1].requires_grad
+    hidden = hidden0.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda h, w: linear_selective_log_softmax(h, w, index, vocab_chunk=8)[0],
+                                    (hidden, weight0.clone().requires_grad_(True)))
+    with torch.no_grad():  # the no-grad path gives the same numbers
+        assert torch.allclose(linear_selective_log_softmax(hidden0, weight0, index, vocab_chunk=8)[0],
+                              torch.log_softmax(hidden0 @ weight0.t(), -1).gather(-1, index[:, None]).squeeze(-1))
+
+
+def test_fused_head_under_bf16_autocast_matches_the_autocast_head():
+    from posttrain.core.logprobs import linear_selective_log_softmax
+
+    torch.manual_seed(6)
+    hidden0, weight0, index = torch.randn(9, 16), torch.randn(70, 16) * 0.3, torch.randint(0, 70, (9,))
+    grads = []
+    for fused in (False, True):
+        hidden, weight = hidden0.clone().requires_grad_(True), weight0.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                logps = linear_selective_log_softmax(hidden, weight, index, vocab_chunk=32)[0]
+            else:
+                logps = selective_log_softmax(torch.nn.functional.linear(hidden, weight), index)
+        logps.sum().backward()
+        grads.append((logps, hidden.grad, weight.grad))
+    for plain, fused in zip(*grads):
+        assert fused.dtype == plain.dtype and torch.allclose(fused, plain, atol=2e-2, rtol=2e-2)

@@ -8,7 +8,9 @@ import torch
 
 from posttrain.core.logprobs import token_logprobs
 from posttrain.models.loading import load_causal_lm, load_tokenizer
-from posttrain.rollout.generate import Rollout, SamplingConfig, _sample, filter_logits, generate
+from posttrain.rollout import generate as generate_module
+from posttrain.rollout.generate import (Rollout, SamplingConfig, _sample, completion_logprobs, filter_logits, generate,
+                                        packed_linears)
 
 PROMPTS = ["reverse 1234 =", "Beautiful is better than ugly. Explicit is", "a", "add 12 7 ="]
 
@@ -267,3 +269,61 @@ def test_absolute_position_model(tok, prompt_ids):
                  pad_token_id=tok.pad_token_id, eos_token_id=None)
     assert torch.equal(r.completion_ids, hf_greedy(m, tok, prompt_ids, 8, None))
     assert torch.allclose(r.logprobs, full_forward_logprobs(m, r, 1.0), atol=1e-5)
+
+
+def test_completion_logprobs_equal_the_plain_forward_with_gradients(tok, prompt_ids, monkeypatch):
+    """One sequence per distinct prompt with a block mask: same log-probs, entropies and parameter
+    gradients as the plain per-row forward, with left padding, a temperature, uneven completion
+    lengths, shuffled rows and a group split across micro-batches; for sdpa and eager attention
+    (the plain eager forward itself gives NaN on left-padded float64 rows, so sdpa is the reference)."""
+    models = {attn: load_causal_lm("posttrain/tiny-qwen2", dtype=torch.float64, attn_implementation=attn).train()
+              for attn in ("sdpa", "eager")}
+    m = models["sdpa"]
+    g = torch.Generator().manual_seed(1)
+    r = generate(m, prompt_ids[:3], SamplingConfig(max_new_tokens=7, num_generations=3), pad_token_id=tok.pad_token_id,
+                 eos_token_id=tok.eos_token_id, generator=g)
+    order = torch.tensor([4, 0, 8, 1, 5, 2, 7])  # prompt 0 thrice, 1 twice, 2 twice (row 6 left out)
+    pi, pm, ci, cm = r.prompt_ids[order], r.prompt_mask[order], r.completion_ids[order], r.completion_mask[order]
+    cm[1, 3:] = 0  # uneven lengths, whatever the tiny model sampled
+    ci[1, 3:] = tok.pad_token_id
+    weights = torch.randn(ci.shape, generator=g, dtype=torch.float64)
+
+    def run(model, fn):
+        model.zero_grad()
+        logp, entropy = fn(model)
+        (logp * weights * cm).sum().backward()
+        return logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def plain(model):
+        ids, attention = torch.cat([pi, ci], 1), torch.cat([pm, cm], 1)
+        logp, entropy, _ = token_logprobs(model, ids, attention, ci.shape[1], temperature=0.7, with_entropy=True)
+        return logp, entropy
+
+    reference = run(m, plain)
+    real = cm.bool()
+
+    def no_plain_forward(*args, **kwargs):
+        raise AssertionError("completion_logprobs fell back to the plain forward")
+
+    monkeypatch.setattr(generate_module, "token_logprobs", no_plain_forward)
+    for model in models.values():
+        shared = run(model, lambda mm: completion_logprobs(mm, pi, pm, ci, cm, temperature=0.7, with_entropy=True))
+        torch.testing.assert_close(shared[0][real], reference[0][real], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(shared[1][real], reference[1][real], rtol=1e-6, atol=1e-6)
+        for name, grad in reference[2].items():
+            # float32-level agreement: the tiny model's RMSNorm computes in float32 even for float64 weights
+            torch.testing.assert_close(shared[2][name], grad, rtol=1e-6, atol=1e-6 * float(grad.abs().max()), msg=name)
+
+
+def test_packed_linears_match_the_plain_forward_and_are_removed(model):
+    """MKL-prepacked weights (the CPU decoding fast path) give the plain logits, for the packed row
+    count and any other, and the modules get their own forward back afterwards."""
+    ids = torch.randint(0, 1000, (4, 1))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with packed_linears(model, 4) as packed:
+            same_rows, other_rows = model(input_ids=ids).logits, model(input_ids=ids[:3]).logits
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    if packed:  # MKL present (x86 builds of torch)
+        torch.testing.assert_close(same_rows, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(other_rows, plain[:3], rtol=1e-5, atol=1e-5)

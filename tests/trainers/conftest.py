@@ -8,11 +8,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # plain helper modules next to the tests (online_helpers)
 
 
-def sft_reverse(steps: int = 130, batch_size: int = 32, lr: float = 3e-3, seed: int = 0):
-    """tiny-qwen2 after a short completion-only SFT on the built-in `reverse` task (plain torch loop).
+def sft_reverse(steps: int = 150, batch_size: int = 32, lr: float = 3e-3, warmup: int = 10, seed: int = 0):
+    """tiny-qwen2 after a short completion-only SFT on the built-in `reverse` task (plain torch loop,
+    AdamW, linear warm-up then a constant learning rate).
 
-    Partially trained on purpose: held-out greedy exact match is still low while partial credit
-    (digit_match_reward) is clearly above zero, so RL has room to raise both. Returns (model, tokenizer).
+    Partially trained on purpose: it stops just before the model "gets" reversal (measured at 150
+    steps: held-out greedy exact match 0.18, sampled digit_match reward 0.43; at 200 steps both are
+    ~1), so RL has room to raise both. Returns (model, tokenizer).
     """
     import torch
 
@@ -26,6 +28,7 @@ def sft_reverse(steps: int = 130, batch_size: int = 32, lr: float = 3e-3, seed: 
     tok = load_tokenizer(None, model="posttrain/tiny-qwen2")
     rows = [encode_prompt_completion(tok, r["prompt"], r["completion"]) for r in task_dataset("reverse", "train")]
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / warmup))
     model.train()
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -36,6 +39,7 @@ def sft_reverse(steps: int = 130, batch_size: int = 32, lr: float = 3e-3, seed: 
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         optim.step()
+        schedule.step()
         optim.zero_grad()
     return model.eval(), tok
 

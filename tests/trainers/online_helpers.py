@@ -90,15 +90,29 @@ def sampled_reward(model, tok, dataset, reward_func, num_generations: int = 4, t
 
 def learning_args(tmp_path, **overrides) -> dict:
     """RL from the partially SFT-trained tiny model on `reverse` (shared by the four learning tests):
-    64 completions per step, 40 steps, lr 2e-3 constant, completions of at most 6 tokens (" dddd" + EOS)."""
-    return {"output_dir": str(tmp_path), "per_device_train_batch_size": 64, "max_steps": 40, "learning_rate": 2e-3,
+    100 rollouts of 8 prompts x 8 samples, lr 1e-3 constant, completions of at most 6 tokens (" dddd" + EOS)."""
+    return {"output_dir": str(tmp_path), "per_device_train_batch_size": 64, "max_steps": 100, "learning_rate": 1e-3,
             "lr_scheduler_type": "constant", "max_completion_length": 6, "temperature": 1.0, "logging_steps": 10,
             "report_to": "none", "disable_tqdm": True, "num_sample_generations": 0, "seed": 42, **overrides}
 
 
-def heldout_reward(trainer) -> float:
-    """Mean digit_match reward of 4 sampled completions (T = 1) for each of 200 held-out `reverse` prompts."""
+def heldout_scores(trainer) -> tuple[float, float]:
+    """On 100 held-out `reverse` prompts: greedy exact-match accuracy, and the mean digit_match reward
+    of 4 sampled completions (T = 1) per prompt."""
     from posttrain.data.builtin import digit_match_reward, task_dataset
+    from posttrain.eval import generation_accuracy
 
-    test = task_dataset("reverse", "test", size=200)
-    return sampled_reward(trainer.policy, trainer.processing_class, test, digit_match_reward, max_new_tokens=6)
+    test = task_dataset("reverse", "test", size=100)
+    model, tok = trainer.policy, trainer.processing_class
+    accuracy = generation_accuracy(model, tok, test, max_new_tokens=6)
+    return accuracy, sampled_reward(model, tok, test, digit_match_reward, max_new_tokens=6)
+
+
+def assert_learns(trainer, name: str):
+    """Train; held-out greedy accuracy must rise by more than 0.15 and sampled reward by more than 0.15."""
+    before = heldout_scores(trainer)
+    trainer.train()
+    after = heldout_scores(trainer)
+    print(f"{name} held-out greedy accuracy {before[0]:.2f} -> {after[0]:.2f}, "
+          f"sampled reward {before[1]:.3f} -> {after[1]:.3f}")
+    assert after[0] > before[0] + 0.15 and after[1] > before[1] + 0.15, (before, after)

@@ -5,6 +5,7 @@ import torch
 from preference_helpers import (TINY, assert_all_changed, assert_finite_metrics, assert_split_invariant,
                                 config_kwargs, snapshot, task_pairs)
 
+from posttrain.core.logprobs import plain_lm_head
 from posttrain.core.preference_losses import DPO_LOSSES, PreferenceInput, dpo_loss
 from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError
@@ -53,19 +54,43 @@ def test_every_loss_type_goes_through_the_core_loss(tmp_path, loss_type):
     assert all(p.grad is not None for p in trainer.model.parameters())
 
 
+def test_rpo_alpha_adds_the_chosen_per_token_nll(tmp_path):
+    """RPO: loss = DPO loss + alpha x mean over pairs of (chosen NLL / chosen length), the NLL computed
+    here independently with a full float64 log_softmax."""
+    data = zen("preference")
+    plain = DPOTrainer(TINY, args=DPOConfig(**config_kwargs(tmp_path)), train_dataset=data)
+    rpo = DPOTrainer(TINY, args=DPOConfig(**config_kwargs(tmp_path, rpo_alpha=0.5)), train_dataset=data)
+    batch = batch_of(plain)
+    base, with_nll = plain.compute_loss(plain.model, batch), rpo.compute_loss(rpo.model, batch)
+    ids, mask, cmask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    B = ids.shape[0] // 2
+    with torch.no_grad():
+        logits = rpo.model(input_ids=ids[:B], attention_mask=mask[:B]).logits.double()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:B, 1:, None]).squeeze(-1)
+    m = cmask[:B, 1:].double()
+    nll = (-(logp * m).sum(-1) / m.sum(-1)).mean()
+    assert with_nll.item() == pytest.approx(base.item() + 0.5 * nll.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="rpo_alpha"):
+        DPOConfig(**config_kwargs(tmp_path, rpo_alpha=-1.0))
+
+
 def test_one_concatenated_forward_with_completion_logits_only(tmp_path):
     trainer = DPOTrainer(TINY, args=DPOConfig(**config_kwargs(tmp_path)), train_dataset=zen("preference"))
+    batch = batch_of(trainer)
+    plain = plain_lm_head(trainer.model, batch["input_ids"])  # checked (one 8-token forward) before the hook
     calls = []
     hook = trainer.model.register_forward_hook(lambda m, args, kw, out: calls.append(
         (kw["input_ids"].shape, out.logits.shape)), with_kwargs=True)
-    batch = batch_of(trainer)
     trainer.compute_loss(trainer.model, batch)
     hook.remove()
     assert len(calls) == 1  # chosen and rejected together; the reference is a separate model
     (rows, width), (_, kept, _) = calls[0]
     assert rows == 8
     first_completion = int(batch["completion_mask"].any(0).int().argmax())
-    assert kept == width - first_completion < width  # exactly the scoring positions, no extra column
+    if plain is not None:  # the output layer is fused into the log-softmax: the model computes no logits
+        assert kept == 0
+    else:
+        assert kept == width - first_completion < width  # exactly the scoring positions, no extra column
 
 
 def test_precomputed_reference_gives_the_live_loss_and_frees_the_reference(tmp_path):

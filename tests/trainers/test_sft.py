@@ -7,6 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from posttrain.core.logprobs import plain_lm_head
 from posttrain.data.builtin import task_dataset, zen
 from posttrain.data.collate import IGNORE_INDEX
 from posttrain.data.formats import FormatError
@@ -250,3 +251,22 @@ def test_bad_input_errors(tmp_path, tokenizer):
         SFTConfig(output_dir="x", packing=True, packing_strategy="greedy")
     with pytest.raises(ValueError, match="packing needs max_length"):
         SFTConfig(output_dir="x", packing=True, max_length=None)
+
+
+def test_fused_head_gives_the_plain_loss_and_gradients(tmp_path):
+    """The loss with the vocabulary projection fused in equals the model's own logits path."""
+    trainer = SFTTrainer(MODEL, args=config(tmp_path, packing=True, max_length=40),
+                         train_dataset=task_dataset("reverse", size=8))
+    batch = _batch(trainer, range(len(trainer.train_dataset)))
+    results = []
+    for fuse in (False, True):  # False: the model computes the logits
+        trainer._fuse_head = fuse
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model.train(), batch)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    assert plain_lm_head(trainer.model, batch["input_ids"]) is trainer.model.lm_head  # the tied Qwen2 head is plain
+    (plain, plain_grads), (fused, fused_grads) = results
+    assert fused.item() == pytest.approx(plain.item(), abs=1e-6)
+    for name, grad in plain_grads.items():
+        assert torch.allclose(fused_grads[name], grad, atol=1e-6, rtol=1e-4), name
