@@ -53,6 +53,7 @@ class DemoPlan:
     learning_rates: dict[str, float] = field(default_factory=lambda: dict(LEARNING_RATES))
     rl_batch_size: int = 64  # completions per rollout (num_generations per prompt)
     num_generations: int = 8
+    temperature: float = 1.0  # sampling temperature of the online stages
     eval_size: int = 100
     max_new_tokens: int = 8
     results: list[dict] = field(default_factory=list)
@@ -66,8 +67,9 @@ class DemoPlan:
 def plan_for(model: str | None) -> DemoPlan:
     if model in ("smollm2", "posttrain/smollm2-135m-instruct"):
         plan = DemoPlan(model="posttrain/smollm2-135m-instruct", task="quick-add", conversational=True,
-                        stages=("grpo",), eval_size=30, max_new_tokens=12, rl_batch_size=8, num_generations=4)
-        plan.steps["grpo"], plan.learning_rates["grpo"] = 30, 2e-6
+                        stages=("grpo",), eval_size=30, max_new_tokens=12, rl_batch_size=16, num_generations=8,
+                        temperature=0.7)
+        plan.steps["grpo"], plan.learning_rates["grpo"] = 40, 1e-5
         return plan
     plan = DemoPlan()
     if model:
@@ -161,15 +163,15 @@ def run_reward(plan, tokenizer, train, test, start):
 
 def _online(plan, name, tokenizer, train, test, start, sft_acc):
     import posttrain
-    from posttrain.data.builtin import digit_match_reward, exact_match_reward
+    from posttrain.data.builtin import answer_first_reward, digit_match_reward
 
     config_cls = getattr(posttrain, {"grpo": "GRPOConfig", "rloo": "RLOOConfig", "ppo": "PPOConfig",
                                      "reinforce_pp": "ReinforcePPConfig"}[name])
     trainer_cls = getattr(posttrain, config_cls.__name__.replace("Config", "Trainer"))
-    reward = exact_match_reward if plan.task == "quick-add" else digit_match_reward
+    reward = answer_first_reward if plan.task == "quick-add" else digit_match_reward
     prompts = train.remove_columns("completion")
     extra = dict(per_device_train_batch_size=plan.rl_batch_size, num_generations=plan.num_generations,
-                 max_completion_length=plan.max_new_tokens, temperature=1.0, log_completions=True,
+                 max_completion_length=plan.max_new_tokens, temperature=plan.temperature, log_completions=True,
                  num_completions_to_print=4)
     passes = getattr(config_cls, "num_ppo_epochs", 1)  # RLOO and PPO: optimizer steps per rollout (default 4)
     trainer = trainer_cls(model=start, reward_funcs=reward, processing_class=tokenizer, train_dataset=prompts,

@@ -211,7 +211,19 @@ def digit_match_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
-REWARD_FUNCTIONS = {"exact_match": exact_match_reward, "digit_match": digit_match_reward}
+def answer_first_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 for exactly the answer; 0.5 when the first number in the completion is the answer
+    (right, but wrapped in words); else 0.0. Shapes a chat model towards the strict format."""
+    rewards = []
+    for completion, target in zip(completions, answer):
+        text = completion_text(completion).strip()
+        first = re.search(r"-?\d+", text)
+        rewards.append(1.0 if text == str(target).strip() else 0.5 if first and first.group() == str(target) else 0.0)
+    return rewards
+
+
+REWARD_FUNCTIONS = {"exact_match": exact_match_reward, "digit_match": digit_match_reward,
+                    "answer_first": answer_first_reward}
 
 
 def load_builtin(name: str, split: str = "train"):

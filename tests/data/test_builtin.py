@@ -53,3 +53,10 @@ def test_unknown_names_are_refused():
     with pytest.raises(KeyError):
         builtin.load_builtin("nope")
     assert len(builtin.load_builtin("zen/preference")) == 19
+
+
+def test_answer_first_reward_by_hand():
+    from posttrain.data.builtin import answer_first_reward
+
+    completions = ["12", "The answer is 12.", "3 + 9 = 12", " 12 ", "I do not know", [{"role": "assistant", "content": "12"}]]
+    assert answer_first_reward(completions, ["12"] * 6) == [1.0, 0.5, 0.0, 1.0, 0.0, 1.0]
