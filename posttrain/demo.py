@@ -67,8 +67,7 @@ class DemoPlan:
 def plan_for(model: str | None) -> DemoPlan:
     if model in ("smollm2", "posttrain/smollm2-135m-instruct"):
         plan = DemoPlan(model="posttrain/smollm2-135m-instruct", task="quick-add", conversational=True,
-                        stages=("grpo",), eval_size=30, max_new_tokens=12, rl_batch_size=16, num_generations=8,
-                        temperature=0.7)
+                        stages=("grpo",), eval_size=30, max_new_tokens=12, rl_batch_size=16, num_generations=8)
         plan.steps["grpo"], plan.learning_rates["grpo"] = 40, 1e-5
         return plan
     plan = DemoPlan()
@@ -163,12 +162,12 @@ def run_reward(plan, tokenizer, train, test, start):
 
 def _online(plan, name, tokenizer, train, test, start, sft_acc):
     import posttrain
-    from posttrain.data.builtin import answer_first_reward, digit_match_reward
+    from posttrain.data.builtin import concise_answer_reward, digit_match_reward
 
     config_cls = getattr(posttrain, {"grpo": "GRPOConfig", "rloo": "RLOOConfig", "ppo": "PPOConfig",
                                      "reinforce_pp": "ReinforcePPConfig"}[name])
     trainer_cls = getattr(posttrain, config_cls.__name__.replace("Config", "Trainer"))
-    reward = answer_first_reward if plan.task == "quick-add" else digit_match_reward
+    reward = concise_answer_reward if plan.task == "quick-add" else digit_match_reward
     prompts = train.remove_columns("completion")
     extra = dict(per_device_train_batch_size=plan.rl_batch_size, num_generations=plan.num_generations,
                  max_completion_length=plan.max_new_tokens, temperature=plan.temperature, log_completions=True,

@@ -211,19 +211,24 @@ def digit_match_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
-def answer_first_reward(completions, answer, **kwargs) -> list[float]:
-    """1.0 for exactly the answer; 0.5 when the first number in the completion is the answer
-    (right, but wrapped in words); else 0.0. Shapes a chat model towards the strict format."""
+def concise_answer_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 for exactly the answer; 0.5 x 0.9^(extra characters) when the answer appears as a number
+    wrapped in other text ("13." 0.45, "8 + 5 = 13" 0.24, "The answer is 13." 0.10); else 0.0.
+    Shapes a chat model that knows the answer towards the strict format."""
     rewards = []
     for completion, target in zip(completions, answer):
-        text = completion_text(completion).strip()
-        first = re.search(r"-?\d+", text)
-        rewards.append(1.0 if text == str(target).strip() else 0.5 if first and first.group() == str(target) else 0.0)
+        text, target = completion_text(completion).strip(), str(target).strip()
+        if text == target:
+            rewards.append(1.0)
+        elif target in re.findall(r"-?\d+", text):
+            rewards.append(0.5 * 0.9 ** (len(text) - len(target)))
+        else:
+            rewards.append(0.0)
     return rewards
 
 
 REWARD_FUNCTIONS = {"exact_match": exact_match_reward, "digit_match": digit_match_reward,
-                    "answer_first": answer_first_reward}
+                    "concise_answer": concise_answer_reward}
 
 
 def load_builtin(name: str, split: str = "train"):

@@ -55,8 +55,10 @@ def test_unknown_names_are_refused():
     assert len(builtin.load_builtin("zen/preference")) == 19
 
 
-def test_answer_first_reward_by_hand():
-    from posttrain.data.builtin import answer_first_reward
+def test_concise_answer_reward_by_hand():
+    from posttrain.data.builtin import concise_answer_reward
 
-    completions = ["12", "The answer is 12.", "3 + 9 = 12", " 12 ", "I do not know", [{"role": "assistant", "content": "12"}]]
-    assert answer_first_reward(completions, ["12"] * 6) == [1.0, 0.5, 0.0, 1.0, 0.0, 1.0]
+    completions = ["12", "The answer is 12.", "3 + 9 = 12", " 12 ", "I do not know", "12.",
+                   [{"role": "assistant", "content": "12"}], "120"]
+    expected = [1.0, 0.5 * 0.9 ** 15, 0.5 * 0.9 ** 8, 1.0, 0.0, 0.45, 1.0, 0.0]
+    assert concise_answer_reward(completions, ["12"] * 8) == pytest.approx(expected)
