@@ -165,7 +165,7 @@ class DPOTrainer(PreferenceTrainer):
         else:
             ref = self.reference_logps(ids, mask, cmask)
             ref_chosen, ref_rejected = ref[:B], ref[B:]
-        logps, lengths, mean_logits = completion_logps(model, ids, mask, cmask)
+        logps, lengths, mean_logits = completion_logps(model, ids, mask, cmask, paired=True)
         inp = PreferenceInput(logps[:B], logps[B:], ref_chosen, ref_rejected, lengths[:B], lengths[B:])
 
         options = {}

@@ -85,11 +85,12 @@ def test_one_concatenated_forward_with_completion_logits_only(tmp_path):
     hook.remove()
     assert len(calls) == 1  # chosen and rejected together; the reference is a separate model
     (rows, width), (_, kept, _) = calls[0]
-    assert rows == 8
     first_completion = int(batch["completion_mask"].any(0).int().argmax())
-    if plain is not None:  # the output layer is fused into the log-softmax: the model computes no logits
-        assert kept == 0
+    if plain is not None:  # one [prompt | chosen | rejected] row per pair; the output layer is fused: no logits
+        assert rows == 4 and kept == 0
+        assert width < batch["input_ids"].shape[1] + batch["completion_mask"].sum(1).max()
     else:
+        assert rows == 8
         assert kept == width - first_completion < width  # exactly the scoring positions, no extra column
 
 
@@ -236,3 +237,30 @@ def test_task_preference_dataset_corrupts_one_digit_keeping_the_token_count():
             assert len(tok(row["rejected"])["input_ids"]) == len(tok(row["chosen"])["input_ids"])
     unpaired = load_builtin("reverse/unpaired_preference", "test")
     assert unpaired["label"][:4] == [True, False, True, False]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prompt_logps_equal_the_two_row_forward_with_gradients(tmp_path, attn):
+    """Pairs scored as one [prompt | chosen | rejected] sequence give the two-row forward's log-probs,
+    lengths and gradients (float64, pairs of uneven prompt and completion lengths)."""
+    model = load_causal_lm(TINY).double()
+    model.config._attn_implementation = attn
+    trainer = DPOTrainer(model, args=DPOConfig(**config_kwargs(tmp_path)), train_dataset=zen("preference"))
+    batch = batch_of(trainer, 4)
+    rows = []
+    model.register_forward_hook(lambda m, args, kw, out: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    ids, mask, cmask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    results = []
+    for paired in (False, True):
+        model.zero_grad()
+        logps, lengths, mean_logits = completion_logps(model, ids, mask, cmask, paired=paired)
+        (logps * torch.linspace(0.5, 1.5, len(logps), dtype=logps.dtype)).sum().backward()
+        results.append((logps.detach(), lengths, mean_logits, [p.grad.clone() for p in model.parameters()]))
+    (plain, plain_len, plain_mean, plain_grads), (shared, shared_len, shared_mean, shared_grads) = results
+    assert rows[-1] == 4 and 8 in rows  # one row per pair on the shared path, two on the plain one
+    assert len(set(batch["attention_mask"].sum(1).tolist())) > 2  # uneven lengths
+    torch.testing.assert_close(shared, plain, rtol=1e-6, atol=1e-6)
+    assert torch.equal(shared_len, plain_len)
+    torch.testing.assert_close(shared_mean, plain_mean, rtol=1e-5, atol=1e-5)
+    for a, b in zip(shared_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
