@@ -16,6 +16,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from posttrain.core.masked import shared_prefix_attention_mask
+
 CHUNK_ROWS = 1024  # rows of (V,) logits processed at once; bounds the temporary to CHUNK_ROWS * V floats
 
 
@@ -325,3 +327,55 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored:
 def sequence_logprobs(token_logps: Tensor, mask: Tensor) -> Tensor:
     """Sum of token log-probs over the masked tokens of each row. (B, T) -> (B,)."""
     return (token_logps * mask).sum(-1)
+
+
+def attention_kind(model) -> str | None:
+    """The model's attention implementation ("sdpa", "eager", ...), through a DDP wrapper."""
+    inner = getattr(model, "module", model)  # DDP
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
+
+
+def paired_completion_logps(model, head, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor):
+    """Summed completion log-probs (2B,), lengths (2B,) and mean logits (2B,) of preference pairs,
+    computing each prompt once (`head`: the model's plain output layer, see `plain_lm_head`).
+
+    Pair i becomes one sequence [prompt | chosen | rejected] with a block attention mask (each completion sees the prompt and
+    its own earlier tokens, at the positions it has in its own row), so the model runs on
+    P + C_chosen + C_rejected tokens instead of 2 P + C_chosen + C_rejected. Equal to the two-row
+    forward up to float rounding. input_ids etc.: (2B, T) right-padded, chosen rows first."""
+    device = input_ids.device
+    N = input_ids.shape[0]
+    B = N // 2
+    lengths = completion_mask.sum(-1)  # (2B,)
+    totals = attention_mask.sum(-1)
+    prompt_len = (totals[:B] - lengths[:B]).tolist()
+    c_len, r_len = lengths[:B].tolist(), lengths[B:].tolist()
+    L = max(p + c + r for p, c, r in zip(prompt_len, c_len, r_len))
+    K = max(max(c_len), max(r_len), 1)
+    ids = torch.zeros(B, L, dtype=input_ids.dtype, device=device)
+    positions = torch.zeros(B, L, dtype=torch.long, device=device)
+    segment = torch.full((B, L), 3, dtype=torch.long, device=device)  # 0 prompt, 1 chosen, 2 rejected, 3 pad
+    gather = torch.zeros(N, K, dtype=torch.long, device=device)  # packed position scoring each completion token
+    targets = torch.zeros(N, K, dtype=input_ids.dtype, device=device)
+    mask = torch.zeros(N, K, dtype=torch.bool, device=device)
+    for i, (p, c, r) in enumerate(zip(prompt_len, c_len, r_len)):
+        chosen, rejected = input_ids[i, p:p + c], input_ids[B + i, p:p + r]
+        ids[i, :p + c + r] = torch.cat([input_ids[i, :p], chosen, rejected])
+        positions[i, :p + c + r] = torch.cat([torch.arange(p + c, device=device), torch.arange(p, p + r, device=device)])
+        segment[i, :p], segment[i, p:p + c], segment[i, p + c:p + c + r] = 0, 1, 2
+        for row, start, n, toks in ((i, p, c, chosen), (B + i, p + c, r, rejected)):
+            # token j of a completion is scored at the position before it: the prompt's last for j = 0
+            gather[row, :n] = torch.cat([torch.tensor([p - 1], device=device),
+                                         torch.arange(start, start + n - 1, device=device)])
+            targets[row, :n], mask[row, :n] = toks, True
+    eager = head.weight.dtype if attention_kind(model) == "eager" else None  # eager adds the mask to the scores
+    attn = shared_prefix_attention_mask(segment, segment != 3, additive_dtype=eager)
+    outputs = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
+                    output_hidden_states=True, logits_to_keep=torch.zeros(0, dtype=torch.long, device=device))
+    hidden = outputs.hidden_states[-1]  # (B, L, H)
+    pair = torch.arange(N, device=device) % B
+    picked = hidden[pair[:, None], gather]  # (2B, K, H)
+    logps = linear_selective_log_softmax(picked, head.weight, targets)[0]
+    with torch.no_grad():
+        mean_logits = ((picked @ head.weight.mean(0)) * mask).sum(-1) / lengths.clamp(min=1)
+    return sequence_logprobs(logps, mask), lengths, mean_logits.float()

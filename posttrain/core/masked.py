@@ -143,3 +143,23 @@ def aggregate_loss(
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {mode!r}; choose from {sorted(AGGREGATIONS)}")
     return AGGREGATIONS[mode](per_token, mask, denominator, max_length)
+
+
+def shared_prefix_attention_mask(segment: Tensor, valid: Tensor, additive_dtype: torch.dtype | None = None) -> Tensor:
+    """4D attention mask (U, 1, L, L) for sequences that pack a shared prefix and several blocks.
+
+    segment (U, L): 0 for the shared prefix (a prompt), b >= 1 for the tokens of block b (one
+    completion each); valid (U, L): real tokens. Query q sees key j when j <= q, j is real, and j
+    is in the prefix or in q's own block; every position sees itself (so padding rows stay finite).
+    Boolean (sdpa), or with `additive_dtype` 0 / finfo.min to add to the scores (eager attention).
+    """
+    L = segment.shape[1]
+    col = torch.arange(L, device=segment.device)
+    causal = col[None, :] <= col[:, None]  # (L, L) query x key
+    seg_q, seg_k = segment[:, :, None], segment[:, None, :]
+    allowed = causal[None] & valid[:, None, :] & ((seg_k == 0) | (seg_k == seg_q))
+    allowed = (allowed | torch.eye(L, dtype=torch.bool, device=segment.device)[None])[:, None]
+    if additive_dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=additive_dtype, device=segment.device).masked_fill_(
+        ~allowed, torch.finfo(additive_dtype).min)

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.logprobs import selective_log_softmax, selective_log_softmax_stats, token_logprobs
+from posttrain.core.masked import shared_prefix_attention_mask
 from posttrain.data.collate import pad
 
 
@@ -354,15 +355,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     lengths = prompt_mask[lead].sum(1, keepdim=True)
     positions = torch.cat([(prompt_mask[lead].cumsum(1) - 1).clamp(min=0),
                            (lengths + torch.arange(C, device=device)).repeat(1, k)], 1)
-    seg = torch.cat([torch.full((P,), -1, device=device), torch.arange(k, device=device).repeat_interleave(C)])
-    col = torch.arange(P + k * C, device=device)
-    # query q sees key j: j <= q, j real, and j in the prompt or in q's own block (and always itself)
-    allowed = (col[None, :] <= col[:, None]) & ((seg[None, :] < 0) | (seg[None, :] == seg[:, None]))
-    allowed = (allowed[None] & valid[:, None, :]) | torch.eye(P + k * C, dtype=torch.bool, device=device)
-    mask = allowed[:, None]  # (U, 1, L, L)
-    if attn == "eager":  # eager attention adds the mask to the scores
-        dtype = _unwrap(model).get_input_embeddings().weight.dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+    segment = torch.cat([torch.zeros(P, dtype=torch.long, device=device),
+                         torch.arange(1, k + 1, device=device).repeat_interleave(C)]).expand(U, -1)
+    eager = _unwrap(model).get_input_embeddings().weight.dtype if attn == "eager" else None  # eager adds the mask
+    mask = shared_prefix_attention_mask(segment, valid, additive_dtype=eager)  # (U, 1, L, L)
     # the logits at P - 1 score each block's first token; block j's tokens 0..C-2 score its tokens 1..C-1
     keep = torch.cat([torch.full((k, 1), P - 1, device=device),
                       P + torch.arange(k, device=device)[:, None] * C + torch.arange(C - 1, device=device)], 1)

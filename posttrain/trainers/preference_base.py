@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 from transformers import TrainerCallback
 
-from posttrain.core.logprobs import linear_selective_log_softmax, plain_lm_head, sequence_logprobs, token_logprobs
+from posttrain.core.logprobs import (attention_kind, linear_selective_log_softmax, paired_completion_logps,
+                                     plain_lm_head, sequence_logprobs, token_logprobs)
 from posttrain.core.running import RunningMean
 from posttrain.data import formats
 from posttrain.data.collate import pad
@@ -163,14 +164,14 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
     Only the columns from the first completion token on are scored (`num_scored`), so the model
     computes no logits over the prompt columns shared by every row. With `paired` (rows i and
     i + N/2 share a prompt, as the paired collator lays them out) each prompt goes through the
-    model once: see `shared_prompt_logps`.
+    model once: see `core.logprobs.paired_completion_logps`.
     """
     T = input_ids.shape[1]
     first = int(completion_mask.any(0).to(torch.int8).argmax())  # first column holding a completion token
     K = min(T - first, T - 1)  # token 0 has no context to be scored from
     head = plain_lm_head(model, input_ids)
-    if paired and head is not None and _attention_kind(model) in ("sdpa", "eager"):
-        return shared_prompt_logps(model, head, input_ids, attention_mask, completion_mask)
+    if paired and head is not None and attention_kind(model) in ("sdpa", "eager"):
+        return paired_completion_logps(model, head, input_ids, attention_mask, completion_mask)
     if head is None:
         logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
         with torch.no_grad():
@@ -186,61 +187,6 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
     lengths = mask.sum(-1)
     with torch.no_grad():
         mean_logits = (token_mean_logits * mask).sum(-1) / lengths.clamp(min=1)
-    return sequence_logprobs(logps, mask), lengths, mean_logits.float()
-
-
-def _attention_kind(model) -> str | None:
-    inner = getattr(model, "module", model)  # DDP
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
-
-
-def shared_prompt_logps(model, head, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor):
-    """`completion_logps` for pairs, computing each prompt once: pair i becomes one sequence
-    [prompt | chosen | rejected] with a block attention mask (each completion sees the prompt and
-    its own earlier tokens, at the positions it has in its own row), so the model runs on
-    P + C_chosen + C_rejected tokens instead of 2 P + C_chosen + C_rejected. Equal to the two-row
-    forward up to float rounding. input_ids etc.: (2B, T) right-padded, chosen rows first."""
-    device = input_ids.device
-    N = input_ids.shape[0]
-    B = N // 2
-    lengths = completion_mask.sum(-1)  # (2B,)
-    totals = attention_mask.sum(-1)
-    prompt_len = (totals[:B] - lengths[:B]).tolist()
-    c_len, r_len = lengths[:B].tolist(), lengths[B:].tolist()
-    L = max(p + c + r for p, c, r in zip(prompt_len, c_len, r_len))
-    K = max(max(c_len), max(r_len), 1)
-    ids = torch.zeros(B, L, dtype=input_ids.dtype, device=device)
-    positions = torch.zeros(B, L, dtype=torch.long, device=device)
-    segment = torch.full((B, L), 3, dtype=torch.long, device=device)  # 0 prompt, 1 chosen, 2 rejected, 3 pad
-    gather = torch.zeros(N, K, dtype=torch.long, device=device)  # packed position scoring each completion token
-    targets = torch.zeros(N, K, dtype=input_ids.dtype, device=device)
-    mask = torch.zeros(N, K, dtype=torch.bool, device=device)
-    for i, (p, c, r) in enumerate(zip(prompt_len, c_len, r_len)):
-        chosen, rejected = input_ids[i, p:p + c], input_ids[B + i, p:p + r]
-        ids[i, :p + c + r] = torch.cat([input_ids[i, :p], chosen, rejected])
-        positions[i, :p + c + r] = torch.cat([torch.arange(p + c, device=device), torch.arange(p, p + r, device=device)])
-        segment[i, :p], segment[i, p:p + c], segment[i, p + c:p + c + r] = 0, 1, 2
-        for row, start, n, toks in ((i, p, c, chosen), (B + i, p + c, r, rejected)):
-            # token j of a completion is scored at the position before it: the prompt's last for j = 0
-            gather[row, :n] = torch.cat([torch.tensor([p - 1], device=device), torch.arange(start, start + n - 1, device=device)])
-            targets[row, :n], mask[row, :n] = toks, True
-    col = torch.arange(L, device=device)
-    causal = col[None, :] <= col[:, None]  # (L, L) query x key
-    seg_q, seg_k = segment[:, :, None], segment[:, None, :]
-    allowed = causal[None] & (seg_k != 3) & ((seg_k == 0) | (seg_k == seg_q))
-    allowed = allowed | torch.eye(L, dtype=torch.bool, device=device)[None]  # pad queries see themselves
-    attn = allowed[:, None]
-    if _attention_kind(model) == "eager":
-        dtype = head.weight.dtype
-        attn = torch.zeros(attn.shape, dtype=dtype, device=device).masked_fill_(~attn, torch.finfo(dtype).min)
-    outputs = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
-                    output_hidden_states=True, logits_to_keep=torch.zeros(0, dtype=torch.long, device=device))
-    hidden = outputs.hidden_states[-1]  # (B, L, H)
-    pair = torch.arange(N, device=device) % B
-    picked = hidden[pair[:, None], gather]  # (2B, K, H)
-    logps = linear_selective_log_softmax(picked, head.weight, targets)[0]
-    with torch.no_grad():
-        mean_logits = ((picked @ head.weight.mean(0)) * mask).sum(-1) / lengths.clamp(min=1)
     return sequence_logprobs(logps, mask), lengths, mean_logits.float()
 
 

@@ -120,3 +120,22 @@ def test_local_token_mean_differs_from_whole_batch():
              + aggregate_loss(per_token[4:], mask[4:], "token_mean")) / 2  # (1 + 3) / 2 = 2
     assert whole.item() == pytest.approx(5 / 3)
     assert local.item() == pytest.approx(2.0)
+
+
+def test_shared_prefix_attention_mask_by_hand():
+    from posttrain.core.masked import shared_prefix_attention_mask
+
+    # prefix of 2, block 1 of 2, block 2 of 1, one pad
+    segment = torch.tensor([[0, 0, 1, 1, 2, 9]])
+    valid = torch.tensor([[True, True, True, True, True, False]])
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [1, 1, 1, 0, 0, 0],
+                             [1, 1, 1, 1, 0, 0],
+                             [1, 1, 0, 0, 1, 0],   # block 2 sees the prefix, not block 1
+                             [1, 1, 0, 0, 0, 1]], dtype=torch.bool)  # the pad (segment 9): the prefix and itself
+    mask = shared_prefix_attention_mask(segment, valid)
+    assert mask.shape == (1, 1, 6, 6)
+    assert torch.equal(mask[0, 0], expected)
+    additive = shared_prefix_attention_mask(segment, valid, additive_dtype=torch.float32)
+    assert torch.equal(additive[0, 0] == 0, expected) and additive.min() == torch.finfo(torch.float32).min

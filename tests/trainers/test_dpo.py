@@ -240,7 +240,7 @@ def test_task_preference_dataset_corrupts_one_digit_keeping_the_token_count():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_shared_prompt_logps_equal_the_two_row_forward_with_gradients(tmp_path, attn):
+def test_paired_completion_logps_equal_the_two_row_forward_with_gradients(tmp_path, attn):
     """Pairs scored as one [prompt | chosen | rejected] sequence give the two-row forward's log-probs,
     lengths and gradients (float64, pairs of uneven prompt and completion lengths)."""
     model = load_causal_lm(TINY).double()
