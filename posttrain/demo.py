@@ -13,7 +13,8 @@ then prints a table (stage, metric before -> after, wall time) and writes report
 and every trained model (loadable with from_pretrained) under the output directory.
 
 `--model smollm2` runs GRPO on the real SmolLM2-135M-Instruct instead, on single-digit sums
-asked in words: it knows the sums but not the strict answer format, and GRPO teaches it.
+("What is 8 + 7?") answered within 8 tokens: it knows the sums but starts explanations that the
+budget cuts off, and GRPO teaches it to state the result ("8 + 7 = 15").
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class DemoPlan:
 def plan_for(model: str | None) -> DemoPlan:
     if model in ("smollm2", "posttrain/smollm2-135m-instruct"):
         plan = DemoPlan(model="posttrain/smollm2-135m-instruct", task="quick-add", conversational=True,
-                        stages=("grpo",), eval_size=30, max_new_tokens=12, rl_batch_size=16, num_generations=8)
+                        stages=("grpo",), eval_size=30, max_new_tokens=8, rl_batch_size=16, num_generations=8,
+                        temperature=0.7)
         plan.steps["grpo"], plan.learning_rates["grpo"] = 40, 1e-5
         return plan
     plan = DemoPlan()
@@ -89,7 +91,10 @@ def _accuracy(model_or_path, tokenizer, test, plan: DemoPlan) -> float:
     from posttrain.models.loading import load_causal_lm
 
     model = load_causal_lm(model_or_path)
-    return generation_accuracy(model, tokenizer, test, max_new_tokens=plan.max_new_tokens)
+    from posttrain.data.builtin import TASK_CHECKERS
+
+    return generation_accuracy(model, tokenizer, test, max_new_tokens=plan.max_new_tokens,
+                               checker=TASK_CHECKERS.get(plan.task))
 
 
 def _common_args(plan: DemoPlan, name: str, steps: int | None = None, **extra):
@@ -162,12 +167,12 @@ def run_reward(plan, tokenizer, train, test, start):
 
 def _online(plan, name, tokenizer, train, test, start, sft_acc):
     import posttrain
-    from posttrain.data.builtin import concise_answer_reward, digit_match_reward
+    from posttrain.data.builtin import digit_match_reward, final_answer_reward
 
     config_cls = getattr(posttrain, {"grpo": "GRPOConfig", "rloo": "RLOOConfig", "ppo": "PPOConfig",
                                      "reinforce_pp": "ReinforcePPConfig"}[name])
     trainer_cls = getattr(posttrain, config_cls.__name__.replace("Config", "Trainer"))
-    reward = concise_answer_reward if plan.task == "quick-add" else digit_match_reward
+    reward = final_answer_reward if plan.task == "quick-add" else digit_match_reward
     prompts = train.remove_columns("completion")
     extra = dict(per_device_train_batch_size=plan.rl_batch_size, num_generations=plan.num_generations,
                  max_completion_length=plan.max_new_tokens, temperature=plan.temperature, log_completions=True,

@@ -43,11 +43,14 @@ def generate_completions(model, tokenizer, prompts: Sequence[Any], max_new_token
     return texts
 
 
-def generation_accuracy(model, tokenizer, dataset, max_new_tokens: int = 8, batch_size: int = 64) -> float:
-    """Fraction of rows whose greedy completion passes `check(completion, row["answer"])`.
+def generation_accuracy(model, tokenizer, dataset, max_new_tokens: int = 8, batch_size: int = 64,
+                        checker=None) -> float:
+    """Fraction of rows whose greedy completion passes `checker(completion, row["answer"])`
+    (default: exact match, `posttrain.data.builtin.check`).
 
     `dataset` has `prompt` (a string or messages) and `answer` columns, as the built-in tasks do.
     """
     texts = generate_completions(model, tokenizer, list(dataset["prompt"]), max_new_tokens, batch_size)
     answers = list(dataset["answer"])
-    return sum(check(t, a) for t, a in zip(texts, answers)) / max(len(answers), 1)
+    checker = checker or check
+    return sum(checker(t, a) for t, a in zip(texts, answers)) / max(len(answers), 1)

@@ -87,7 +87,7 @@ def _add_example(rng: random.Random, min_len: int, max_len: int):
 
 def _quick_add_example(rng: random.Random, min_len: int, max_len: int):
     a, b = rng.randint(0, 9), rng.randint(0, 9)
-    return f"What is {a} + {b}? Reply with only the number.", str(a + b)
+    return f"What is {a} + {b}?", str(a + b)
 
 
 TASKS = {
@@ -95,8 +95,9 @@ TASKS = {
     "reverse": (_reverse_example, 4, 4),
     # addition of two numbers below 100: digit sums plus a carry
     "add": (_add_example, 2, 2),
-    # single-digit sums asked in words, for real chat models: SmolLM2-135M-Instruct knows the
-    # sums but answers "The answer is 12." -- exact match rewards the strict format
+    # single-digit sums asked in words, for real chat models, checked by `final_answer_check`
+    # within a short budget: SmolLM2-135M-Instruct knows the sums ("8 + 7 = 15") but mostly starts
+    # a long explanation ("To add 8 and 7, you simply...") that the budget cuts off
     "quick-add": (_quick_add_example, 1, 1),
 }
 # (train, test) sizes by default; quick-add has only 100 distinct prompts
@@ -211,24 +212,27 @@ def digit_match_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
-def concise_answer_reward(completions, answer, **kwargs) -> list[float]:
-    """1.0 for exactly the answer; 0.5 x 0.9^(extra characters) when the answer appears as a number
-    wrapped in other text ("13." 0.45, "8 + 5 = 13" 0.24, "The answer is 13." 0.10); else 0.0.
-    Shapes a chat model that knows the answer towards the strict format."""
-    rewards = []
-    for completion, target in zip(completions, answer):
-        text, target = completion_text(completion).strip(), str(target).strip()
-        if text == target:
-            rewards.append(1.0)
-        elif target in re.findall(r"-?\d+", text):
-            rewards.append(0.5 * 0.9 ** (len(text) - len(target)))
-        else:
-            rewards.append(0.0)
-    return rewards
+def final_answer(completion) -> str:
+    """The last run of digits in the completion: its stated final answer ("" when there is none)."""
+    numbers = re.findall(r"-?\d+", completion_text(completion))
+    return numbers[-1] if numbers else ""
+
+
+def final_answer_check(completion, answer: str) -> bool:
+    """The completion's final number is the answer: "8 + 7 = 15", "The answer is 15." pass;
+    an explanation cut off before it states the answer does not."""
+    return final_answer(completion) == str(answer).strip()
+
+
+def final_answer_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion's final number is the answer (`final_answer_check`), else 0.0."""
+    return [float(final_answer_check(c, a)) for c, a in zip(completions, answer)]
 
 
 REWARD_FUNCTIONS = {"exact_match": exact_match_reward, "digit_match": digit_match_reward,
-                    "concise_answer": concise_answer_reward}
+                    "final_answer": final_answer_reward}
+# how each task's held-out accuracy is judged; exact match unless named here
+TASK_CHECKERS = {"quick-add": final_answer_check}
 
 
 def load_builtin(name: str, split: str = "train"):

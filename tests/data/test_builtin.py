@@ -55,10 +55,11 @@ def test_unknown_names_are_refused():
     assert len(builtin.load_builtin("zen/preference")) == 19
 
 
-def test_concise_answer_reward_by_hand():
-    from posttrain.data.builtin import concise_answer_reward
+def test_final_answer_reward_by_hand():
+    from posttrain.data.builtin import TASK_CHECKERS, final_answer_reward
 
-    completions = ["12", "The answer is 12.", "3 + 9 = 12", " 12 ", "I do not know", "12.",
-                   [{"role": "assistant", "content": "12"}], "120"]
-    expected = [1.0, 0.5 * 0.9 ** 15, 0.5 * 0.9 ** 8, 1.0, 0.0, 0.45, 1.0, 0.0]
-    assert concise_answer_reward(completions, ["12"] * 8) == pytest.approx(expected)
+    completions = ["12", "The answer is 12.", "3 + 9 = 12", " 12 ", "I do not know", "To add 3 and 9,",
+                   [{"role": "assistant", "content": "9 + 3 = 12"}], "120", "12 or 13"]
+    expected = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert final_answer_reward(completions, ["12"] * 9) == expected
+    assert TASK_CHECKERS["quick-add"]("4 + 4 = 8", "8") and not TASK_CHECKERS["quick-add"]("8 + 4 =", "8")
