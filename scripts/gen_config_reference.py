@@ -4,7 +4,8 @@
     python scripts/gen_config_reference.py            # (re)write docs/config_reference.md
     python scripts/gen_config_reference.py --check    # exit 1 when the file is out of date
 
-For every posttrain config class (BaseConfig, then each `...Config` that `posttrain` exports),
+For every posttrain config class (BaseConfig, then each `...Config` that `posttrain` exports,
+each after the posttrain parents it has),
 the table lists the fields the class adds or changes relative to its parent: new fields, and
 inherited fields given a different default or help text. The rest of the fields are those of
 `transformers.TrainingArguments`, documented by transformers. A class whose module does not
@@ -42,7 +43,18 @@ def config_classes() -> list[tuple[str, str]]:
     import posttrain
 
     pairs = [("BaseConfig", "posttrain.trainers.base")]
-    pairs += [(name, module) for name, module in posttrain._EXPORTS.items() if name.endswith("Config")]
+    for name, module in posttrain._EXPORTS.items():
+        if not name.endswith("Config"):
+            continue
+        try:  # a parent that posttrain does not export (e.g. ClassicOnlineConfig) comes just before its first child
+            cls = getattr(importlib.import_module(module), name)
+            pairs += [(base.__name__, base.__module__) for base in reversed(cls.__mro__[1:])
+                      if base.__module__.startswith("posttrain.") and dataclasses.is_dataclass(base)
+                      and base.__name__ not in {n for n, _ in pairs} | {name}]
+        except ModuleNotFoundError:
+            pass
+        if name not in {n for n, _ in pairs}:
+            pairs.append((name, module))
     return pairs
 
 

@@ -33,49 +33,22 @@ import torch
 
 from posttrain.data.collate import pad
 from posttrain.rollout.generate import Rollout
-from posttrain.trainers.online import OnlineConfig, OnlineTrainer
-from posttrain.trainers.rloo import apply_classic_stop, resolve_aliases
+from posttrain.trainers.online import OnlineTrainer
+from posttrain.trainers.rloo import ClassicOnlineConfig
 
 PPO_ALIASES = [("kl_coef", "beta"), ("response_length", "max_completion_length"),
                ("num_ppo_epochs", "num_iterations"), ("cliprange", "epsilon")]
 
 
 @dataclass
-class PPOConfig(OnlineConfig):
+class PPOConfig(ClassicOnlineConfig):
     """PPO's configuration: classic PPO fields and defaults, GRPO-style aliases."""
 
+    _aliases = PPO_ALIASES
     num_generations: int = field(default=1, metadata={"help": "Completions per prompt."})
-    kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient in the reward (alias: beta)."})
-    beta: float = field(default=0.05, metadata={"help": "Alias of kl_coef."})
-    kl_estimator: str = field(default="k1", metadata={"help": "Per-token KL estimator in the reward: 'k1' or 'k3' "
-                              "(or 'k2', 'abs')."})
-    kl_in_reward: bool = field(default=True, metadata={"help": "PPO puts the KL penalty in the reward."})
     token_level_kl: bool = field(default=True, metadata={"help": "A KL penalty at every token."})
-    response_length: int = field(default=53, metadata={"help": "Most tokens per completion "
-                                 "(alias: max_completion_length)."})
-    max_completion_length: int = field(default=53, metadata={"help": "Alias of response_length."})
-    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each batch (alias: num_iterations)."})
-    num_iterations: int = field(default=4, metadata={"help": "Alias of num_ppo_epochs."})
-    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the ratio (alias: epsilon)."})
-    epsilon: float = field(default=0.2, metadata={"help": "Alias of cliprange."})
-    num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per pass over a batch: each process "
-                                  "generates per_device_train_batch_size * gradient_accumulation_steps * "
-                                  "num_mini_batches completions at a time."})
-    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature."})
     advantage_estimator: str = field(default="gae", metadata={"help": "Advantage estimator (gae needs the critic)."})
     loss_type: str = field(default="token_mean", metadata={"help": "Loss aggregation (see OnlineConfig)."})
-    stop_token: str | None = field(default=None, metadata={"help": "'eos': completions end at EOS (always the case)."})
-    stop_token_id: int | None = field(default=None, metadata={"help": "Another token id that ends a completion."})
-    num_sample_generations: int = field(default=10, metadata={"help": "Completion tables at this many evenly "
-                                        "spaced steps."})
-    learning_rate: float = field(default=3e-6, metadata={"help": "Initial AdamW learning rate."})
-
-    def _check(self):
-        resolve_aliases(self, PPO_ALIASES)
-        if self.steps_per_generation is None and self.generation_batch_size is None:
-            self.steps_per_generation = self.gradient_accumulation_steps * self.num_mini_batches
-        apply_classic_stop(self)
-        super()._check()
 
 
 class PPOTrainer(OnlineTrainer):

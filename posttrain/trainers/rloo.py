@@ -59,15 +59,17 @@ def apply_classic_stop(config):
 
 
 @dataclass
-class RLOOConfig(OnlineConfig):
-    """RLOO's configuration: classic RLOO fields and defaults, GRPO-style aliases."""
+class ClassicOnlineConfig(OnlineConfig):
+    """What the classic RLOO and PPO configurations share: their field names and defaults, each with
+    its GRPO-style alias (`_aliases`: (classic name, GRPO name) pairs, resolved by `resolve_aliases`)."""
 
-    rloo_k: int = field(default=2, metadata={"help": "Completions per prompt (alias: num_generations)."})
-    num_generations: int = field(default=2, metadata={"help": "Alias of rloo_k."})
+    _aliases = []
     kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient in the reward (alias: beta)."})
     beta: float = field(default=0.05, metadata={"help": "Alias of kl_coef."})
-    kl_estimator: str = field(default="k1", metadata={"help": "KL estimator of the penalty: 'k1', 'k2', 'k3'."})
-    kl_in_reward: bool = field(default=True, metadata={"help": "RLOO puts the KL penalty in the reward."})
+    kl_estimator: str = field(default="k1", metadata={"help": "KL estimator of the penalty in the reward: 'k1', "
+                              "'k2', 'k3' or 'abs'."})
+    kl_in_reward: bool = field(default=True, metadata={"help": "The KL penalty goes into the reward (the classic "
+                               "trainers' way)."})
     response_length: int = field(default=53, metadata={"help": "Most tokens per completion "
                                  "(alias: max_completion_length)."})
     max_completion_length: int = field(default=53, metadata={"help": "Alias of response_length."})
@@ -79,9 +81,6 @@ class RLOOConfig(OnlineConfig):
                                   "generates per_device_train_batch_size * gradient_accumulation_steps * "
                                   "num_mini_batches completions at a time."})
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature."})
-    reward_clip_range: float | None = field(default=10.0, metadata={"help": "Clip scores to [-c, c]."})
-    advantage_estimator: str = field(default="leave_one_out", metadata={"help": "Advantage estimator."})
-    loss_type: str = field(default="seq_mean_token_sum", metadata={"help": "Loss aggregation (see OnlineConfig)."})
     stop_token: str | None = field(default=None, metadata={"help": "'eos': completions end at EOS (always the case)."})
     stop_token_id: int | None = field(default=None, metadata={"help": "Another token id that ends a completion."})
     num_sample_generations: int = field(default=10, metadata={"help": "Completion tables at this many evenly "
@@ -89,11 +88,23 @@ class RLOOConfig(OnlineConfig):
     learning_rate: float = field(default=3e-6, metadata={"help": "Initial AdamW learning rate."})
 
     def _check(self):
-        resolve_aliases(self, RLOO_ALIASES)
+        resolve_aliases(self, self._aliases)
         if self.steps_per_generation is None and self.generation_batch_size is None:
             self.steps_per_generation = self.gradient_accumulation_steps * self.num_mini_batches
         apply_classic_stop(self)
         super()._check()
+
+
+@dataclass
+class RLOOConfig(ClassicOnlineConfig):
+    """RLOO's configuration: classic RLOO fields and defaults, GRPO-style aliases."""
+
+    _aliases = RLOO_ALIASES
+    rloo_k: int = field(default=2, metadata={"help": "Completions per prompt (alias: num_generations)."})
+    num_generations: int = field(default=2, metadata={"help": "Alias of rloo_k."})
+    reward_clip_range: float | None = field(default=10.0, metadata={"help": "Clip scores to [-c, c]."})
+    advantage_estimator: str = field(default="leave_one_out", metadata={"help": "Advantage estimator."})
+    loss_type: str = field(default="seq_mean_token_sum", metadata={"help": "Loss aggregation (see OnlineConfig)."})
 
 
 def _grpo_style(model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
