@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from posttrain.core.preference_losses import bco_loss
 from posttrain.models.embedding import DensityRatioClassifier, embed_texts
 from posttrain.trainers.base import BaseConfig
-from posttrain.trainers.preference_base import PreferenceTrainer, completion_logps
+from posttrain.trainers.preference_base import PreferenceTrainer, check_beta_and_lengths, completion_logps
 
 
 @dataclass
@@ -48,17 +48,12 @@ class BCOConfig(BaseConfig):
         "help": "Set every dropout probability of the model to 0, so policy and reference log-probs are comparable."})
 
     def _check(self):
-        if self.beta <= 0:
-            raise ValueError(f"beta must be > 0, got {self.beta}")
+        check_beta_and_lengths(self)
         if self.prompt_sample_size < 1:
             raise ValueError(f"prompt_sample_size must be >= 1, got {self.prompt_sample_size}")
         if not 0 < self.min_density_ratio <= self.max_density_ratio:
             raise ValueError(f"need 0 < min_density_ratio <= max_density_ratio, got "
                              f"{self.min_density_ratio} and {self.max_density_ratio}")
-        if self.max_length is not None and self.max_prompt_length is not None \
-                and self.max_prompt_length >= self.max_length:
-            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length "
-                             f"({self.max_length}) to leave room for the completion")
 
 
 class BCOTrainer(PreferenceTrainer):

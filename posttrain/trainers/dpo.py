@@ -24,7 +24,8 @@ import torch
 from posttrain.core.preference_losses import DPO_LOSSES, PreferenceInput, dpo_loss, dpo_rewards
 from posttrain.models import loading
 from posttrain.trainers.base import BaseConfig, SyncRefModelCallback
-from posttrain.trainers.preference_base import PreferenceCollator, PreferenceTrainer, completion_logps
+from posttrain.trainers.preference_base import (PreferenceCollator, PreferenceTrainer, check_beta_and_lengths,
+                                                  completion_logps)
 
 SMOOTHABLE = ("sigmoid", "robust", "simpo")  # losses with a label-smoothed form
 REFERENCE_FREE = ("simpo",)
@@ -79,8 +80,7 @@ class DPOConfig(BaseConfig):
         if self.loss_weights is not None and len(self.loss_weights) != len(types):
             raise ValueError(f"loss_weights has {len(self.loss_weights)} entries but loss_type has {len(types)} "
                              f"({types}); give one weight per loss type")
-        if self.beta <= 0:
-            raise ValueError(f"beta must be > 0, got {self.beta}")
+        check_beta_and_lengths(self)
         if self.rpo_alpha is not None and self.rpo_alpha < 0:
             raise ValueError(f"rpo_alpha must be >= 0 (or None to turn the NLL term off), got {self.rpo_alpha}")
         if self.label_smoothing and any(t not in SMOOTHABLE for t in types):
@@ -96,10 +96,6 @@ class DPOConfig(BaseConfig):
                              "precompute_ref_log_probs")
         if not 0 <= self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
             raise ValueError("ref_model_mixup_alpha must be in [0, 1] and ref_model_sync_steps >= 1")
-        if self.max_length is not None and self.max_prompt_length is not None \
-                and self.max_prompt_length >= self.max_length:
-            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length "
-                             f"({self.max_length}) to leave room for the completion")
 
     @property
     def loss_types(self) -> list[str]:

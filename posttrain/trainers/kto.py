@@ -21,7 +21,7 @@ import torch
 
 from posttrain.core.preference_losses import kto_loss
 from posttrain.trainers.base import BaseConfig
-from posttrain.trainers.preference_base import PreferenceTrainer, completion_logps
+from posttrain.trainers.preference_base import PreferenceTrainer, check_beta_and_lengths, completion_logps
 
 
 @dataclass
@@ -44,17 +44,12 @@ class KTOConfig(BaseConfig):
         "help": "Set every dropout probability of the model to 0, so policy and reference log-probs are comparable."})
 
     def _check(self):
-        if self.beta <= 0:
-            raise ValueError(f"beta must be > 0, got {self.beta}")
+        check_beta_and_lengths(self)
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
             raise ValueError("desirable_weight and undesirable_weight must be >= 0")
         if self.per_device_train_batch_size < 2:
             raise ValueError("KTO estimates its KL reference point from mismatched pairs within a batch, which "
                              "needs per_device_train_batch_size >= 2")
-        if self.max_length is not None and self.max_prompt_length is not None \
-                and self.max_prompt_length >= self.max_length:
-            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length "
-                             f"({self.max_length}) to leave room for the completion")
 
 
 class KTOTrainer(PreferenceTrainer):

@@ -41,6 +41,16 @@ logger = logging.getLogger(__name__)
 RUNNING_FILE = "running_reward_mean.json"  # δ's state, next to the weights of every checkpoint
 
 
+def check_beta_and_lengths(config):
+    """The checks the DPO, BCO and KTO configs share: beta > 0, and max_prompt_length < max_length."""
+    if config.beta <= 0:
+        raise ValueError(f"beta must be > 0, got {config.beta}")
+    if config.max_length is not None and config.max_prompt_length is not None \
+            and config.max_prompt_length >= config.max_length:
+        raise ValueError(f"max_prompt_length ({config.max_prompt_length}) must be below max_length "
+                         f"({config.max_length}) to leave room for the completion")
+
+
 # ---------------------------------------------------------------------------------------- data
 
 def _fit(prompt_ids: list[int], completion_ids: list[int], max_length, max_prompt_length, max_completion_length):
