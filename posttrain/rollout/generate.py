@@ -199,6 +199,33 @@ def packed_linears(model, rows: int):
             m.__dict__.pop("forward", None)
 
 
+
+def _head_forward(weight: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(weight, flat.t()).t().contiguous()  # (W x^T)^T: MKL splits the vocabulary rows over threads
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@contextlib.contextmanager
+def transposed_head(model):
+    """Within the block, a CPU float32 `nn.Linear` output layer computes (W x^T)^T instead of x W^T.
+    For the few rows of a decoding step over a large vocabulary this streams the weight about twice
+    as fast with 2 threads (SmolLM2's 49152 x 576 head, 8 rows: 8.9 ms instead of 19.8 ms; within
+    a transformer layer's small matrices x W^T stays the faster order). Same values up to float
+    rounding. No-grad decoding only; any other head is left alone."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not (type(head) is torch.nn.Linear and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
+            and "forward" not in head.__dict__ and not torch.is_autocast_enabled("cpu")):
+        yield False
+        return
+    try:
+        head.forward = functools.partial(_head_forward, head.weight, head.bias)
+        yield True
+    finally:
+        head.__dict__.pop("forward", None)
+
 def _model_device(model) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -244,9 +271,11 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
 
     modes = [m.training for m in net.modules()]  # restored one by one: a submodule may be kept in eval on purpose
     net.eval()
-    packing = contextlib.nullcontext(False)
+    packing, head = contextlib.nullcontext(False), contextlib.nullcontext(False)
     if device.type == "cpu" and N <= PACK_MAX_ROWS and max_new >= PACK_MIN_STEPS and _packing_pays():
         packing = packed_linears(net, N)
+    elif device.type == "cpu":
+        head = transposed_head(net)
     try:
         out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1)
@@ -257,7 +286,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         tokens, logps, masks = [], [], []
         history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings
         gen_device = generator.device if generator is not None else device
-        with packing as fixed_rows:  # packed weights want one batch shape: no row dropping
+        with packing as fixed_rows, head:  # packed weights want one batch shape: no row dropping
             for t in range(max_new):
                 scaled = logits.float()
                 if sampling.temperature != 1.0:

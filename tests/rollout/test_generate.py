@@ -327,3 +327,19 @@ def test_packed_linears_match_the_plain_forward_and_are_removed(model):
     if packed:  # MKL present (x86 builds of torch)
         torch.testing.assert_close(same_rows, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(other_rows, plain[:3], rtol=1e-5, atol=1e-5)
+
+
+def test_transposed_head_matches_the_plain_head_and_is_removed(model):
+    """The decoding head computed as (W x^T)^T gives the plain logits; the head gets its own forward back."""
+    from posttrain.rollout.generate import transposed_head
+
+    ids = torch.randint(0, 1000, (8, 3))
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with transposed_head(model) as used:
+            swapped = model(input_ids=ids).logits
+            assert "forward" in head.__dict__
+    assert used and "forward" not in head.__dict__
+    assert swapped.shape == plain.shape and swapped.is_contiguous()
+    torch.testing.assert_close(swapped, plain, rtol=1e-5, atol=1e-5)
