@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.core.logprobs import selective_log_softmax, selective_log_softmax_stats, token_logprobs
+from posttrain.core.logprobs import (linear_selective_log_softmax, plain_lm_head, selective_log_softmax,
+                                     selective_log_softmax_stats, token_logprobs)
 from posttrain.core.masked import shared_prefix_attention_mask
 from posttrain.data.collate import pad
 
@@ -398,11 +399,20 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     # the logits at P - 1 score each block's first token; block j's tokens 0..C-2 score its tokens 1..C-1
     keep = torch.cat([torch.full((k, 1), P - 1, device=device),
                       P + torch.arange(k, device=device)[:, None] * C + torch.arange(C - 1, device=device)], 1)
+    targets = slot_ids.view(U, k * C)
+    head = plain_lm_head(model, ids)
+    if head is not None:  # the output layer fused into the log-softmax: no (U, k * C, V) logits
+        hidden = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                       output_hidden_states=True, logits_to_keep=torch.zeros(0, dtype=torch.long, device=device)
+                       ).hidden_states[-1][:, keep.flatten()]  # (U, k * C, H)
+        if temperature != 1.0:  # logits / T = (hidden / T) W^T
+            hidden = hidden / temperature
+        logps, entropy, _ = linear_selective_log_softmax(hidden, head.weight, targets, with_stats=with_entropy)
+        return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep.flatten(),
                    use_cache=False).logits  # (U, k * C, V)
     if temperature != 1.0:
         logits = logits / temperature
-    targets = slot_ids.view(U, k * C)
     if with_entropy:
         logps, entropy, _ = selective_log_softmax_stats(logits, targets)
         return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows]

