@@ -87,12 +87,11 @@ def _console():
 
 
 def _accuracy(model_or_path, tokenizer, test, plan: DemoPlan) -> float:
+    from posttrain.data.builtin import TASK_CHECKERS
     from posttrain.eval import generation_accuracy
     from posttrain.models.loading import load_causal_lm
 
     model = load_causal_lm(model_or_path)
-    from posttrain.data.builtin import TASK_CHECKERS
-
     return generation_accuracy(model, tokenizer, test, max_new_tokens=plan.max_new_tokens,
                                checker=TASK_CHECKERS.get(plan.task))
 

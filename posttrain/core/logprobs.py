@@ -161,6 +161,15 @@ def plain_lm_head(model, input_ids: Tensor):
     return head if plain else None
 
 
+def last_hidden_states(model, **inputs) -> Tensor:
+    """The model's final hidden states (B, T, H) without its output layer (no logits computed), for
+    `linear_selective_log_softmax` with the head from `plain_lm_head`. `inputs` go to the forward."""
+    device = inputs["input_ids"].device
+    outputs = model(**inputs, use_cache=False, output_hidden_states=True,
+                    logits_to_keep=torch.zeros(0, dtype=torch.long, device=device))
+    return outputs.hidden_states[-1]
+
+
 def _matmul_dtype(hidden: Tensor) -> torch.dtype:
     device = hidden.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
@@ -368,7 +377,7 @@ def paired_completion_logps(model, head, input_ids: Tensor, attention_mask: Tens
     the model in groups of similar length (`length_groups`, `per_forward` = 16 tokens by default),
     so that less of the work is padding; on GPUs (`per_forward` None there) the batch stays whole.
     """
-    N, B = input_ids.shape[0], input_ids.shape[0] // 2
+    B = input_ids.shape[0] // 2
     if per_forward is None and input_ids.device.type == "cpu":
         per_forward = 16
     pair_lengths = (attention_mask[:B].sum(-1) + completion_mask[B:].sum(-1)).tolist()
@@ -410,9 +419,7 @@ def _paired_forward(model, head, input_ids: Tensor, attention_mask: Tensor, comp
             targets[row, :n], mask[row, :n] = toks, True
     eager = head.weight.dtype if attention_kind(model) == "eager" else None  # eager adds the mask to the scores
     attn = shared_prefix_attention_mask(segment, segment != 3, additive_dtype=eager)
-    outputs = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
-                    output_hidden_states=True, logits_to_keep=torch.zeros(0, dtype=torch.long, device=device))
-    hidden = outputs.hidden_states[-1]  # (B, L, H)
+    hidden = last_hidden_states(model, input_ids=ids, attention_mask=attn, position_ids=positions)  # (B, L, H)
     pair = torch.arange(N, device=device) % B
     picked = hidden[pair[:, None], gather]  # (2B, K, H)
     logps = linear_selective_log_softmax(picked, head.weight, targets)[0]

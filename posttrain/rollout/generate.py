@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.core.logprobs import (linear_selective_log_softmax, plain_lm_head, selective_log_softmax,
-                                     selective_log_softmax_stats, token_logprobs)
+from posttrain.core.logprobs import (last_hidden_states, linear_selective_log_softmax, plain_lm_head,
+                                     selective_log_softmax, selective_log_softmax_stats, token_logprobs)
 from posttrain.core.masked import shared_prefix_attention_mask
 from posttrain.data.collate import pad
 
@@ -200,7 +200,6 @@ def packed_linears(model, rows: int):
             m.__dict__.pop("forward", None)
 
 
-
 def _head_forward(weight: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:
     flat = x.reshape(-1, x.shape[-1])
     out = torch.mm(weight, flat.t()).t().contiguous()  # (W x^T)^T: MKL splits the vocabulary rows over threads
@@ -226,6 +225,7 @@ def transposed_head(model):
         yield True
     finally:
         head.__dict__.pop("forward", None)
+
 
 def _model_device(model) -> torch.device:
     try:
@@ -400,11 +400,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     keep = torch.cat([torch.full((k, 1), P - 1, device=device),
                       P + torch.arange(k, device=device)[:, None] * C + torch.arange(C - 1, device=device)], 1)
     targets = slot_ids.view(U, k * C)
-    head = plain_lm_head(model, ids)
+    head = plain_lm_head(_unwrap(model), ids)  # looked up on the bare module; the forward keeps any DDP wrapper
     if head is not None:  # the output layer fused into the log-softmax: no (U, k * C, V) logits
-        hidden = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                       output_hidden_states=True, logits_to_keep=torch.zeros(0, dtype=torch.long, device=device)
-                       ).hidden_states[-1][:, keep.flatten()]  # (U, k * C, H)
+        hidden = last_hidden_states(model, input_ids=ids, attention_mask=mask, position_ids=positions)
+        hidden = hidden[:, keep.flatten()]  # (U, k * C, H)
         if temperature != 1.0:  # logits / T = (hidden / T) W^T
             hidden = hidden / temperature
         logps, entropy, _ = linear_selective_log_softmax(hidden, head.weight, targets, with_stats=with_entropy)

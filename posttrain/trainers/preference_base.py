@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 from transformers import TrainerCallback
 
-from posttrain.core.logprobs import (attention_kind, linear_selective_log_softmax, paired_completion_logps,
-                                     plain_lm_head, sequence_logprobs, token_logprobs)
+from posttrain.core.logprobs import (attention_kind, last_hidden_states, linear_selective_log_softmax,
+                                     paired_completion_logps, plain_lm_head, sequence_logprobs, token_logprobs)
 from posttrain.core.running import RunningMean
 from posttrain.data import formats
 from posttrain.data.collate import pad
@@ -187,9 +187,8 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
         with torch.no_grad():
             token_mean_logits = logits.mean(-1)  # (N, K)
     else:  # the model stops at its hidden states; the output layer is fused into the log-softmax
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
-                        logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
-        hidden = outputs.hidden_states[-1][:, T - K - 1:T - 1]  # (N, K, H): position t scores token t + 1
+        hidden = last_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask)
+        hidden = hidden[:, T - K - 1:T - 1]  # (N, K, H): position t scores token t + 1
         logps = linear_selective_log_softmax(hidden, head.weight, input_ids[:, T - K:])[0]
         with torch.no_grad():  # mean over the vocabulary of hidden @ W.T
             token_mean_logits = hidden @ head.weight.mean(0)
