@@ -37,6 +37,7 @@ from torch import Tensor
 from posttrain.core.logprobs import (last_hidden_states, linear_selective_log_softmax, plain_lm_head,
                                      selective_log_softmax, selective_log_softmax_stats, token_logprobs)
 from posttrain.core.masked import shared_prefix_attention_mask
+from posttrain.rollout import few_rows
 from posttrain.data.collate import pad
 
 
@@ -275,6 +276,8 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     packing, head = contextlib.nullcontext(False), contextlib.nullcontext(False)
     if device.type == "cpu" and N <= PACK_MAX_ROWS and max_new >= PACK_MIN_STEPS and _packing_pays():
         packing = packed_linears(net, N)
+    elif device.type == "cpu" and few_rows.available():
+        head = few_rows.few_rows_linears(net)  # every linear, the output layer included
     elif device.type == "cpu":
         head = transposed_head(net)
     try:

@@ -1,0 +1,90 @@
+"""The decoding-step kernel: y = x W^T + b for a few rows, against a float64 reference; the
+fallbacks; and the context that routes a model's linears through it."""
+
+import shutil
+
+import pytest
+import torch
+
+from posttrain.models.loading import load_causal_lm
+from posttrain.rollout import few_rows
+from posttrain.rollout.few_rows import MAX_ROWS, few_rows_linear, few_rows_linears
+
+can_build = shutil.which("cc") is not None and few_rows._cpu_has_avx2_fma()
+needs_kernel = pytest.mark.skipif(not can_build, reason="no C compiler or no AVX2/FMA CPU: decoding uses F.linear")
+
+
+@needs_kernel
+def test_kernel_builds_where_it_can():
+    assert few_rows.available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("features", [(576, 96), (37, 45), (8, 1)])  # (in, out): K a multiple of 8 or not
+def test_matches_a_float64_reference(rows, features):
+    K, N = features
+    g = torch.Generator().manual_seed(rows * 1000 + K)
+    x, w, b = torch.randn(rows, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    reference = x.double() @ w.double().T
+    torch.testing.assert_close(few_rows_linear(x, w).double(), reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(few_rows_linear(x, w, b).double(), reference + b.double(), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_strided_and_batched_inputs():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 24, generator=g)
+    wide = torch.randn(6, 50, generator=g)
+    x = wide[:, 3:27]  # rows 50 floats apart, last dim contiguous
+    torch.testing.assert_close(few_rows_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    cols = torch.randn(24, 5, generator=g).T  # last dim strided: copied first
+    torch.testing.assert_close(few_rows_linear(cols, w), cols @ w.T, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 4, 24, generator=g)  # (batch, 1-token steps, hidden) like a decoding step
+    out = few_rows_linear(x3, w)
+    assert out.shape == (2, 4, 40)
+    torch.testing.assert_close(out, x3 @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_falls_back_to_torch_for_many_rows_grad_and_other_dtypes():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 8, generator=g)
+    many = torch.randn(MAX_ROWS + 1, 8, generator=g)
+    torch.testing.assert_close(few_rows_linear(many, w), many @ w.T)
+    x = torch.randn(2, 8, generator=g, requires_grad=True)
+    y = few_rows_linear(x, w)
+    assert y.grad_fn is not None  # autograd needs torch's op
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(2, 8))
+    half = few_rows_linear(x.detach().double(), w.double())
+    assert half.dtype == torch.float64
+
+
+def test_switch_off_by_environment(monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_NO_KERNELS", "1")
+    few_rows._library.cache_clear()
+    try:
+        assert not few_rows.available()
+        x, w = torch.randn(2, 8), torch.randn(3, 8)
+        torch.testing.assert_close(few_rows_linear(x, w), x @ w.T)
+    finally:
+        monkeypatch.delenv("POSTTRAIN_NO_KERNELS")
+        few_rows._library.cache_clear()
+
+
+@needs_kernel
+def test_model_linears_routed_through_the_kernel_and_restored(monkeypatch):
+    kernel, calls = few_rows._library(), []
+    monkeypatch.setattr(few_rows, "_library", lambda: lambda *a: calls.append(a[6]) or kernel(*a))
+    model = load_causal_lm("posttrain/tiny-llama").eval()
+    ids = torch.randint(0, 1000, (4, 3))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with few_rows_linears(model) as used:
+            patched = [m for m in model.modules() if "forward" in m.__dict__]
+            routed = model(input_ids=ids).logits  # 12 rows per linear: the kernel
+    assert used and model.get_output_embeddings() in patched
+    assert len(calls) == len(patched) and set(calls) == {12}  # each linear once, through the kernel, 12 rows
+    assert len(patched) == sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-5)
