@@ -10,11 +10,13 @@ Rows that have stopped are dropped from the decoding batch (and their KV cache) 
 quarter of it, so long-tail samples do not keep the whole group computing.
 
 On CPU in float32, a one-token step of a few rows is bound by streaming the weights from memory,
-and a plain `linear` repacks each weight matrix on every call (roughly 2x the memory traffic).
-For a small decoding batch we therefore pack every `nn.Linear` weight once per `generate` call
-for exactly that many rows (MKL packed GEMM) and keep the batch shape fixed (no row dropping:
-at a few rows a step costs the same whatever the row count). SmolLM2-135M, 8 rows, one thread:
-~0.23 -> ~0.13 s per step (close to the weight-streaming floor) for a one-off pack of ~0.35 s.
+and PyTorch's GEMM does that poorly for a few rows (it repacks each weight on every call). During
+decoding every `nn.Linear`, the output layer included, therefore runs through `few_rows.py`, a small
+C kernel that streams each weight once (SmolLM2-135M, 2 prompts x 4 samples x 32 tokens, 2 threads on
+an AVX2 EPYC: 4.4 s -> 2.6 s per generate). Where it cannot be built, AVX-512 CPUs pack the weights
+once per call with MKL (`packed_linears`) and others compute the output layer as (W x^T)^T
+(`transposed_head`). The KV cache gets room for the whole completion up front (`_make_room`), so a
+step writes its keys and values in place instead of copying the cache.
 
 `completion_logprobs` is the teacher-forced counterpart the trainers use: the log-probs of given
 completions, computing each distinct prompt once per forward (with gradients under autograd).
@@ -134,6 +136,69 @@ def _expand_cache(cache, repeats: int):
     if isinstance(cache, (tuple, list)):  # legacy tuple-of-tuples caches of older remote-code models
         return type(cache)(tuple(t.repeat_interleave(repeats, dim=0) for t in layer) for layer in cache)
     raise TypeError(f"cannot expand a KV cache of type {type(cache).__name__} for num_generations > 1")
+
+
+@functools.cache
+def _roomy_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomyLayer(DynamicLayer):
+        """A DynamicLayer whose keys and values live in buffers with room for `capacity` positions: a
+        decoding step writes its new position in place instead of copying the whole cache (torch.cat)."""
+
+        def __init__(self, keys: Tensor, values: Tensor, capacity: int):
+            super().__init__()
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+            self.length = keys.shape[-2]
+            self._keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
+            self._values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
+            self._keys[..., : self.length, :], self._values[..., : self.length, :] = keys, values
+            self._views()
+
+        def _views(self):
+            self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+            end = self.length + key_states.shape[-2]
+            if end > self._keys.shape[-2]:  # out of room: grow like a DynamicLayer
+                self._keys = torch.cat([self.keys, key_states], dim=-2)
+                self._values = torch.cat([self.values, value_states], dim=-2)
+            else:
+                self._keys[..., self.length: end, :] = key_states
+                self._values[..., self.length: end, :] = value_states
+            self.length = end
+            self._views()
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: Tensor) -> None:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self._views()
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self._keys = self._keys.repeat_interleave(repeats, dim=0)
+            self._values = self._values.repeat_interleave(repeats, dim=0)
+            self._views()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            super().crop(tokens_to_remove)
+            self.length = self.keys.shape[-2]
+            self._keys, self._values = self.keys, self.values
+
+    return RoomyLayer
+
+
+def _make_room(cache, capacity: int):
+    """Give each plain DynamicLayer of a transformers cache room for `capacity` positions (other
+    layer types, e.g. sliding-window ones, and legacy tuple caches are left as they are)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return cache
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
+            layers[i] = _roomy_layer_class()(layer.keys, layer.values, capacity)
+    return cache
 
 
 def _select_cache(cache, index: Tensor):
@@ -274,16 +339,16 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     modes = [m.training for m in net.modules()]  # restored one by one: a submodule may be kept in eval on purpose
     net.eval()
     packing, head = contextlib.nullcontext(False), contextlib.nullcontext(False)
-    if device.type == "cpu" and N <= PACK_MAX_ROWS and max_new >= PACK_MIN_STEPS and _packing_pays():
-        packing = packed_linears(net, N)
-    elif device.type == "cpu" and few_rows.available():
+    if device.type == "cpu" and few_rows.available():
         head = few_rows.few_rows_linears(net)  # every linear, the output layer included
+    elif device.type == "cpu" and N <= PACK_MAX_ROWS and max_new >= PACK_MIN_STEPS and _packing_pays():
+        packing = packed_linears(net, N)
     elif device.type == "cpu":
         head = transposed_head(net)
     try:
         out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1)
-        cache = _expand_cache(out.past_key_values, G)
+        cache = _make_room(_expand_cache(out.past_key_values, G), P + max_new)
         logits = out.logits[:, -1, :].repeat_interleave(G, dim=0)  # (A, V), A = rows still decoded
         rows = torch.arange(N, device=device)  # (A,) index in the output of each decoded row
         finished = torch.zeros(N, dtype=torch.bool, device=device)
