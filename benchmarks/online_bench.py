@@ -1,14 +1,17 @@
 """Online RL throughput: GRPO and RLOO steps of the posttrain engine vs a straightforward loop.
 
 Each step: 2 prompts x 4 generations x up to 32 new tokens, reward, advantages, one clipped-surrogate
-update (fp32, AdamW). Measured per method, each in its own process (so peak memory is its own):
-samples/s over the timed steps (after one warm-up step) and the peak resident memory.
+update (fp32, AdamW). Each method runs in its own process (so peak memory is its own, and the
+allocator setting of posttrain's trainers applies only to them), and the steps are interleaved:
+one step of each process in turn, round after round, so that a change in machine speed hits all
+methods alike. Reported: samples/s over the timed rounds (after one warm-up round) and the peak
+resident memory.
 
   ours-grpo    GRPOTrainer.training_step. Sampling (`rollout.generate`): one prefill per prompt, the KV
-               cache expanded to the group, all 8 rows decoded together with every linear weight
-               MKL-prepacked once per step for that row count (a one-token step is bound by
-               streaming the fp32 weights; a plain linear repacks them on every call), the token
-               log-probs kept. Training forward (`completion_logprobs`): each prompt and its 4
+               cache expanded to the group (with room for every new token), all 8 rows decoded
+               together through the lean decoding step (`rollout/decode.py`) whose products run in
+               the few-rows kernel (`rollout/few_rows.py`, each weight streamed once per step), the
+               token log-probs kept. Training forward (`completion_logprobs`): each prompt and its 4
                completions form one sequence with a block attention mask, so the prompt is computed
                (and back-propagated) once per group and every weight once, logits only at the 32
                scoring positions of each completion, entropy from the same log-softmax pass. No
@@ -25,11 +28,8 @@ samples/s over the timed steps (after one warm-up step) and the peak resident me
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import subprocess
-import sys
 import time
 
 PROMPTS = ["Write a short story about a dragon who learns to cook.",
@@ -38,7 +38,8 @@ NUM_GENERATIONS, NEW_TOKENS = 4, 32
 
 
 def length_reward(completions, **kwargs):
-    return [len(c) / 100 for c in completions]
+    """Characters / 100; a conversational completion is a list of messages: its text is scored."""
+    return [len(c[-1]["content"] if isinstance(c, list) else c) / 100 for c in completions]
 
 
 def _dataset():
@@ -47,7 +48,8 @@ def _dataset():
     return Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 8)
 
 
-def run_ours(model_name: str, algo: str, steps: int) -> dict:
+def ours(model_name: str, algo: str):
+    """A function doing one GRPO or RLOO training step (sample, score, update) with posttrain."""
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
     from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
@@ -59,20 +61,20 @@ def run_ours(model_name: str, algo: str, steps: int) -> dict:
     else:
         trainer = RLOOTrainer(model_name, length_reward, args=RLOOConfig(**common, num_ppo_epochs=1),
                               train_dataset=_dataset())
-    trainer.create_optimizer_and_scheduler(num_training_steps=steps + 1)
+    trainer.create_optimizer_and_scheduler(num_training_steps=1000)
     batches = iter(trainer.get_train_dataloader())
-    lengths, times = [], []
-    for step in range(steps + 1):
-        start = time.perf_counter()
+
+    def step() -> float:
         trainer.training_step(trainer.model, next(batches))
         trainer.optimizer.step()
         trainer.optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-        lengths.append(trainer._metrics["train"]["completions/mean_length"][-1])
-    return {"seconds": times[1:], "mean_length": sum(lengths[1:]) / steps}
+        return trainer._metrics["train"]["completions/mean_length"][-1]
+
+    return step
 
 
-def run_baseline(model_name: str, steps: int) -> dict:
+def straightforward(model_name: str):
+    """A function doing one step of the straightforward loop; returns the mean completion length."""
     import torch
 
     from posttrain.models.loading import load_causal_lm, load_tokenizer
@@ -82,9 +84,8 @@ def run_baseline(model_name: str, steps: int) -> dict:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
     prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
-    times, lengths = [], []
-    for step in range(steps + 1):
-        start = time.perf_counter()
+
+    def step() -> float:
         model.eval()
         sequences, masks, starts = [], [], []
         with torch.no_grad():
@@ -120,52 +121,70 @@ def run_baseline(model_name: str, steps: int) -> dict:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        times.append(time.perf_counter() - start)
-        lengths.append(float(torch.stack([m.sum() for m in masks]).float().mean()))
-    return {"seconds": times[1:], "mean_length": sum(lengths[1:]) / steps}
+        return float(torch.stack([m.sum() for m in masks]).float().mean())
+
+    return step
 
 
-def child(args):
+def worker(method: str, model_name: str, conn):
     import torch
 
     torch.manual_seed(0)
-    result = run_baseline(args.model, args.steps) if args.method == "baseline" else \
-        run_ours(args.model, args.method.removeprefix("ours-"), args.steps)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(result))
+    step = straightforward(model_name) if method == "baseline" else ours(model_name, method.removeprefix("ours-"))
+    conn.send("ready")
+    while conn.recv():
+        start = time.perf_counter()
+        length = step()
+        conn.send({"seconds": time.perf_counter() - start, "length": length,
+                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="posttrain/smollm2-135m-instruct")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--method", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per method, after one warm-up step")
     args = parser.parse_args()
-    if args.method:
-        return child(args)
-    rows = {}
-    for method in ("baseline", "ours-grpo", "ours-rloo"):
-        out = subprocess.run([sys.executable, __file__, "--model", args.model, "--steps", str(args.steps),
-                              "--method", method], capture_output=True, text=True, env={**os.environ})
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            raise SystemExit(f"{method} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-        rows[method] = json.loads(line[len("RESULT "):])
+    import multiprocessing as mp
+
+    methods = ("baseline", "ours-grpo", "ours-rloo")
+    context = mp.get_context("spawn")
+    conns, procs = {}, []
+    for method in methods:  # loaded one after another, so that loading does not overlap the steps
+        parent, child = context.Pipe()
+        proc = context.Process(target=worker, args=(method, args.model, child), daemon=True)
+        proc.start()
+        procs.append(proc)
+        if parent.recv() != "ready":
+            raise SystemExit(f"{method} failed to start")
+        conns[method] = parent
+    rows = {m: {"seconds": [], "lengths": [], "peak_rss_mib": 0.0} for m in methods}
+    for round_ in range(args.steps + 1):  # round 0 is the warm-up (AdamW creates its state)
+        for method in methods:  # one step of each in turn: a change in machine speed hits all alike
+            conns[method].send(True)
+            r = conns[method].recv()
+            if round_:
+                rows[method]["seconds"].append(r["seconds"])
+                rows[method]["lengths"].append(r["length"])
+            rows[method]["peak_rss_mib"] = r["peak_rss_mib"]
+    for conn, proc in zip(conns.values(), procs):
+        conn.send(False)
+        proc.join()
     from rich.console import Console
     from rich.table import Table
 
     samples = len(PROMPTS) * NUM_GENERATIONS
     table = Table(title=f"online RL step on {args.model}: {len(PROMPTS)} prompts x {NUM_GENERATIONS} generations x "
-                        f"<= {NEW_TOKENS} new tokens, fp32, {args.steps} timed steps")
+                        f"<= {NEW_TOKENS} new tokens, fp32, {args.steps} timed steps each, interleaved")
     for col in ("method", "samples/s", "s/step", "mean completion tokens", "peak RSS (MiB)", "vs baseline"):
         table.add_column(col, justify="right" if col != "method" else "left")
     base = samples / (sum(rows["baseline"]["seconds"]) / args.steps)
     for method, r in rows.items():
         per_step = sum(r["seconds"]) / args.steps
         rate = samples / per_step
-        table.add_row(method, f"{rate:.2f}", f"{per_step:.2f}", f"{r['mean_length']:.1f}", f"{r['peak_rss_mib']:.0f}",
-                      f"{rate / base:.2f}x")
+        table.add_row(method, f"{rate:.2f}", f"{per_step:.2f}", f"{sum(r['lengths']) / args.steps:.1f}",
+                      f"{r['peak_rss_mib']:.0f}", f"{rate / base:.2f}x")
     Console().print(table)
+    print("seconds per step:", {m: [round(x, 2) for x in r["seconds"]] for m, r in rows.items()})
 
 
 if __name__ == "__main__":

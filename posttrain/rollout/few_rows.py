@@ -3,7 +3,7 @@
 A one-token decoding step multiplies every weight matrix by a handful of rows (2 prompts x 4
 samples: 8). PyTorch's float32 GEMM packs the weight into panels on each call and is tuned for
 many rows; on a 2-core AVX2 EPYC it streams SmolLM2's weights at 5-8 GB/s when the memory gives
-about 25. `few_rows_linear.c` loads each weight element once and multiplies it with all rows
+about 25. `decode_kernels.c` loads each weight element once and multiplies it with all rows
 held in L1 (measured at 8 rows, 2 threads: 1536 x 576 in 0.27-0.30 ms instead of 0.6; the
 49152 x 576 output layer in 8-11 ms instead of 29).
 
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("few_rows_linear.c")
+SOURCE = Path(__file__).with_name("decode_kernels.c")
 MAX_ROWS = 16  # beyond this PyTorch's GEMM is as fast (measured: about equal at 32 rows)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
@@ -57,25 +57,33 @@ def _compile(target: Path) -> None:
 
 
 @functools.cache
-def _library():
-    """The compiled kernel, or None where it cannot be built here (the reason is logged once)."""
+def _cdll():
+    """The compiled kernels, or None where they cannot be built here (the reason is logged once)."""
     if os.environ.get("POSTTRAIN_NO_KERNELS") == "1":
         return None
     if not _cpu_has_avx2_fma():
-        logger.info("few-rows linear kernel off: the CPU lacks AVX2/FMA")
+        logger.info("decoding kernels off: the CPU lacks AVX2/FMA")
         return None
     from posttrain.models.tiny import cache_dir
 
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"few_rows_linear-{key}.so"
+    target = cache_dir() / "kernels" / f"decode_kernels-{key}.so"
     try:
         if not target.exists():
             _compile(target)
-        lib = ctypes.CDLL(str(target))
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("few-rows linear kernel not built (decoding uses torch's linear): %s", detail.strip()[-500:])
+        logger.warning("decoding kernels not built (decoding uses torch's ops): %s", detail.strip()[-500:])
+        return None
+
+
+@functools.cache
+def _library():
+    """The few-rows linear kernel (a ctypes function), or None."""
+    lib = _cdll()
+    if lib is None:
         return None
     fn = lib.few_rows_linear
     fn.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

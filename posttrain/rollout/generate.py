@@ -40,6 +40,7 @@ from posttrain.core.logprobs import (last_hidden_states, linear_selective_log_so
                                      selective_log_softmax, selective_log_softmax_stats, token_logprobs)
 from posttrain.core.masked import shared_prefix_attention_mask
 from posttrain.rollout import few_rows
+from posttrain.rollout.decode import lean_decoder
 from posttrain.data.collate import pad
 
 
@@ -169,6 +170,10 @@ def _roomy_layer_class():
             self.length = end
             self._views()
             return self.keys, self.values
+
+        def advance(self, steps: int) -> None:  # positions written into the buffers by someone else
+            self.length += steps
+            self._views()
 
         def batch_select_indices(self, indices: Tensor) -> None:
             self._keys, self._values = self._keys[indices], self._values[indices]
@@ -349,6 +354,13 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1)
         cache = _make_room(_expand_cache(out.past_key_values, G), P + max_new)
+        lean = None  # the lean decoding step, where the architecture and the cache allow it
+        if device.type == "cpu" and isinstance(getattr(cache, "layers", None), list) and all(
+                type(layer) is _roomy_layer_class() for layer in cache.layers):
+            lean = lean_decoder(net, N)
+            if lean is not None:
+                lean.set_positions(next_position + torch.arange(max_new, device=device))
+                lean.bind(cache)
         logits = out.logits[:, -1, :].repeat_interleave(G, dim=0)  # (A, V), A = rows still decoded
         rows = torch.arange(N, device=device)  # (A,) index in the output of each decoded row
         finished = torch.zeros(N, dtype=torch.bool, device=device)
@@ -392,6 +404,11 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
                     keep = (~finished[rows]).nonzero().flatten()
                     cache, rows = _select_cache(cache, keep), rows[keep]
                     attention, next_position = attention[keep], next_position[keep]
+                    if lean is not None:
+                        lean.select(keep, cache)
+                if lean is not None:
+                    logits = lean.step(token[rows], t, attention[:, : P + t + 1], cache)
+                    continue
                 out = net(input_ids=token[rows, None], attention_mask=attention[:, : P + t + 1],
                           position_ids=next_position + t, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache = out.past_key_values

@@ -62,14 +62,14 @@ def test_falls_back_to_torch_for_many_rows_grad_and_other_dtypes():
 
 def test_switch_off_by_environment(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_NO_KERNELS", "1")
-    few_rows._library.cache_clear()
+    few_rows._cdll.cache_clear(), few_rows._library.cache_clear()
     try:
         assert not few_rows.available()
         x, w = torch.randn(2, 8), torch.randn(3, 8)
         torch.testing.assert_close(few_rows_linear(x, w), x @ w.T)
     finally:
         monkeypatch.delenv("POSTTRAIN_NO_KERNELS")
-        few_rows._library.cache_clear()
+        few_rows._cdll.cache_clear(), few_rows._library.cache_clear()
 
 
 @needs_kernel

@@ -109,7 +109,9 @@ def test_logprobs_equal_an_independent_full_forward(model, tok, prompt_ids):
                      pad_token_id=tok.pad_token_id, eos_token_id=eos, generator=torch.Generator().manual_seed(1))
         ref = full_forward_logprobs(model, r, temperature)
         real = r.completion_mask.bool()
-        assert torch.allclose(r.logprobs[real], ref[real], atol=1e-5)
+        # float32 sums taken in another order (the decoding kernels vs a full forward): logits agree to
+        # ~1e-6 relative, which the log-softmax of this model's large logits turns into up to ~3e-5
+        torch.testing.assert_close(r.logprobs[real], ref[real], rtol=1e-4, atol=1e-5)
         assert (r.logprobs[~real] == 0).all() and (r.logprobs[real] < 0).all()
 
 

@@ -1,0 +1,193 @@
+/* y = x W^T (+ b) for a few rows of x: the decoding step of a sampler on CPU.
+ *
+ * x: M x K (row stride ldx), W: N x K row-major (a torch nn.Linear weight), y: M x N (row stride ldy).
+ * With M <= 8 rows, every weight element is loaded from memory once and used for M fused
+ * multiply-adds against rows of x that stay in L1, so a call streams W once at close to the
+ * memory bandwidth. A general GEMM instead packs W into panels on every call (about twice the
+ * memory traffic) and is tuned for many rows. Weight rows are split over OpenMP threads.
+ * Built by posttrain/rollout/few_rows.py with -O3 -mavx2 -mfma -fopenmp.
+ */
+#include <immintrin.h>
+#include <stddef.h>
+
+/* the sum of each of the 8 accumulators, lane i = sum of a[i] */
+static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                          __m256 a7) {
+    __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
+    __m256 h45 = _mm256_hadd_ps(a4, a5), h67 = _mm256_hadd_ps(a6, a7);
+    __m256 h03 = _mm256_hadd_ps(h01, h23), h47 = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
+}
+
+/* rows m < R of y[:, n0:n1]; R is a compile-time constant at each call site, so acc[] lives in registers */
+static inline __attribute__((always_inline)) void block(const int R, const float *x, ptrdiff_t ldx,
+                                                         const float *w, const float *b, float *y, ptrdiff_t ldy,
+                                                         ptrdiff_t n0, ptrdiff_t n1, ptrdiff_t K) {
+    const ptrdiff_t K8 = K & ~(ptrdiff_t)7;
+    for (ptrdiff_t n = n0; n < n1; n++) {
+        const float *wn = w + n * K;
+        __m256 acc[8];
+        for (int m = 0; m < 8; m++) acc[m] = _mm256_setzero_ps();
+        for (ptrdiff_t k = 0; k < K8; k += 8) {
+            __m256 wv = _mm256_loadu_ps(wn + k);
+            for (int m = 0; m < R; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m]);
+        }
+        float out[8];
+        _mm256_storeu_ps(out, sum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
+        for (int m = 0; m < R; m++) {
+            float s = out[m];
+            for (ptrdiff_t k = K8; k < K; k++) s += x[m * ldx + k] * wn[k];
+            y[m * ldy + n] = b ? s + b[n] : s;
+        }
+    }
+}
+
+static void rows_upto8(int M, const float *x, ptrdiff_t ldx, const float *w, const float *b, float *y,
+                       ptrdiff_t ldy, ptrdiff_t n0, ptrdiff_t n1, ptrdiff_t K) {
+    switch (M) {  /* one specialised loop per row count */
+        case 1: block(1, x, ldx, w, b, y, ldy, n0, n1, K); break;
+        case 2: block(2, x, ldx, w, b, y, ldy, n0, n1, K); break;
+        case 3: block(3, x, ldx, w, b, y, ldy, n0, n1, K); break;
+        case 4: block(4, x, ldx, w, b, y, ldy, n0, n1, K); break;
+        case 5: block(5, x, ldx, w, b, y, ldy, n0, n1, K); break;
+        case 6: block(6, x, ldx, w, b, y, ldy, n0, n1, K); break;
+        case 7: block(7, x, ldx, w, b, y, ldy, n0, n1, K); break;
+        default: block(8, x, ldx, w, b, y, ldy, n0, n1, K); break;
+    }
+}
+
+/* y[M, N] = x[M, K] W[N, K]^T (+ b[N]); rows of x in groups of 8, weight rows split over threads */
+void few_rows_linear(const float *x, ptrdiff_t ldx, const float *w, const float *b, float *y, ptrdiff_t ldy,
+                     int M, ptrdiff_t N, ptrdiff_t K, int threads) {
+    const ptrdiff_t chunk = 16;  /* weight rows per scheduling unit: 16 x K floats */
+    const ptrdiff_t units = (N + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (ptrdiff_t u = 0; u < units; u++) {
+        ptrdiff_t n0 = u * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        for (int m0 = 0; m0 < M; m0 += 8)
+            rows_upto8(M - m0 < 8 ? M - m0 : 8, x + m0 * ldx, ldx, w, b, y + m0 * ldy, ldy, n0, n1, K);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * One decoding step of a Llama-style model (RMSNorm, rotary q/k, grouped-query attention over a
+ * KV cache, SiLU-gated MLP, tied or untied output layer) for A <= 16 rows, in one call and one
+ * OpenMP team: the weight products as above, split over weight rows; the small per-row work
+ * (norms, rotary, attention) split over rows and heads. Called by posttrain/rollout/decode.py,
+ * which checks the architecture and prepares the pointers.
+ */
+#include <math.h>
+
+typedef struct {
+    const float *norm1, *qkv, *qkv_b, *o, *o_b, *norm2, *gate, *gate_b, *up, *up_b, *down, *down_b;
+    float *keys, *values; /* [A, Hk, cap, hd], contiguous: this step writes position T - 1 */
+} LeanLayer;
+
+typedef struct {
+    int A, D, Hq, Hk, hd, I, V, L, cap;
+    float eps, scaling;
+    const float *embed, *final_norm, *head, *head_b; /* embed: V x D; head: V x D (may equal embed) */
+} LeanModel;
+
+#define CHUNK 16
+
+/* y[:, n] for all weight rows n, the work split over the team (call inside a parallel region) */
+static void team_linear(int M, const float *x, ptrdiff_t ldx, const float *w, const float *b, float *y,
+                        ptrdiff_t ldy, ptrdiff_t N, ptrdiff_t K) {
+    const ptrdiff_t units = (N + CHUNK - 1) / CHUNK;
+#pragma omp for schedule(static)
+    for (ptrdiff_t u = 0; u < units; u++) {
+        ptrdiff_t n0 = u * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
+        for (int m0 = 0; m0 < M; m0 += 8)
+            rows_upto8(M - m0 < 8 ? M - m0 : 8, x + m0 * ldx, ldx, w, b, y + m0 * ldy, ldy, n0, n1, K);
+    }
+}
+
+static void rms_norm_row(const float *x, const float *w, float eps, float *out, int D) {
+    double ss = 0.;
+    for (int i = 0; i < D; i++) ss += (double)x[i] * x[i];
+    float r = (float)(1. / sqrt((float)(ss / D) + (double)eps));
+    for (int i = 0; i < D; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* work: at least A * (3 D + (Hq + 2 Hk) hd + Hq hd + 2 I) + A * Hq * cap floats */
+void lean_decode_step(const LeanModel *m, const LeanLayer *layers, const long *tokens, int T, const float *cos,
+                      const float *sin, const float *mask, float *logits, float *work, int threads) {
+    const int A = m->A, D = m->D, Hq = m->Hq, Hk = m->Hk, hd = m->hd, I = m->I, half = hd / 2;
+    const int QKV = (Hq + 2 * Hk) * hd, group = Hq / Hk;
+    float *h = work, *x = h + (ptrdiff_t)A * D, *tmp = x + (ptrdiff_t)A * D, *qkv = tmp + (ptrdiff_t)A * D;
+    float *attn = qkv + (ptrdiff_t)A * QKV, *g = attn + (ptrdiff_t)A * Hq * hd, *u = g + (ptrdiff_t)A * I;
+    float *scores = u + (ptrdiff_t)A * I;
+    const ptrdiff_t head_stride = (ptrdiff_t)m->cap * hd, row_stride = (ptrdiff_t)Hk * head_stride;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int a = 0; a < A; a++)
+            for (int i = 0; i < D; i++) h[(ptrdiff_t)a * D + i] = m->embed[(ptrdiff_t)tokens[a] * D + i];
+        for (int l = 0; l < m->L; l++) {
+            const LeanLayer *ly = &layers[l];
+#pragma omp for schedule(static)
+            for (int a = 0; a < A; a++) rms_norm_row(h + (ptrdiff_t)a * D, ly->norm1, m->eps, x + (ptrdiff_t)a * D, D);
+            team_linear(A, x, D, ly->qkv, ly->qkv_b, qkv, QKV, QKV, D);
+            /* rotary on q and k heads; k and v into the cache at position T - 1 */
+#pragma omp for schedule(static) collapse(2)
+            for (int a = 0; a < A; a++)
+                for (int hh = 0; hh < Hq + 2 * Hk; hh++) {
+                    float *v = qkv + (ptrdiff_t)a * QKV + (ptrdiff_t)hh * hd, rot[256];
+                    const float *c = cos + (ptrdiff_t)a * hd, *s = sin + (ptrdiff_t)a * hd;
+                    if (hh < Hq + Hk) {
+                        for (int i = 0; i < hd; i++) rot[i] = v[i] * c[i] + v[(i + half) % hd] * s[i];
+                        for (int i = 0; i < hd; i++) v[i] = rot[i];
+                    }
+                    if (hh >= Hq) {
+                        int kv = hh < Hq + Hk ? hh - Hq : hh - Hq - Hk;
+                        float *dst = (hh < Hq + Hk ? ly->keys : ly->values) + a * row_stride + kv * head_stride
+                                     + (ptrdiff_t)(T - 1) * hd;
+                        for (int i = 0; i < hd; i++) dst[i] = v[i];
+                    }
+                }
+            /* attention: each query head over the T cached positions of its key head */
+#pragma omp for schedule(static) collapse(2)
+            for (int a = 0; a < A; a++)
+                for (int hq = 0; hq < Hq; hq++) {
+                    const float *q = qkv + (ptrdiff_t)a * QKV + (ptrdiff_t)hq * hd;
+                    const float *K = ly->keys + a * row_stride + (hq / group) * head_stride;
+                    const float *Vv = ly->values + a * row_stride + (hq / group) * head_stride;
+                    const float *mk = mask + (ptrdiff_t)a * T;
+                    float *sc = scores + ((ptrdiff_t)a * Hq + hq) * m->cap, top = -INFINITY;
+                    double total = 0.;
+                    for (int t = 0; t < T; t++) {
+                        double d = 0.;
+                        for (int i = 0; i < hd; i++) d += (double)q[i] * K[(ptrdiff_t)t * hd + i];
+                        sc[t] = (float)d * m->scaling + mk[t];
+                        if (sc[t] > top) top = sc[t];
+                    }
+                    for (int t = 0; t < T; t++) total += (sc[t] = expf(sc[t] - top));
+                    float *out = attn + (ptrdiff_t)a * Hq * hd + (ptrdiff_t)hq * hd;
+                    double acc[256] = {0};
+                    for (int t = 0; t < T; t++) {
+                        double p = sc[t] / total;
+                        for (int i = 0; i < hd; i++) acc[i] += p * Vv[(ptrdiff_t)t * hd + i];
+                    }
+                    for (int i = 0; i < hd; i++) out[i] = (float)acc[i];
+                }
+            team_linear(A, attn, (ptrdiff_t)Hq * hd, ly->o, ly->o_b, tmp, D, D, (ptrdiff_t)Hq * hd);
+#pragma omp for schedule(static)
+            for (int a = 0; a < A; a++) {
+                for (int i = 0; i < D; i++) h[(ptrdiff_t)a * D + i] += tmp[(ptrdiff_t)a * D + i];
+                rms_norm_row(h + (ptrdiff_t)a * D, ly->norm2, m->eps, x + (ptrdiff_t)a * D, D);
+            }
+            team_linear(A, x, D, ly->gate, ly->gate_b, g, I, I, D);
+            team_linear(A, x, D, ly->up, ly->up_b, u, I, I, D);
+#pragma omp for schedule(static)
+            for (ptrdiff_t i = 0; i < (ptrdiff_t)A * I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            team_linear(A, g, I, ly->down, ly->down_b, tmp, D, D, I);
+#pragma omp for schedule(static)
+            for (int a = 0; a < A; a++)
+                for (int i = 0; i < D; i++) h[(ptrdiff_t)a * D + i] += tmp[(ptrdiff_t)a * D + i];
+        }
+#pragma omp for schedule(static)
+        for (int a = 0; a < A; a++) rms_norm_row(h + (ptrdiff_t)a * D, m->final_norm, m->eps, x + (ptrdiff_t)a * D, D);
+        team_linear(A, x, D, m->head, m->head_b, logits, m->V, m->V, D);
+    }
+}

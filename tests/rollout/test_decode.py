@@ -1,0 +1,91 @@
+"""The lean decoding step gives what the model's own forward gives: same tokens, same log-probs
+(to float rounding), with rows stopping early; and it steps aside for what it does not cover."""
+
+import pytest
+import torch
+
+from posttrain.models.loading import load_causal_lm, load_tokenizer
+from posttrain.rollout import generate as generate_module
+from posttrain.rollout.decode import lean_decoder
+from posttrain.rollout.generate import SamplingConfig, generate
+
+PROMPTS = ["reverse 1234 =", "Beautiful is better than ugly. Explicit is", "a"]
+
+
+def varied(name):
+    """The tiny model with larger random weights (the seeded one repeats one token), biases included."""
+    model = load_causal_lm(name)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("posttrain/tiny-qwen2")
+
+
+def both_ways(model, tok, monkeypatch, sampling):
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    runs = []
+    for lean in (True, False):
+        seen = []
+
+        def probe(net, rows, real=lean_decoder):
+            found = real(net, rows) if lean else None
+            seen.append(found is not None)
+            return found
+
+        monkeypatch.setattr(generate_module, "lean_decoder", probe)
+        runs.append(generate(model, ids, sampling, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                             generator=torch.Generator().manual_seed(3)))
+        assert seen == [lean]  # the lean step was (not) taken
+    return runs
+
+
+@pytest.mark.parametrize("name", ["posttrain/tiny-llama", "posttrain/tiny-qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_same_tokens_and_logprobs_as_the_model_forward(name, do_sample, tok, monkeypatch):
+    model = varied(name)
+    assert lean_decoder(model, 6) is not None
+    lean, plain = both_ways(model, tok, monkeypatch, SamplingConfig(max_new_tokens=12, num_generations=2,
+                                                                  do_sample=do_sample, temperature=0.9))
+    assert torch.equal(lean.completion_ids, plain.completion_ids)
+    assert torch.equal(lean.completion_mask, plain.completion_mask)
+    torch.testing.assert_close(lean.logprobs, plain.logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_that_stop_early_are_dropped_alike(tok, monkeypatch):
+    model = varied("posttrain/tiny-llama")
+    sampling = SamplingConfig(max_new_tokens=16, num_generations=4, temperature=1.5)
+    greedy = generate(model, [tok(PROMPTS[0])["input_ids"]], SamplingConfig(max_new_tokens=16, do_sample=False),
+                      pad_token_id=tok.pad_token_id, eos_token_id=None)
+    frequent = torch.mode(greedy.completion_ids.flatten()).values.item()  # a token the model often produces
+    sampling.stop_token_ids = (frequent,)
+    lean, plain = both_ways(model, tok, monkeypatch, sampling)
+    lengths = lean.completion_mask.sum(1)
+    assert lengths.min() < lengths.max()  # rows did stop at different steps
+    assert torch.equal(lean.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(lean.logprobs, plain.logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_steps_aside_for_what_it_does_not_cover():
+    model = load_causal_lm("posttrain/tiny-llama")
+    assert lean_decoder(model, 4) is not None
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert lean_decoder(model, 4) is None  # a user's hook must run
+    handle.remove()
+    model.config.hidden_act = "gelu"
+    assert lean_decoder(model, 4) is None
+    model.config.hidden_act = "silu"
+    model.config.layer_types = ["sliding_attention"] + ["full_attention"] * (model.config.num_hidden_layers - 1)
+    assert lean_decoder(model, 4) is None
+    model.config.layer_types = None
+
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(load_causal_lm("posttrain/tiny-llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert lean_decoder(peft_model, 4) is None
+    assert lean_decoder(load_causal_lm("posttrain/tiny-llama").double(), 4) is None
