@@ -52,8 +52,15 @@ def _c_step_function():
     return fn
 
 
+def _hooked(m) -> bool:
+    """Whether a forward hook must run; transformers' own output-capturing hooks do nothing unless a
+    forward asks for hidden states or attentions (installed on first use), so they do not count."""
+    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+    return any("output_captur" not in getattr(h, "__qualname__", "") for h in hooks)
+
+
 def _plain_linear(m) -> bool:
-    return type(m) is torch.nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+    return type(m) is torch.nn.Linear and not _hooked(m)
 
 
 def lean_decoder(model, rows: int) -> LeanDecoder | None:
@@ -72,7 +79,7 @@ def lean_decoder(model, rows: int) -> LeanDecoder | None:
     if not all(_plain_linear(m) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
                for m in linears):
         return None
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if any(_hooked(m) for m in model.modules()):
         return None
     if type(inner.embed_tokens) is not torch.nn.Embedding:
         return None

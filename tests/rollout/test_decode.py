@@ -74,6 +74,9 @@ def test_rows_that_stop_early_are_dropped_alike(tok, monkeypatch):
 def test_steps_aside_for_what_it_does_not_cover():
     model = load_causal_lm("posttrain/tiny-llama")
     assert lean_decoder(model, 4) is not None
+    model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)  # transformers installs its capture hooks
+    assert any(m._forward_hooks for m in model.modules())
+    assert lean_decoder(model, 4) is not None  # ... which do nothing during decoding
     handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
     assert lean_decoder(model, 4) is None  # a user's hook must run
     handle.remove()
