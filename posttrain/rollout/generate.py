@@ -13,10 +13,11 @@ On CPU in float32, a one-token step of a few rows is bound by streaming the weig
 and PyTorch's GEMM does that poorly for a few rows (it repacks each weight on every call). During
 decoding every `nn.Linear`, the output layer included, therefore runs through `few_rows.py`, a small
 C kernel that streams each weight once (SmolLM2-135M, 2 prompts x 4 samples x 32 tokens, 2 threads on
-an AVX2 EPYC: 4.4 s -> 2.6 s per generate). Where it cannot be built, AVX-512 CPUs pack the weights
-once per call with MKL (`packed_linears`) and others compute the output layer as (W x^T)^T
-(`transposed_head`). The KV cache gets room for the whole completion up front (`_make_room`), so a
-step writes its keys and values in place instead of copying the cache.
+an AVX2 EPYC: 4.4 s -> 2.6 s per generate), and for Llama- and Qwen2-style models the whole step is
+one call of a compiled lean step (`decode.py`: 2.6 s -> 1.7 s). Where the kernels cannot be built,
+the output layer is computed as (W x^T)^T (`transposed_head`), the faster order for few rows. The
+KV cache gets room for the whole completion up front (`_make_room`), so a step writes its keys and
+values in place instead of copying the cache.
 
 `completion_logprobs` is the teacher-forced counterpart the trainers use: the log-probs of given
 completions, computing each distinct prompt once per forward (with gradients under autograd).
@@ -232,45 +233,6 @@ def _stop_string_hits(tokenizer, rows: list[list[int]], stop_strings: tuple[str,
     return [any(s in text for s in stop_strings) for text in texts]
 
 
-# Packed weights pay off while a step is bound by weight streaming (few rows) and the pack
-# (~4 steps' worth of memory traffic) is spread over enough steps. That was measured on an
-# AVX-512 CPU; on an AVX2-only AMD EPYC, packing the weights cost more than it saved (a
-# 2-prompt x 4-sample x 32-token generate: 4.5 s packed, 3.4 s plain), so it is used only where
-# PyTorch runs its AVX-512 kernels.
-PACK_MAX_ROWS, PACK_MIN_STEPS = 32, 8
-
-
-def _packing_pays() -> bool:
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
-def _packed_forward(packed: Tensor, weight: Tensor, bias: Tensor | None, rows: int, x: Tensor) -> Tensor:
-    if torch.is_autocast_enabled("cpu"):  # mixed precision: F.linear computes in the autocast dtype
-        return torch.nn.functional.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1])  # _mkl_linear falls back to a plain linear for another row count
-    return torch.ops.mkl._mkl_linear(flat, packed, weight, bias, rows).view(*x.shape[:-1], weight.shape[0])
-
-
-@contextlib.contextmanager
-def packed_linears(model, rows: int):
-    """Within the block, every CPU float32 `nn.Linear` of `model` multiplies with an MKL-prepacked
-    copy of its weight, packed for `rows`-row inputs (other row counts take the plain path).
-    For no-grad decoding only: the packed copy is a snapshot of the weights. A no-op without MKL."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-               and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]  # hooked forwards left alone
-    if not (linears and torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()):
-        yield False
-        return
-    try:
-        for m in linears:
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), rows)
-            m.forward = functools.partial(_packed_forward, packed, m.weight, m.bias, rows)
-        yield True
-    finally:
-        for m in linears:
-            m.__dict__.pop("forward", None)
-
-
 def _head_forward(weight: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:
     flat = x.reshape(-1, x.shape[-1])
     out = torch.mm(weight, flat.t()).t().contiguous()  # (W x^T)^T: MKL splits the vocabulary rows over threads
@@ -343,13 +305,11 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
 
     modes = [m.training for m in net.modules()]  # restored one by one: a submodule may be kept in eval on purpose
     net.eval()
-    packing, head = contextlib.nullcontext(False), contextlib.nullcontext(False)
+    linears = contextlib.nullcontext(False)
     if device.type == "cpu" and few_rows.available():
-        head = few_rows.few_rows_linears(net)  # every linear, the output layer included
-    elif device.type == "cpu" and N <= PACK_MAX_ROWS and max_new >= PACK_MIN_STEPS and _packing_pays():
-        packing = packed_linears(net, N)
+        linears = few_rows.few_rows_linears(net)  # every linear, the output layer included
     elif device.type == "cpu":
-        head = transposed_head(net)
+        linears = transposed_head(net)
     try:
         out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1)
@@ -367,7 +327,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         tokens, logps, masks = [], [], []
         history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings
         gen_device = generator.device if generator is not None else device
-        with packing as fixed_rows, head:  # packed weights want one batch shape: no row dropping
+        with linears:
             for t in range(max_new):
                 scaled = logits.float()
                 if sampling.temperature != 1.0:
@@ -400,7 +360,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
                 # Stop computing finished rows once they are a quarter of the batch (the copy of the
                 # cache this costs is then paid back within a few steps).
                 done_in_batch = num_finished - (N - len(rows))
-                if done_in_batch and 4 * done_in_batch >= len(rows) and not fixed_rows:
+                if done_in_batch and 4 * done_in_batch >= len(rows):
                     keep = (~finished[rows]).nonzero().flatten()
                     cache, rows = _select_cache(cache, keep), rows[keep]
                     attention, next_position = attention[keep], next_position[keep]

@@ -9,8 +9,7 @@ import torch
 from posttrain.core.logprobs import token_logprobs
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rollout import generate as generate_module
-from posttrain.rollout.generate import (Rollout, SamplingConfig, _sample, completion_logprobs, filter_logits, generate,
-                                        packed_linears)
+from posttrain.rollout.generate import Rollout, SamplingConfig, _sample, completion_logprobs, filter_logits, generate
 
 PROMPTS = ["reverse 1234 =", "Beautiful is better than ugly. Explicit is", "a", "add 12 7 ="]
 
@@ -315,20 +314,6 @@ def test_completion_logprobs_equal_the_plain_forward_with_gradients(tok, prompt_
         for name, grad in reference[2].items():
             # float32-level agreement: the tiny model's RMSNorm computes in float32 even for float64 weights
             torch.testing.assert_close(shared[2][name], grad, rtol=1e-6, atol=1e-6 * float(grad.abs().max()), msg=name)
-
-
-def test_packed_linears_match_the_plain_forward_and_are_removed(model):
-    """MKL-prepacked weights (the CPU decoding fast path) give the plain logits, for the packed row
-    count and any other, and the modules get their own forward back afterwards."""
-    ids = torch.randint(0, 1000, (4, 1))
-    with torch.no_grad():
-        plain = model(input_ids=ids).logits
-        with packed_linears(model, 4) as packed:
-            same_rows, other_rows = model(input_ids=ids).logits, model(input_ids=ids[:3]).logits
-    assert all("forward" not in m.__dict__ for m in model.modules())
-    if packed:  # MKL present (x86 builds of torch)
-        torch.testing.assert_close(same_rows, plain, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(other_rows, plain[:3], rtol=1e-5, atol=1e-5)
 
 
 def test_transposed_head_matches_the_plain_head_and_is_removed(model):
