@@ -140,7 +140,7 @@ class LeanDecoder:
         tensors = [self.embed, self.final_norm[0], *self.head] + [
             w for layer in self.layers for w in (layer["norm1"][0], layer["qkv"], layer["qkv_bias"], *layer["o"],
                                                  layer["norm2"][0], *layer["gate"], *layer["up"], *layer["down"])]
-        if not all(w is None or w.is_contiguous() for w in tensors):
+        if not all(w is None or (w.is_contiguous() and w.dtype == torch.float32) for w in tensors):
             return
         ptr = lambda w: None if w is None else w.data_ptr()  # noqa: E731
         layers = (_CLayer * len(self.layers))()
