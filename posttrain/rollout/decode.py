@@ -4,12 +4,16 @@ transformers' forward serves every use (training, masks of any shape, hooks, cac
 and for a one-token step of a few rows on CPU that generality costs more than the arithmetic:
 SmolLM2-135M spends about 35 ms per step (8 rows, 2 threads) outside its matrix products, in
 module calls, mask building, per-layer rotary tables and attention dispatch, against about 40 ms in
-the products themselves. `LeanDecoder.step` computes the same function in about 20 tensor ops per
-layer: q, k and v from one product with the three weights stacked (once per `generate` call),
-rotary tables for every step computed once, the keys and values written into the room-made cache
-(`generate._make_room`), attention as two small matmuls with an additive mask, and every product
-through `few_rows.few_rows_linear`. Same values as the model's own forward up to float rounding
-(tested token for token against it).
+the products themselves. `LeanDecoder.step` computes the same function as one call of the compiled
+`lean_decode_step` (`decode_kernels.c`, one OpenMP team for the whole step): RMSNorm, q, k and v
+from one product with the three weights stacked (once per `generate` call), rotary from tables
+computed once per `generate`, keys and values written into the room-made cache
+(`generate._make_room`), grouped-query attention, the SiLU MLP and the output layer, every product
+streaming its weight once (as `few_rows.few_rows_linear`). Measured on SmolLM2, 2 prompts x 4
+samples x 32 tokens, 2 threads: 1.63 s per `generate` against 2.59 s through the model's forward.
+Where the C step cannot run (more than `few_rows.MAX_ROWS` rows, no compiler) the same step runs
+as about 20 PyTorch ops per layer, still faster than the model's forward. Same values as the
+model's own forward up to float rounding (tested token for token against it).
 
 `lean_decoder(model)` returns None (and `generate` uses the model's forward) for any other
 architecture or configuration: another activation, sliding-window layers, modules with hooks or

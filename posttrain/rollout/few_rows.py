@@ -1,4 +1,4 @@
-"""A CPU kernel for the sampler's decoding step: y = x W^T + b when x has only a few rows.
+"""CPU kernels for the sampler's decoding step, and y = x W^T + b when x has only a few rows.
 
 A one-token decoding step multiplies every weight matrix by a handful of rows (2 prompts x 4
 samples: 8). PyTorch's float32 GEMM packs the weight into panels on each call and is tuned for
@@ -10,7 +10,8 @@ held in L1 (measured at 8 rows, 2 threads: 1536 x 576 in 0.27-0.30 ms instead of
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into the
 posttrain cache folder, and loaded with ctypes; its OpenMP threads come from the runtime
 PyTorch already loaded. Without a compiler, on a CPU without AVX2 and FMA, or with
-POSTTRAIN_NO_KERNELS=1, `available()` is False and decoding uses `F.linear` as before.
+POSTTRAIN_NO_KERNELS=1, `available()` is False and decoding uses `F.linear` as before. The same
+library holds the whole lean decoding step of `decode.py`.
 """
 
 from __future__ import annotations
