@@ -23,6 +23,7 @@ adapters (PEFT), non-float32 or non-CPU weights.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 from torch import Tensor
@@ -45,6 +46,7 @@ class _CModel(ctypes.Structure):  # LeanModel in decode_kernels.c
                 + [(name, ctypes.c_void_p) for name in ("embed", "final_norm", "head", "head_bias")])
 
 
+@functools.cache
 def _c_step_function():
     lib = few_rows._cdll()
     if lib is None:
@@ -63,12 +65,8 @@ def _hooked(m) -> bool:
     return any("output_captur" not in getattr(h, "__qualname__", "") for h in hooks)
 
 
-def _plain_linear(m) -> bool:
-    return type(m) is torch.nn.Linear and not _hooked(m)
-
-
-def lean_decoder(model, rows: int) -> LeanDecoder | None:
-    """A LeanDecoder for `model` (rows: the decoding batch) when its architecture is supported, else None."""
+def lean_decoder(model) -> LeanDecoder | None:
+    """A LeanDecoder for `model` when its architecture is supported, else None."""
     inner = getattr(model, "model", None)
     if SUPPORTED.get(type(model).__name__) != type(inner).__name__:
         return None
@@ -80,18 +78,18 @@ def lean_decoder(model, rows: int) -> LeanDecoder | None:
     linears = [model.lm_head] + [m for layer in inner.layers for m in
                                  (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                   layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    if not all(_plain_linear(m) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    if not all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
                for m in linears):
         return None
     if any(_hooked(m) for m in model.modules()):
         return None
     if type(inner.embed_tokens) is not torch.nn.Embedding:
         return None
-    return LeanDecoder(model, rows)
+    return LeanDecoder(model)
 
 
 class LeanDecoder:
-    def __init__(self, model, rows: int):
+    def __init__(self, model):
         inner, config = model.model, model.config
         self.rotary = inner.rotary_emb
         self.embed = inner.embed_tokens.weight.detach()

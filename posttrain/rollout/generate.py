@@ -317,7 +317,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         lean = None  # the lean decoding step, where the architecture and the cache allow it
         if device.type == "cpu" and isinstance(getattr(cache, "layers", None), list) and all(
                 type(layer) is _roomy_layer_class() for layer in cache.layers):
-            lean = lean_decoder(net, N)
+            lean = lean_decoder(net)
             if lean is not None:
                 lean.set_positions(next_position + torch.arange(max_new, device=device))
                 lean.bind(cache)

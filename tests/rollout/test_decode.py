@@ -33,8 +33,8 @@ def both_ways(model, tok, monkeypatch, sampling):
     for lean in (True, False):
         seen = []
 
-        def probe(net, rows, real=lean_decoder):
-            found = real(net, rows) if lean else None
+        def probe(net, real=lean_decoder):
+            found = real(net) if lean else None
             seen.append(found is not None)
             return found
 
@@ -49,7 +49,7 @@ def both_ways(model, tok, monkeypatch, sampling):
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_same_tokens_and_logprobs_as_the_model_forward(name, do_sample, tok, monkeypatch):
     model = varied(name)
-    assert lean_decoder(model, 6) is not None
+    assert lean_decoder(model) is not None
     lean, plain = both_ways(model, tok, monkeypatch, SamplingConfig(max_new_tokens=12, num_generations=2,
                                                                   do_sample=do_sample, temperature=0.9))
     assert torch.equal(lean.completion_ids, plain.completion_ids)
@@ -73,22 +73,22 @@ def test_rows_that_stop_early_are_dropped_alike(tok, monkeypatch):
 
 def test_steps_aside_for_what_it_does_not_cover():
     model = load_causal_lm("posttrain/tiny-llama")
-    assert lean_decoder(model, 4) is not None
+    assert lean_decoder(model) is not None
     model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)  # transformers installs its capture hooks
     assert any(m._forward_hooks for m in model.modules())
-    assert lean_decoder(model, 4) is not None  # ... which do nothing during decoding
+    assert lean_decoder(model) is not None  # ... which do nothing during decoding
     handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
-    assert lean_decoder(model, 4) is None  # a user's hook must run
+    assert lean_decoder(model) is None  # a user's hook must run
     handle.remove()
     model.config.hidden_act = "gelu"
-    assert lean_decoder(model, 4) is None
+    assert lean_decoder(model) is None
     model.config.hidden_act = "silu"
     model.config.layer_types = ["sliding_attention"] + ["full_attention"] * (model.config.num_hidden_layers - 1)
-    assert lean_decoder(model, 4) is None
+    assert lean_decoder(model) is None
     model.config.layer_types = None
 
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(load_causal_lm("posttrain/tiny-llama"), LoraConfig(r=2, target_modules=["q_proj"]))
-    assert lean_decoder(peft_model, 4) is None
-    assert lean_decoder(load_causal_lm("posttrain/tiny-llama").double(), 4) is None
+    assert lean_decoder(peft_model) is None
+    assert lean_decoder(load_causal_lm("posttrain/tiny-llama").double()) is None
