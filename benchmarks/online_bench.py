@@ -28,7 +28,6 @@ resident memory.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import time
 

@@ -128,8 +128,8 @@ def _forward(weight: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:
 def few_rows_linears(model):
     """Within the block, every CPU float32 `nn.Linear` of `model` (the output layer included) computes
     through `few_rows_linear`: the kernel for inputs of at most MAX_ROWS rows, `F.linear` otherwise.
-    Yields whether the kernel is in use. For no-grad decoding; modules with their own forward
-    (hooked, or already patched) are left alone."""
+    Yields whether the kernel is in use. For no-grad decoding (the products keep no autograd graph);
+    a module whose forward is already replaced is left alone, and forward hooks still run."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
     if not linears or not available() or torch.is_autocast_enabled("cpu"):
