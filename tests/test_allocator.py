@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 SCRIPT = """
 import resource, sys, torch
@@ -37,3 +38,75 @@ def test_freed_blocks_are_reused_without_page_faults():
     # the freed heap memory was reused (most steps fault nothing; now and then a block that a small
     # allocation split has to be extended)
     assert faults["keep"] < faults["default"] // 3, faults
+
+
+# ------------------------------------------------------------------ Adam state made before the first step
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _step(model, optimizer, seed):
+    torch.manual_seed(seed)
+    model(torch.randn(4, 6)).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("kind", [
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1),  # L2 decay: the priming step fills the moments
+    lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+])
+def test_adam_state_made_up_front_changes_nothing(kind):
+    from posttrain.trainers.base import make_adam_state
+
+    lazy_model, eager_model = _model(), _model()
+    lazy, eager = kind(lazy_model.parameters()), kind(eager_model.parameters())
+    before = [p.detach().clone() for p in eager_model.parameters()]
+    assert make_adam_state(eager)
+    assert all(torch.equal(a, b) for a, b in zip(before, eager_model.parameters()))  # no parameter moved
+    assert all(p.grad is None for p in eager_model.parameters())
+    assert [g["lr"] for g in eager.param_groups] == [1e-2]
+    for state in eager.state.values():
+        assert float(state["step"]) == 0
+        assert all(not v.any() for k, v in state.items() if k != "step")
+        assert state["exp_avg"].data_ptr() != 0
+    assert len(eager.state) == len(list(eager_model.parameters()))
+    for seed in range(3):  # then training is exactly what lazy initialisation gives
+        _step(lazy_model, lazy, seed)
+        _step(eager_model, eager, seed)
+    assert all(torch.equal(a, b) for a, b in zip(lazy_model.parameters(), eager_model.parameters()))
+    assert all(torch.equal(lazy.state[a]["exp_avg_sq"], eager.state[b]["exp_avg_sq"])
+               for a, b in zip(lazy_model.parameters(), eager_model.parameters()))
+
+
+def test_adam_state_is_left_alone_elsewhere():
+    from posttrain.trainers.base import make_adam_state
+
+    model = _model()
+    assert not make_adam_state(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, adam, 0)
+    steps = [float(s["step"]) for s in adam.state.values()]
+    assert not make_adam_state(adam)  # already has state: untouched
+    assert [float(s["step"]) for s in adam.state.values()] == steps
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_trainer_makes_the_adam_state_when_it_keeps_freed_memory(tmp_path, keep):
+    from datasets import Dataset
+
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, disable_tqdm=True, keep_freed_memory=keep,
+                     use_cpu=True, report_to="none")
+    trainer = SFTTrainer("posttrain/tiny-qwen2", args=args, train_dataset=Dataset.from_list([{"text": "a b c"}] * 4))
+    optimizer = trainer.create_optimizer()
+    if sys.platform.startswith("linux"):
+        assert bool(optimizer.state) == keep
+        if keep:
+            assert all(float(s["step"]) == 0 for s in optimizer.state.values())

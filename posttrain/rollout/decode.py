@@ -136,7 +136,7 @@ class LeanDecoder:
         eps = {self.final_norm[1]} | {layer[k][1] for layer in self.layers for k in ("norm1", "norm2")}
         buffers = [(layer._keys, layer._values) for layer in cache.layers]
         A, cap = buffers[0][0].shape[0], buffers[0][0].shape[-2]
-        if fn is None or len(eps) != 1 or self.head_dim > 256 or A > few_rows.MAX_ROWS or not all(
+        if fn is None or len(eps) != 1 or self.head_dim > 256 or self.head_dim % 8 or A > few_rows.MAX_ROWS or not all(
                 k.is_contiguous() and v.is_contiguous() and k.shape[-2] == cap for k, v in buffers):
             return
         tensors = [self.embed, self.final_norm[0], *self.head] + [

@@ -19,16 +19,25 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
     return _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
 }
 
-/* rows m < R of y[:, n0:n1]; R is a compile-time constant at each call site, so acc[] lives in registers */
+#ifndef PF_ROWS
+#define PF_ROWS 2
+#endif
+
+/* rows m < R of y[:, n0:n1], over the columns [k0, k1) of x and W (k1 - k0 a multiple of 8 unless k1 = K);
+ * `add`: add to y instead of writing it (later column blocks; the bias goes with the first block).
+ * R is a compile-time constant at each call site, so acc[] lives in registers. */
 static inline __attribute__((always_inline)) void block(const int R, const float *x, ptrdiff_t ldx,
                                                          const float *w, const float *b, float *y, ptrdiff_t ldy,
-                                                         ptrdiff_t n0, ptrdiff_t n1, ptrdiff_t K) {
-    const ptrdiff_t K8 = K & ~(ptrdiff_t)7;
+                                                         ptrdiff_t n0, ptrdiff_t n1, ptrdiff_t K, ptrdiff_t k0,
+                                                         ptrdiff_t k1, int add) {
+    const ptrdiff_t k8 = k0 + ((k1 - k0) & ~(ptrdiff_t)7);
     for (ptrdiff_t n = n0; n < n1; n++) {
         const float *wn = w + n * K;
         __m256 acc[8];
         for (int m = 0; m < 8; m++) acc[m] = _mm256_setzero_ps();
-        for (ptrdiff_t k = 0; k < K8; k += 8) {
+        for (ptrdiff_t k = k0; k < k8; k += 8) {
+            /* one cache line of the row two ahead per 16 floats: keeps the memory busy while the FMAs run */
+            if (!(k & 15)) _mm_prefetch((const char *)(wn + PF_ROWS * K + k), _MM_HINT_T0);
             __m256 wv = _mm256_loadu_ps(wn + k);
             for (int m = 0; m < R; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m]);
         }
@@ -36,23 +45,44 @@ static inline __attribute__((always_inline)) void block(const int R, const float
         _mm256_storeu_ps(out, sum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
         for (int m = 0; m < R; m++) {
             float s = out[m];
-            for (ptrdiff_t k = K8; k < K; k++) s += x[m * ldx + k] * wn[k];
-            y[m * ldy + n] = b ? s + b[n] : s;
+            for (ptrdiff_t k = k8; k < k1; k++) s += x[m * ldx + k] * wn[k];
+            if (add)
+                y[m * ldy + n] += s;
+            else
+                y[m * ldy + n] = b ? s + b[n] : s;
         }
     }
 }
 
+/* Columns per block: x's rows over a block of at most KBLOCK columns (8 x 640 floats, 20 KB) stay in L1
+ * while the weight streams past; K is cut into equal blocks, a multiple of 8 each (a down projection's
+ * 8 x 1536 floats would not fit, and its products would wait on L2; K = 576 stays one block). */
+#ifndef KBLOCK
+#define KBLOCK 640
+#endif
+
+#define BLOCK_CASES(k0, k1, add)                                                    \
+    switch (M) { /* one specialised loop per row count */                           \
+        case 1: block(1, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
+        case 2: block(2, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
+        case 3: block(3, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
+        case 4: block(4, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
+        case 5: block(5, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
+        case 6: block(6, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
+        case 7: block(7, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
+        default: block(8, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;     \
+    }
+
 static void rows_upto8(int M, const float *x, ptrdiff_t ldx, const float *w, const float *b, float *y,
                        ptrdiff_t ldy, ptrdiff_t n0, ptrdiff_t n1, ptrdiff_t K) {
-    switch (M) {  /* one specialised loop per row count */
-        case 1: block(1, x, ldx, w, b, y, ldy, n0, n1, K); break;
-        case 2: block(2, x, ldx, w, b, y, ldy, n0, n1, K); break;
-        case 3: block(3, x, ldx, w, b, y, ldy, n0, n1, K); break;
-        case 4: block(4, x, ldx, w, b, y, ldy, n0, n1, K); break;
-        case 5: block(5, x, ldx, w, b, y, ldy, n0, n1, K); break;
-        case 6: block(6, x, ldx, w, b, y, ldy, n0, n1, K); break;
-        case 7: block(7, x, ldx, w, b, y, ldy, n0, n1, K); break;
-        default: block(8, x, ldx, w, b, y, ldy, n0, n1, K); break;
+    if (K <= KBLOCK) {  /* one block: compiled with constant bounds */
+        BLOCK_CASES(0, K, 0)
+        return;
+    }
+    const ptrdiff_t blocks = (K + KBLOCK - 1) / KBLOCK, size = ((K + blocks - 1) / blocks + 7) & ~(ptrdiff_t)7;
+    for (ptrdiff_t k0 = 0; k0 < K; k0 += size) {
+        const ptrdiff_t k1 = K - k0 > size ? k0 + size : K;
+        BLOCK_CASES(k0, k1, k0 > 0)
     }
 }
 
@@ -77,6 +107,101 @@ void few_rows_linear(const float *x, ptrdiff_t ldx, const float *w, const float 
  * which checks the architecture and prepares the pointers.
  */
 #include <math.h>
+
+/* e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r from its Taylor series to r^7 (relative
+ * error < 1e-8, below float rounding), times 2^n built in the exponent bits. Below -87.3 (e^x under
+ * the smallest normal float) the result is 0, so masked scores (-inf or the dtype minimum) give 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.7f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* ln 2 in two parts, so n * ln2_hi is exact and r keeps its low bits */
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline float hsum8(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* out[hd] = softmax(q K^T * scaling + mask) V over T cached positions (K, V: T x hd, hd a multiple of 8) */
+static void attend(const float *q, const float *K, const float *V, const float *mask, float scaling, int T, int hd,
+                   float *sc, float *out) {
+    float top = -INFINITY;
+    int t = 0;
+    for (; t + 8 <= T; t += 8) {  /* 8 positions at a time: 8 dot products reduced into one vector */
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int i = 0; i < hd; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            for (int j = 0; j < 8; j++)
+                acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + (ptrdiff_t)(t + j) * hd + i), acc[j]);
+        }
+        __m256 s = _mm256_fmadd_ps(sum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]),
+                                   _mm256_set1_ps(scaling), _mm256_loadu_ps(mask + t));
+        _mm256_storeu_ps(sc + t, s);
+    }
+    for (; t < T; t++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < hd; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(K + (ptrdiff_t)t * hd + i), acc);
+        sc[t] = hsum8(acc) * scaling + mask[t];
+    }
+    for (t = 0; t < T; t++) top = sc[t] > top ? sc[t] : top;
+    if (top == -INFINITY) top = 0.f;  /* every position masked: softmax of -inf, as torch, gives NaN below */
+    __m256 total = _mm256_setzero_ps(), topv = _mm256_set1_ps(top);
+    for (t = 0; t + 8 <= T; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), topv));
+        _mm256_storeu_ps(sc + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum8(total);
+    for (; t < T; t++) sum += (sc[t] = expf(sc[t] - top));
+    const float inv = 1.f / sum;
+    for (int i = 0; i < hd; i += 32) {  /* 4 output vectors at a time, over all positions */
+        const int nv = hd - i >= 32 ? 4 : (hd - i) / 8;
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        for (t = 0; t < T; t++) {
+            const float *v = V + (ptrdiff_t)t * hd + i;
+            __m256 p = _mm256_set1_ps(sc[t]);
+            o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), o0);
+            if (nv > 1) o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), o1);
+            if (nv > 2) o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), o2);
+            if (nv > 3) o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), o3);
+        }
+        __m256 s = _mm256_set1_ps(inv);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(o0, s));
+        if (nv > 1) _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(o1, s));
+        if (nv > 2) _mm256_storeu_ps(out + i + 16, _mm256_mul_ps(o2, s));
+        if (nv > 3) _mm256_storeu_ps(out + i + 24, _mm256_mul_ps(o3, s));
+    }
+}
+
+/* g = silu(g) * u over n floats */
+static void silu_mul(float *g, const float *u, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
 
 typedef struct {
     const float *norm1, *qkv, *qkv_b, *o, *o_b, *norm2, *gate, *gate_b, *up, *up_b, *down, *down_b;
@@ -153,23 +278,9 @@ void lean_decode_step(const LeanModel *m, const LeanLayer *layers, const long *t
                     const float *q = qkv + (ptrdiff_t)a * QKV + (ptrdiff_t)hq * hd;
                     const float *K = ly->keys + a * row_stride + (hq / group) * head_stride;
                     const float *Vv = ly->values + a * row_stride + (hq / group) * head_stride;
-                    const float *mk = mask + (ptrdiff_t)a * T;
-                    float *sc = scores + ((ptrdiff_t)a * Hq + hq) * m->cap, top = -INFINITY;
-                    double total = 0.;
-                    for (int t = 0; t < T; t++) {
-                        double d = 0.;
-                        for (int i = 0; i < hd; i++) d += (double)q[i] * K[(ptrdiff_t)t * hd + i];
-                        sc[t] = (float)d * m->scaling + mk[t];
-                        if (sc[t] > top) top = sc[t];
-                    }
-                    for (int t = 0; t < T; t++) total += (sc[t] = expf(sc[t] - top));
-                    float *out = attn + (ptrdiff_t)a * Hq * hd + (ptrdiff_t)hq * hd;
-                    double acc[256] = {0};
-                    for (int t = 0; t < T; t++) {
-                        double p = sc[t] / total;
-                        for (int i = 0; i < hd; i++) acc[i] += p * Vv[(ptrdiff_t)t * hd + i];
-                    }
-                    for (int i = 0; i < hd; i++) out[i] = (float)acc[i];
+                    float *sc = scores + ((ptrdiff_t)a * Hq + hq) * m->cap;
+                    attend(q, K, Vv, mask + (ptrdiff_t)a * T, m->scaling, T, hd, sc,
+                           attn + (ptrdiff_t)a * Hq * hd + (ptrdiff_t)hq * hd);
                 }
             team_linear(A, attn, (ptrdiff_t)Hq * hd, ly->o, ly->o_b, tmp, D, D, (ptrdiff_t)Hq * hd);
 #pragma omp for schedule(static)
@@ -180,7 +291,7 @@ void lean_decode_step(const LeanModel *m, const LeanLayer *layers, const long *t
             team_linear(A, x, D, ly->gate, ly->gate_b, g, I, I, D);
             team_linear(A, x, D, ly->up, ly->up_b, u, I, I, D);
 #pragma omp for schedule(static)
-            for (ptrdiff_t i = 0; i < (ptrdiff_t)A * I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            for (int a = 0; a < A; a++) silu_mul(g + (ptrdiff_t)a * I, u + (ptrdiff_t)a * I, I);
             team_linear(A, g, I, ly->down, ly->down_b, tmp, D, D, I);
 #pragma omp for schedule(static)
             for (int a = 0; a < A; a++)

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 MAX_ROWS = 16  # beyond this PyTorch's GEMM is as fast (measured: about equal at 32 rows)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+LIBS = ["-lm"]  # expf: the library then loads outside Python too
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -49,7 +50,7 @@ def _compile(target: Path) -> None:
     os.close(fd)
     try:
         compiler = os.environ.get("CC") or "cc"
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent builder never loads half a file
     finally:
@@ -68,7 +69,7 @@ def _cdll():
     from posttrain.models.tiny import cache_dir
 
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"decode_kernels-{key}.so"
     try:
         if not target.exists():

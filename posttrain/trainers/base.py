@@ -68,6 +68,46 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def make_adam_state(optimizer) -> bool:
+    """Create an Adam / AdamW optimizer's state (step 0, zero moments) now instead of in its first step.
+
+    With `keep_freed_memory`, memory freed by a training step is reused by the next allocations.
+    Moments created lazily in the first `optimizer.step()` take the space the first step's
+    activations just left, so the second step's activations need new memory from the OS: on
+    SmolLM2-135M (RLOO, CPU) 121k page faults, about 2 s, and a larger heap for the rest of the run.
+    Created before any step, the moments sit below the steps' memory and every step reuses the first
+    one's. The state is what the first step would have made: torch's own initialisation runs in one
+    step with zero gradients and zero learning rates (the parameters do not change), after which
+    every state tensor, the step count included, is zeroed. Returns True when the state was made;
+    other optimizers, or one that already has state, are left alone.
+    """
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
+        return False
+    if any(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.grad is None]
+    if not params:
+        return False
+    rates = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, rates):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+    return True
+
+
 class SyncRefModelCallback(TrainerCallback):
     """Every `ref_model_sync_steps` steps: ref <- alpha * policy + (1 - alpha) * ref (TR-DPO style)."""
 
@@ -89,8 +129,8 @@ class BaseTrainer(Trainer):
     def __init__(self, model, args: BaseConfig, *, processing_class=None, train_dataset=None,
                  eval_dataset=None, data_collator=None, peft_config=None, callbacks=None,
                  optimizers=(None, None), model_kind: str = "causal-lm", **trainer_kwargs):
-        if args.keep_freed_memory and (args.use_cpu or not torch.cuda.is_available()):
-            keep_freed_memory()
+        self._heap_kept = bool(args.keep_freed_memory and (args.use_cpu or not torch.cuda.is_available())
+                               and keep_freed_memory())
         model_name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
         init_kwargs = dict(args.model_init_kwargs or {})
         if model_kind == "causal-lm":
@@ -108,6 +148,12 @@ class BaseTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._heap_kept:
+            make_adam_state(optimizer)
+        return optimizer
 
     # ------------------------------------------------------------------ reference policy
     def make_reference(self, ref_model, needed: bool = True):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from posttrain.models.loading import load_causal_lm, load_tokenizer
+from posttrain.rollout import few_rows
 from posttrain.rollout import generate as generate_module
 from posttrain.rollout.decode import lean_decoder
 from posttrain.rollout.generate import SamplingConfig, generate
@@ -27,7 +28,8 @@ def tok():
     return load_tokenizer("posttrain/tiny-qwen2")
 
 
-def both_ways(model, tok, monkeypatch, sampling):
+def both_ways(model, tok, monkeypatch, sampling, decoders=None):
+    decoders = [] if decoders is None else decoders
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     runs = []
     for lean in (True, False):
@@ -36,6 +38,7 @@ def both_ways(model, tok, monkeypatch, sampling):
         def probe(net, real=lean_decoder):
             found = real(net) if lean else None
             seen.append(found is not None)
+            decoders.append(found)
             return found
 
         monkeypatch.setattr(generate_module, "lean_decoder", probe)
@@ -50,10 +53,33 @@ def both_ways(model, tok, monkeypatch, sampling):
 def test_same_tokens_and_logprobs_as_the_model_forward(name, do_sample, tok, monkeypatch):
     model = varied(name)
     assert lean_decoder(model) is not None
+    decoders = []
     lean, plain = both_ways(model, tok, monkeypatch, SamplingConfig(max_new_tokens=12, num_generations=2,
-                                                                  do_sample=do_sample, temperature=0.9))
+                                                                  do_sample=do_sample, temperature=0.9), decoders)
+    assert (decoders[0]._c is not None) == few_rows.available()  # the compiled step ran where it can
     assert torch.equal(lean.completion_ids, plain.completion_ids)
     assert torch.equal(lean.completion_mask, plain.completion_mask)
+    torch.testing.assert_close(lean.logprobs, plain.logprobs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 20])  # 64: SmolLM2's; 20: not a multiple of 8, the torch-ops step
+def test_wider_heads_and_a_long_down_projection(head_dim, tok, monkeypatch):
+    """Head size 64 (the attention's widest vector path), an MLP of 700 (the down projection's 700
+    columns are cut into two blocks), grouped queries (4 query heads per key head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=700, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=head_dim, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)  # logits spread enough for varied samples
+    decoders = []
+    lean, plain = both_ways(model, tok, monkeypatch, SamplingConfig(max_new_tokens=10, num_generations=3),
+                            decoders)
+    assert (decoders[0]._c is not None) == (few_rows.available() and head_dim % 8 == 0)
+    assert torch.equal(lean.completion_ids, plain.completion_ids)
     torch.testing.assert_close(lean.logprobs, plain.logprobs, rtol=1e-4, atol=1e-5)
 
 

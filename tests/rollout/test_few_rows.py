@@ -21,7 +21,8 @@ def test_kernel_builds_where_it_can():
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 13, 16])
-@pytest.mark.parametrize("features", [(576, 96), (37, 45), (8, 1)])  # (in, out): K a multiple of 8 or not
+@pytest.mark.parametrize("features", [(576, 96), (37, 45), (8, 1), (1536, 70), (1300, 33), (641, 17)])
+# (in, out): K a multiple of 8 or not; K > 640 is cut into column blocks (of 512, 440 + 440 + 420, 328 + 313)
 def test_matches_a_float64_reference(rows, features):
     K, N = features
     g = torch.Generator().manual_seed(rows * 1000 + K)
