@@ -19,8 +19,13 @@ resident memory.
                model (beta = 0)
   ours-rloo    RLOOTrainer.training_step, the same with the KL penalty in the reward: one extra
                no-grad reference forward (beta = 0.05), also one sequence per prompt group
-  baseline     transformers `model.generate` per prompt with num_return_sequences, then a separate
-               no-grad forward for the old log-probs and full-vocabulary log_softmax in both passes
+  baseline-grpo  the straightforward loop: one transformers `model.generate` call for the left-padded
+               batch with num_return_sequences (every row prefills its own copy of the prompt), a
+               no-grad forward for the old-policy log-probs, then the forward and backward of the
+               update; full-sequence logits and a full-vocabulary log_softmax in every pass
+  baseline-rloo  the same plus a no-grad forward of a reference copy for the KL penalty in the
+               reward (kl_coef 0.05) and the leave-one-out baseline: what RLOO has to compute
+Each ours-X is compared with baseline-X.
 
     python benchmarks/online_bench.py [--model posttrain/smollm2-135m-instruct] [--steps 3]
 """
@@ -72,55 +77,56 @@ def ours(model_name: str, algo: str):
     return step
 
 
-def straightforward(model_name: str):
+def straightforward(model_name: str, algo: str):
     """A function doing one step of the straightforward loop; returns the mean completion length."""
     import torch
 
     from posttrain.models.loading import load_causal_lm, load_tokenizer
 
     model = load_causal_lm(model_name)
+    ref = load_causal_lm(model_name).eval().requires_grad_(False) if algo == "rloo" else None
     tok = load_tokenizer(None, model=model_name)
+    tok.padding_side = "left"
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
+    prompts = tok.apply_chat_template([[{"role": "user", "content": p}] for p in PROMPTS], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True, padding=True)
+    P = prompts["input_ids"].shape[1]
+
+    def token_logprobs(net, ids, attention):  # full-vocabulary log_softmax, then the taken tokens
+        logps = torch.log_softmax(net(input_ids=ids, attention_mask=attention).logits[:, :-1], -1)
+        return logps.gather(-1, ids[:, 1:, None]).squeeze(-1)
 
     def step() -> float:
         model.eval()
-        sequences, masks, starts = [], [], []
-        with torch.no_grad():
-            for ids in prompt_ids:  # one generate call per prompt, the group via num_return_sequences
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                                     top_k=0, max_new_tokens=NEW_TOKENS, num_return_sequences=NUM_GENERATIONS,
-                                     pad_token_id=tok.pad_token_id)
-                completion = out[:, ids.shape[1]:]
-                done = (completion == tok.eos_token_id).int().cumsum(1)
-                mask = ((done == 0) | ((done == 1) & (completion == tok.eos_token_id))).long()
-                sequences += list(out)
-                masks += list(mask)
-                starts += [ids.shape[1]] * NUM_GENERATIONS
-        texts = [tok.decode(s[p:][m.bool()], skip_special_tokens=True) for s, p, m in zip(sequences, starts, masks)]
-        rewards = torch.tensor(length_reward(texts)).view(len(PROMPTS), NUM_GENERATIONS)
-        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
+        with torch.no_grad():  # one generate call for the batch; the group via num_return_sequences
+            ids = model.generate(**prompts, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=NEW_TOKENS,
+                                 num_return_sequences=NUM_GENERATIONS, pad_token_id=tok.pad_token_id)
+        completion = ids[:, P:]
+        done = (completion == tok.eos_token_id).int().cumsum(1)
+        comp_mask = ((done == 0) | ((done == 1) & (completion == tok.eos_token_id))).long()
+        texts = tok.batch_decode([c[m.bool()] for c, m in zip(completion, comp_mask)], skip_special_tokens=True)
+        scores = torch.tensor(length_reward(texts))
+        attention = torch.cat([prompts["attention_mask"].repeat_interleave(NUM_GENERATIONS, 0), comp_mask], 1)
+        mask = torch.cat([torch.zeros(len(ids), P - 1), comp_mask.float()], 1)  # scores the completion tokens
         model.train()
-        ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=tok.pad_token_id)
-        comp_mask = torch.zeros_like(ids, dtype=torch.float)
-        for i, (p, m) in enumerate(zip(starts, masks)):
-            comp_mask[i, p:p + len(m)] = m.float()
-        attention = torch.ones_like(ids)
-        targets = ids[:, 1:]
-        with torch.no_grad():  # old-policy log-probs: a separate pass, full log_softmax
-            old = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1], -1)
-            old = old.gather(-1, targets[..., None]).squeeze(-1)
-        new = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1], -1)
-        new = new.gather(-1, targets[..., None]).squeeze(-1)
-        ratio = torch.exp(new - old)
-        loss_tok = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
-        mask = comp_mask[:, 1:]
+        with torch.no_grad():  # old-policy log-probs: a separate pass
+            old = token_logprobs(model, ids, attention)
+            if ref is not None:  # RLOO: -kl_coef * sum KL(pi || ref) joins the score
+                kl = ((old - token_logprobs(ref, ids, attention)) * mask).sum(1)
+                scores = scores - 0.05 * kl
+        rewards = scores.view(len(PROMPTS), NUM_GENERATIONS)
+        if ref is None:  # GRPO: group-normalised advantages
+            adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+        else:  # RLOO: leave-one-out baseline
+            adv = rewards - (rewards.sum(1, keepdim=True) - rewards) / (NUM_GENERATIONS - 1)
+        adv = adv.flatten()[:, None]
+        ratio = torch.exp(token_logprobs(model, ids, attention) - old)
+        loss_tok = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
         loss = (loss_tok * mask).sum() / mask.sum()
         loss.backward()
         optim.step()
         optim.zero_grad()
-        return float(torch.stack([m.sum() for m in masks]).float().mean())
+        return float(comp_mask.sum(1).float().mean())
 
     return step
 
@@ -129,7 +135,8 @@ def worker(method: str, model_name: str, conn):
     import torch
 
     torch.manual_seed(0)
-    step = straightforward(model_name) if method == "baseline" else ours(model_name, method.removeprefix("ours-"))
+    kind, algo = method.split("-")
+    step = straightforward(model_name, algo) if kind == "baseline" else ours(model_name, algo)
     conn.send("ready")
     while conn.recv():
         start = time.perf_counter()
@@ -145,7 +152,7 @@ def main():
     args = parser.parse_args()
     import multiprocessing as mp
 
-    methods = ("baseline", "ours-grpo", "ours-rloo")
+    methods = ("baseline-grpo", "baseline-rloo", "ours-grpo", "ours-rloo")
     context = mp.get_context("spawn")
     conns, procs = {}, []
     for method in methods:  # loaded one after another, so that loading does not overlap the steps
@@ -176,12 +183,11 @@ def main():
                         f"<= {NEW_TOKENS} new tokens, fp32, {args.steps} timed steps each, interleaved")
     for col in ("method", "samples/s", "s/step", "mean completion tokens", "peak RSS (MiB)", "vs baseline"):
         table.add_column(col, justify="right" if col != "method" else "left")
-    base = samples / (sum(rows["baseline"]["seconds"]) / args.steps)
+    rate = {m: samples * args.steps / sum(r["seconds"]) for m, r in rows.items()}
     for method, r in rows.items():
-        per_step = sum(r["seconds"]) / args.steps
-        rate = samples / per_step
-        table.add_row(method, f"{rate:.2f}", f"{per_step:.2f}", f"{sum(r['lengths']) / args.steps:.1f}",
-                      f"{r['peak_rss_mib']:.0f}", f"{rate / base:.2f}x")
+        table.add_row(method, f"{rate[method]:.2f}", f"{samples / rate[method]:.2f}",
+                      f"{sum(r['lengths']) / args.steps:.1f}", f"{r['peak_rss_mib']:.0f}",
+                      f"{rate[method] / rate['baseline-' + method.split('-')[1]]:.2f}x")
     Console().print(table)
     print("seconds per step:", {m: [round(x, 2) for x in r["seconds"]] for m, r in rows.items()})
 
