@@ -182,7 +182,7 @@ def main():
     table = Table(title=f"online RL step on {args.model}: {len(PROMPTS)} prompts x {NUM_GENERATIONS} generations x "
                         f"<= {NEW_TOKENS} new tokens, fp32, {args.steps} timed steps each, interleaved")
     for col in ("method", "samples/s", "s/step", "mean completion tokens", "peak RSS (MiB)", "vs baseline"):
-        table.add_column(col, justify="right" if col != "method" else "left")
+        table.add_column(col, justify="right" if col != "method" else "left", no_wrap=col == "method")
     rate = {m: samples * args.steps / sum(r["seconds"]) for m, r in rows.items()}
     for method, r in rows.items():
         table.add_row(method, f"{rate[method]:.2f}", f"{samples / rate[method]:.2f}",

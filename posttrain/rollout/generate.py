@@ -13,8 +13,8 @@ On CPU in float32, a one-token step of a few rows is bound by streaming the weig
 and PyTorch's GEMM does that poorly for a few rows (it repacks each weight on every call). During
 decoding every `nn.Linear`, the output layer included, therefore runs through `few_rows.py`, a small
 C kernel that streams each weight once (SmolLM2-135M, 2 prompts x 4 samples x 32 tokens, 2 threads on
-an AVX2 EPYC: 4.4 s -> 2.6 s per generate), and for Llama- and Qwen2-style models the whole step is
-one call of a compiled lean step (`decode.py`: 2.6 s -> 1.7 s). Where the kernels cannot be built,
+an AVX2 EPYC: 4.3 s -> 2.7 s per generate), and for Llama- and Qwen2-style models the whole step is
+one call of a compiled lean step (`decode.py`: 2.7 s -> 1.45 s). Where the kernels cannot be built,
 the output layer is computed as (W x^T)^T (`transposed_head`), the faster order for few rows. The
 KV cache gets room for the whole completion up front (`_make_room`), so a step writes its keys and
 values in place instead of copying the cache.

@@ -34,8 +34,9 @@ class BaseConfig(TrainingArguments):
         metadata={"help": "Training on CPU under glibc (Linux): keep freed memory in the process heap (mallopt: "
                           "no mmap for large blocks, no trimming), so each step's large tensors reuse memory "
                           "instead of faulting in fresh pages from the OS; the backward pass runs ~9% faster. "
-                          "The process keeps its peak memory reserved, as a GPU caching allocator does. False "
-                          "leaves the C allocator untouched."})
+                          "An Adam/AdamW optimizer's state is then made before the first step, below the steps' "
+                          "memory (same values as made lazily). The process keeps its peak memory reserved, as a "
+                          "GPU caching allocator does. False leaves the C allocator untouched."})
 
     def __post_init__(self):
         super().__post_init__()
