@@ -4,8 +4,11 @@ Each step: 2 prompts x 4 generations x up to 32 new tokens, reward, advantages, 
 update (fp32, AdamW). Each method runs in its own process (so peak memory is its own, and the
 allocator setting of posttrain's trainers applies only to them), and the steps are interleaved:
 one step of each process in turn, round after round, so that a change in machine speed hits all
-methods alike. Reported: samples/s over the timed rounds (after one warm-up round) and the peak
-resident memory.
+methods alike. Reported: samples/s over the timed rounds and the peak
+resident memory. The first rounds are warm-up (`--warmup`, default 2): every method's first steps
+pay one-time costs (the optimizer's state, the heap growing to its working size; the straightforward
+loop's first timed step was 2-3 s slower than its later ones with one warm-up round), and a training
+run of many steps is dominated by the steady state.
 
   ours-grpo    GRPOTrainer.training_step. Sampling (`rollout.generate`): one prefill per prompt, the KV
                cache expanded to the group (with room for every new token), all 8 rows decoded
@@ -27,7 +30,7 @@ resident memory.
                reward (kl_coef 0.05) and the leave-one-out baseline: what RLOO has to compute
 Each ours-X is compared with baseline-X.
 
-    python benchmarks/online_bench.py [--model posttrain/smollm2-135m-instruct] [--steps 3]
+    python benchmarks/online_bench.py [--model posttrain/smollm2-135m-instruct] [--steps 3] [--warmup 2]
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def length_reward(completions, **kwargs):
 def _dataset():
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 8)
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 32)  # 32 steps
 
 
 def ours(model_name: str, algo: str):
@@ -148,7 +151,8 @@ def worker(method: str, model_name: str, conn):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="posttrain/smollm2-135m-instruct")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per method, after one warm-up step")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per method, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     args = parser.parse_args()
     import multiprocessing as mp
 
@@ -164,11 +168,11 @@ def main():
             raise SystemExit(f"{method} failed to start")
         conns[method] = parent
     rows = {m: {"seconds": [], "lengths": [], "peak_rss_mib": 0.0} for m in methods}
-    for round_ in range(args.steps + 1):  # round 0 is the warm-up (AdamW creates its state)
+    for round_ in range(args.warmup + args.steps):
         for method in methods:  # one step of each in turn: a change in machine speed hits all alike
             conns[method].send(True)
             r = conns[method].recv()
-            if round_:
+            if round_ >= args.warmup:
                 rows[method]["seconds"].append(r["seconds"])
                 rows[method]["lengths"].append(r["length"])
             rows[method]["peak_rss_mib"] = r["peak_rss_mib"]
