@@ -19,9 +19,7 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
     return _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
 }
 
-#ifndef PF_ROWS
-#define PF_ROWS 2
-#endif
+#define PF_ROWS 2  /* the weight row prefetched ahead (1-3 measured alike) */
 
 /* rows m < R of y[:, n0:n1], over the columns [k0, k1) of x and W (k1 - k0 a multiple of 8 unless k1 = K);
  * `add`: add to y instead of writing it (later column blocks; the bias goes with the first block).
@@ -57,9 +55,7 @@ static inline __attribute__((always_inline)) void block(const int R, const float
 /* Columns per block: x's rows over a block of at most KBLOCK columns (8 x 640 floats, 20 KB) stay in L1
  * while the weight streams past; K is cut into equal blocks, a multiple of 8 each (a down projection's
  * 8 x 1536 floats would not fit, and its products would wait on L2; K = 576 stays one block). */
-#ifndef KBLOCK
 #define KBLOCK 640
-#endif
 
 #define BLOCK_CASES(k0, k1, add)                                                    \
     switch (M) { /* one specialised loop per row count */                           \
@@ -86,17 +82,26 @@ static void rows_upto8(int M, const float *x, ptrdiff_t ldx, const float *w, con
     }
 }
 
-/* y[M, N] = x[M, K] W[N, K]^T (+ b[N]); rows of x in groups of 8, weight rows split over threads */
-void few_rows_linear(const float *x, ptrdiff_t ldx, const float *w, const float *b, float *y, ptrdiff_t ldy,
-                     int M, ptrdiff_t N, ptrdiff_t K, int threads) {
-    const ptrdiff_t chunk = 16;  /* weight rows per scheduling unit: 16 x K floats */
-    const ptrdiff_t units = (N + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#define CHUNK 16  /* weight rows per scheduling unit: 16 x K floats */
+
+/* y[:, n] for all weight rows n, rows of x in groups of 8, the weight rows split over the team (call
+ * inside a parallel region) */
+static void team_linear(int M, const float *x, ptrdiff_t ldx, const float *w, const float *b, float *y,
+                        ptrdiff_t ldy, ptrdiff_t N, ptrdiff_t K) {
+    const ptrdiff_t units = (N + CHUNK - 1) / CHUNK;
+#pragma omp for schedule(static)
     for (ptrdiff_t u = 0; u < units; u++) {
-        ptrdiff_t n0 = u * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        ptrdiff_t n0 = u * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
         for (int m0 = 0; m0 < M; m0 += 8)
             rows_upto8(M - m0 < 8 ? M - m0 : 8, x + m0 * ldx, ldx, w, b, y + m0 * ldy, ldy, n0, n1, K);
     }
+}
+
+/* y[M, N] = x[M, K] W[N, K]^T (+ b[N]) */
+void few_rows_linear(const float *x, ptrdiff_t ldx, const float *w, const float *b, float *y, ptrdiff_t ldy,
+                     int M, ptrdiff_t N, ptrdiff_t K, int threads) {
+#pragma omp parallel num_threads(threads)
+    team_linear(M, x, ldx, w, b, y, ldy, N, K);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -109,10 +114,9 @@ void few_rows_linear(const float *x, ptrdiff_t ldx, const float *w, const float 
 #include <math.h>
 
 /* e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r from its Taylor series to r^7 (truncation
- * error < 1e-8 relative; measured within 8e-8, about one float ulp, of exp over [-87, 88.72]), times 2^n built in the
- * exponent bits. Below -87.3 (e^x under
- * the smallest normal float) the result is 0, so masked scores (-inf or the dtype minimum) give 0;
- * NaN gives NaN. */
+ * error < 1e-8 relative; measured within 8e-8, about one float ulp, of exp over [-87, 88.72]), times
+ * 2^n built in the exponent bits. Below -87.3 (e^x under the smallest normal float) the result is 0,
+ * so masked scores (-inf or the dtype minimum) give 0; NaN gives NaN. */
 static inline __m256 exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.8f);  /* above 88.72: inf */
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
@@ -230,20 +234,6 @@ typedef struct {
     float eps, scaling;
     const float *embed, *final_norm, *head, *head_b; /* embed: V x D; head: V x D (may equal embed) */
 } LeanModel;
-
-#define CHUNK 16
-
-/* y[:, n] for all weight rows n, the work split over the team (call inside a parallel region) */
-static void team_linear(int M, const float *x, ptrdiff_t ldx, const float *w, const float *b, float *y,
-                        ptrdiff_t ldy, ptrdiff_t N, ptrdiff_t K) {
-    const ptrdiff_t units = (N + CHUNK - 1) / CHUNK;
-#pragma omp for schedule(static)
-    for (ptrdiff_t u = 0; u < units; u++) {
-        ptrdiff_t n0 = u * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-        for (int m0 = 0; m0 < M; m0 += 8)
-            rows_upto8(M - m0 < 8 ? M - m0 : 8, x + m0 * ldx, ldx, w, b, y + m0 * ldy, ldy, n0, n1, K);
-    }
-}
 
 static void rms_norm_row(const float *x, const float *w, float eps, float *out, int D) {
     double ss = 0.;
