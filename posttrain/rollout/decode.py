@@ -55,7 +55,7 @@ def _c_step_function():
         return None
     fn = lib.lean_decode_step
     fn.argtypes = [ctypes.POINTER(_CModel), ctypes.POINTER(_CLayer), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
     return fn
 
@@ -90,9 +90,18 @@ def lean_decoder(model) -> LeanDecoder | None:
     return LeanDecoder(model)
 
 
+def layer_linears(model) -> list[list[torch.nn.Linear]]:
+    """Per decoder layer of a supported model, its linear modules in the order of a step's record:
+    q, k, v, o, gate, up, down."""
+    return [[layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+             layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj] for layer in model.model.layers]
+
+
 class LeanDecoder:
     def __init__(self, model):
         inner, config = model.model, model.config
+        self.linears = layer_linears(model)
+        self.record_width = sum(m.out_features for m in self.linears[0])  # F of a step's (L, A, F) record
         self.rotary = inner.rotary_emb
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
@@ -172,18 +181,25 @@ class LeanDecoder:
         # x cos + rotate_half(x) sin, with rotate_half(x) sin = roll(x, half) * [-sin_1, sin_2]
         return x * cos + x.roll(self.head_dim // 2, -1) * sin
 
-    def step(self, tokens: Tensor, t: int, attention: Tensor, cache) -> Tensor:
+    def step(self, tokens: Tensor, t: int, attention: Tensor, cache, record: Tensor | None = None) -> Tensor:
         """Feed one token per row at step t (rows in the cache's order); returns the next-token logits (A, V).
 
-        attention: (A, T) 1 on the cache positions each row may see, T = cache length after this token."""
+        attention: (A, T) 1 on the cache positions each row may see, T = cache length after this token.
+        record: None, or a contiguous float32 (L, A, record_width) buffer that receives every layer's linear
+        outputs for these rows, as the modules of `layer_linears` would return them, side by side."""
         mask = torch.zeros(attention.shape, dtype=self.embed.dtype).masked_fill_(attention == 0, float("-inf"))
+        if record is not None and not (record.is_contiguous() and record.dtype == torch.float32 and record.shape == (
+                len(self.layers), tokens.shape[0], self.record_width)):
+            raise ValueError(f"record must be a contiguous float32 tensor of shape "
+                             f"{(len(self.layers), tokens.shape[0], self.record_width)}")
         if self._c is not None:
             fn, model, layers, work = self._c
             A, T = attention.shape
             tokens, cos, sin = tokens.contiguous(), self.cos[:, t].contiguous(), self.sin[:, t].contiguous()
             logits = torch.empty(A, model.V)
             fn(ctypes.byref(model), layers, tokens.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), mask.data_ptr(),
-               logits.data_ptr(), work.data_ptr(), torch.get_num_threads())
+               logits.data_ptr(), work.data_ptr(), None if record is None else record.data_ptr(),
+               torch.get_num_threads())
             for layer in cache.layers:  # the kernel wrote position T - 1 of every layer
                 layer.advance(1)
             return logits
@@ -192,18 +208,23 @@ class LeanDecoder:
         cos, sin = self.cos[:, t, None], self.sin[:, t, None]  # (A, 1, hd): broadcast over heads
         mask = mask[:, None, None, :]  # (A, 1, 1, T) added to every head's scores
         h = torch.nn.functional.embedding(tokens, self.embed)  # (A, D)
-        for layer, kv in zip(self.layers, cache.layers):
+        for i, (layer, kv) in enumerate(zip(self.layers, cache.layers)):
             x = self._rms_norm(h, layer["norm1"])
-            qkv = few_rows_linear(x, layer["qkv"], layer["qkv_bias"]).view(A, Hq + 2 * Hk, hd)
-            qk = self._rope(qkv[:, : Hq + Hk], cos, sin)
-            keys, values = kv.update(qk[:, Hq:, None], qkv[:, Hq + Hk:, None])  # (A, Hk, T, hd) each
+            qkv = few_rows_linear(x, layer["qkv"], layer["qkv_bias"])
+            per_head = qkv.view(A, Hq + 2 * Hk, hd)
+            qk = self._rope(per_head[:, : Hq + Hk], cos, sin)
+            keys, values = kv.update(qk[:, Hq:, None], per_head[:, Hq + Hk:, None])  # (A, Hk, T, hd) each
             q = qk[:, :Hq].reshape(A, Hk, Hq // Hk, hd)  # the query heads that share each key head
             scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scaling).add_(mask)
             heads = torch.matmul(scores.softmax(-1), values).reshape(A, Hq * hd)
-            h = h + few_rows_linear(heads, *layer["o"])
+            o = few_rows_linear(heads, *layer["o"])
+            h = h + o
             x = self._rms_norm(h, layer["norm2"])
-            act = torch.nn.functional.silu(few_rows_linear(x, *layer["gate"])) * few_rows_linear(x, *layer["up"])
-            h = h + few_rows_linear(act, *layer["down"])
+            gate, up = few_rows_linear(x, *layer["gate"]), few_rows_linear(x, *layer["up"])
+            down = few_rows_linear(torch.nn.functional.silu(gate) * up, *layer["down"])
+            h = h + down
+            if record is not None:
+                torch.cat([qkv, o, gate, up, down], 1, out=record[i])
         return few_rows_linear(self._rms_norm(h, self.final_norm), *self.head)
 
 

@@ -243,14 +243,28 @@ static void rms_norm_row(const float *x, const float *w, float eps, float *out, 
 }
 
 /* work: at least A * (3 D + (Hq + 2 Hk) hd + Hq hd + 2 I) + A * Hq * cap floats */
+/* rows a < A of n floats each (row stride ld) into the record: record[(l * A + a) * F + offset + i] */
+static void keep_rows(float *record, int l, int A, ptrdiff_t F, ptrdiff_t offset, const float *src, ptrdiff_t ld,
+                      ptrdiff_t n) {
+#pragma omp for schedule(static)
+    for (int a = 0; a < A; a++) {
+        float *dst = record + ((ptrdiff_t)l * A + a) * F + offset;
+        for (ptrdiff_t i = 0; i < n; i++) dst[i] = src[(ptrdiff_t)a * ld + i];
+    }
+}
+
+/* `record` (NULL: none): every layer's linear outputs for the A rows, as the nn.Linear modules give them
+ * (q, k and v before the rotary embedding, gate and up before the SiLU), laid out (L, A, F) with
+ * F = (Hq + 2 Hk) hd + D + 2 I + D: [q | k | v | o | gate | up | down]. */
 void lean_decode_step(const LeanModel *m, const LeanLayer *layers, const long *tokens, int T, const float *cos,
-                      const float *sin, const float *mask, float *logits, float *work, int threads) {
+                      const float *sin, const float *mask, float *logits, float *work, float *record, int threads) {
     const int A = m->A, D = m->D, Hq = m->Hq, Hk = m->Hk, hd = m->hd, I = m->I, half = hd / 2;
     const int QKV = (Hq + 2 * Hk) * hd, group = Hq / Hk;
     float *h = work, *x = h + (ptrdiff_t)A * D, *tmp = x + (ptrdiff_t)A * D, *qkv = tmp + (ptrdiff_t)A * D;
     float *attn = qkv + (ptrdiff_t)A * QKV, *g = attn + (ptrdiff_t)A * Hq * hd, *u = g + (ptrdiff_t)A * I;
     float *scores = u + (ptrdiff_t)A * I;
     const ptrdiff_t head_stride = (ptrdiff_t)m->cap * hd, row_stride = (ptrdiff_t)Hk * head_stride;
+    const ptrdiff_t F = QKV + 2 * (ptrdiff_t)D + 2 * (ptrdiff_t)I;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -261,6 +275,7 @@ void lean_decode_step(const LeanModel *m, const LeanLayer *layers, const long *t
 #pragma omp for schedule(static)
             for (int a = 0; a < A; a++) rms_norm_row(h + (ptrdiff_t)a * D, ly->norm1, m->eps, x + (ptrdiff_t)a * D, D);
             team_linear(A, x, D, ly->qkv, ly->qkv_b, qkv, QKV, QKV, D);
+            if (record) keep_rows(record, l, A, F, 0, qkv, QKV, QKV);
             /* rotary on q and k heads; k and v into the cache at position T - 1 */
 #pragma omp for schedule(static) collapse(2)
             for (int a = 0; a < A; a++)
@@ -290,6 +305,7 @@ void lean_decode_step(const LeanModel *m, const LeanLayer *layers, const long *t
                            attn + (ptrdiff_t)a * Hq * hd + (ptrdiff_t)hq * hd);
                 }
             team_linear(A, attn, (ptrdiff_t)Hq * hd, ly->o, ly->o_b, tmp, D, D, (ptrdiff_t)Hq * hd);
+            if (record) keep_rows(record, l, A, F, QKV, tmp, D, D);
 #pragma omp for schedule(static)
             for (int a = 0; a < A; a++) {
                 for (int i = 0; i < D; i++) h[(ptrdiff_t)a * D + i] += tmp[(ptrdiff_t)a * D + i];
@@ -297,9 +313,14 @@ void lean_decode_step(const LeanModel *m, const LeanLayer *layers, const long *t
             }
             team_linear(A, x, D, ly->gate, ly->gate_b, g, I, I, D);
             team_linear(A, x, D, ly->up, ly->up_b, u, I, I, D);
+            if (record) {
+                keep_rows(record, l, A, F, QKV + D, g, I, I);
+                keep_rows(record, l, A, F, QKV + D + I, u, I, I);
+            }
 #pragma omp for schedule(static)
             for (int a = 0; a < A; a++) silu_mul(g + (ptrdiff_t)a * I, u + (ptrdiff_t)a * I, I);
             team_linear(A, g, I, ly->down, ly->down_b, tmp, D, D, I);
+            if (record) keep_rows(record, l, A, F, QKV + D + 2 * (ptrdiff_t)I, tmp, D, D);
 #pragma omp for schedule(static)
             for (int a = 0; a < A; a++)
                 for (int i = 0; i < D; i++) h[(ptrdiff_t)a * D + i] += tmp[(ptrdiff_t)a * D + i];

@@ -42,6 +42,7 @@ from posttrain.core.logprobs import (last_hidden_states, linear_selective_log_so
 from posttrain.core.masked import shared_prefix_attention_mask
 from posttrain.rollout import few_rows
 from posttrain.rollout.decode import lean_decoder
+from posttrain.rollout.replay import LinearRecord, replaying
 from posttrain.data.collate import pad
 
 
@@ -86,6 +87,7 @@ class Rollout:
     completion_mask: Tensor   # (N, C) 1 up to AND including the stop token (EOS / stop token / last token of a stop string)
     logprobs: Tensor          # (N, C) float32 log-prob of each sampled token under softmax(logits / temperature), before filtering; 0 on padding
     is_truncated: Tensor      # (N,) bool: no stop was produced within max_new_tokens
+    linear_outputs: LinearRecord | None = None  # with record_linears, where the lean step ran (`replay.py`)
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
@@ -270,11 +272,13 @@ def _model_device(model) -> torch.device:
 @torch.no_grad()
 def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pad_token_id: int,
              eos_token_id: int | list[int] | None, tokenizer=None,
-             generator: torch.Generator | None = None) -> Rollout:
+             generator: torch.Generator | None = None, record_linears: bool = False) -> Rollout:
     """Sample `sampling.num_generations` completions for each prompt (token-id lists, no padding).
 
     The model is put in eval mode for the duration and restored. Greedy decoding
     (`do_sample=False`) picks the argmax; log-probs are still those of softmax(logits / temperature).
+    With `record_linears`, the rollout keeps every decoder layer's linear outputs (`replay.LinearRecord`)
+    when the lean decoding step runs (Llama/Qwen2-style models on CPU), else `linear_outputs` is None.
     """
     if not prompt_ids:
         raise ValueError("generate() got no prompts")
@@ -310,17 +314,28 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         linears = few_rows.few_rows_linears(net)  # every linear, the output layer included
     elif device.type == "cpu":
         linears = transposed_head(net)
+    lean = lean_decoder(net) if device.type == "cpu" else None  # the lean decoding step, where it can run
+    record = None
+    hooks = []
     try:
-        out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                  logits_to_keep=1)
+        if record_linears and lean is not None:  # the prefill's outputs, as the hooks see them
+            record = LinearRecord.empty(lean.linears, B, P, N, max_new, G)
+            for i, modules in enumerate(lean.linears):
+                for module, part in zip(modules, record.prompt):
+                    hooks.append(module.register_forward_hook(functools.partial(_keep_output, part[i])))
+        try:
+            out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                      logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
         cache = _make_room(_expand_cache(out.past_key_values, G), P + max_new)
-        lean = None  # the lean decoding step, where the architecture and the cache allow it
-        if device.type == "cpu" and isinstance(getattr(cache, "layers", None), list) and all(
+        if lean is not None and isinstance(getattr(cache, "layers", None), list) and all(
                 type(layer) is _roomy_layer_class() for layer in cache.layers):
-            lean = lean_decoder(net)
-            if lean is not None:
-                lean.set_positions(next_position + torch.arange(max_new, device=device))
-                lean.bind(cache)
+            lean.set_positions(next_position + torch.arange(max_new, device=device))
+            lean.bind(cache)
+        else:
+            lean = record = None
         logits = out.logits[:, -1, :].repeat_interleave(G, dim=0)  # (A, V), A = rows still decoded
         rows = torch.arange(N, device=device)  # (A,) index in the output of each decoded row
         finished = torch.zeros(N, dtype=torch.bool, device=device)
@@ -367,7 +382,10 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
                     if lean is not None:
                         lean.select(keep, cache)
                 if lean is not None:
-                    logits = lean.step(token[rows], t, attention[:, : P + t + 1], cache)
+                    fed = None if record is None else torch.empty(len(lean.linears), len(rows), lean.record_width)
+                    logits = lean.step(token[rows], t, attention[:, : P + t + 1], cache, record=fed)
+                    if fed is not None:
+                        record.keep_step(t, rows, fed)
                     continue
                 out = net(input_ids=token[rows, None], attention_mask=attention[:, : P + t + 1],
                           position_ids=next_position + t, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -384,11 +402,17 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         completion_mask=torch.stack(masks, dim=1).long(),
         logprobs=torch.stack(logps, dim=1),
         is_truncated=~finished,
+        linear_outputs=record,
     )
 
 
+def _keep_output(destination: Tensor, module, inputs, output):
+    destination.copy_(output)
+
+
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False):
+                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                        replay: tuple[LinearRecord, Tensor] | None = None):
     """Log-probs (R, C) of the completion tokens under softmax(logits / temperature), and their
     entropies (R, C) or None, computing each distinct prompt once.
 
@@ -402,6 +426,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     plain forward (`core.logprobs.token_logprobs`) when that is estimated cheaper (few repeated
     prompts, or blocks so long that the dense-mask attention outweighs the saved prompt tokens) or
     the attention implementation cannot take a custom mask (only "sdpa" and "eager" can).
+
+    replay: (record, rows) to take the decoder layers' linear outputs from the sampler's record
+    (`replay.py`) instead of computing them; rows (R,) are the rollout rows of these completions, and
+    the record must come from the current weights.
     """
     R, C = completion_ids.shape
     P = prompt_ids.shape[1]
@@ -421,8 +449,9 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
 
     if attn not in ("sdpa", "eager") or cost(U, P + k * C) >= cost(R, P + C):  # long blocks or little sharing
         ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-        logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
-                                          with_entropy=with_entropy, exact_positions=True)
+        with _replayed(replay, lambda record, rollout_rows: record.known_outputs(rollout_rows[:, None], P, C)):
+            logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
+                                              with_entropy=with_entropy, exact_positions=True)
         return logp, entropy
     device = completion_ids.device
     rows = torch.tensor(owner, device=device) * k + torch.tensor(block, device=device)  # (R,) slot of each row
@@ -446,18 +475,33 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                       P + torch.arange(k, device=device)[:, None] * C + torch.arange(C - 1, device=device)], 1)
     targets = slot_ids.view(U, k * C)
     head = plain_lm_head(_unwrap(model), ids)  # looked up on the bare module; the forward keeps any DDP wrapper
+    def known(record, rollout_rows):  # the rollout row in each slot, -1 in empty ones
+        slots = torch.full((U * k,), -1, dtype=torch.long, device=device)
+        slots[rows] = rollout_rows
+        return record.known_outputs(slots.view(U, k), P, C, blocks=k)
+
     if head is not None:  # the output layer fused into the log-softmax: no (U, k * C, V) logits
-        hidden = last_hidden_states(model, input_ids=ids, attention_mask=mask, position_ids=positions)
+        with _replayed(replay, known):
+            hidden = last_hidden_states(model, input_ids=ids, attention_mask=mask, position_ids=positions)
         hidden = hidden[:, keep.flatten()]  # (U, k * C, H)
         if temperature != 1.0:  # logits / T = (hidden / T) W^T
             hidden = hidden / temperature
         logps, entropy, _ = linear_selective_log_softmax(hidden, head.weight, targets, with_stats=with_entropy)
         return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep.flatten(),
-                   use_cache=False).logits  # (U, k * C, V)
+    with _replayed(replay, known):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep.flatten(),
+                       use_cache=False).logits  # (U, k * C, V)
     if temperature != 1.0:
         logits = logits / temperature
     if with_entropy:
         logps, entropy, _ = selective_log_softmax_stats(logits, targets)
         return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows]
     return selective_log_softmax(logits, targets).view(U * k, C)[rows], None
+
+
+def _replayed(replay, layout):
+    """`replay.replaying` with the record laid out by `layout(record, rollout_rows)`; nothing without a replay."""
+    if replay is None:
+        return contextlib.nullcontext()
+    record, rollout_rows = replay
+    return replaying(record, layout(record, rollout_rows.cpu()))

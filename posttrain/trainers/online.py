@@ -152,6 +152,11 @@ class OnlineTrainer(BaseTrainer):
         self.loss_mode, self.global_denominator = LOSS_TYPES[args.loss_type]
         # the policy can move between sampling and training only with several optimizer steps or passes
         self.old_is_current = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
+        # ... and then the sampler's linear outputs are the training forward's (rollout/replay.py)
+        self.replays = (args.replay_linear_outputs and self.old_is_current and args.advantage_estimator not in
+                        CRITIC_ESTIMATORS and not (args.bf16 or args.fp16 or args.torch_compile
+                                                   or args.gradient_checkpointing) and _no_dropout(policy))
+        self._replay = None  # the current generation batch's LinearRecord while its micro-batches train
         self._buffer: list[dict] = []
         self._episodes, self._start_time, self._samples, self._last_sample_step = 0, None, None, -1
         from posttrain.callbacks import CompletionsTable
@@ -198,18 +203,20 @@ class OnlineTrainer(BaseTrainer):
                              args.steps_per_generation * args.num_iterations, args.shuffle_dataset, args.seed)
 
     # ------------------------------------------------------------------ rollout
-    def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None) -> Rollout:
+    def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None,
+                           record_linears: bool = False) -> Rollout:
         """Generate `num_generations` completions per prompt with the current policy."""
         tok = self.processing_class
         return generate(self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
-                        eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator)
+                        eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator,
+                        record_linears=record_linears)
 
     @torch.no_grad()
     def make_experience(self, inputs: dict) -> list[dict]:
         """Generate, score and prepare one generation batch; returns its micro-batches in training order."""
         k = self.args.num_generations
         self._start_time = self._start_time or time.time()
-        rollout = self.sample_completions(inputs["prompt_ids"])
+        rollout = self.sample_completions(inputs["prompt_ids"], record_linears=self.replays)
         prompts = [p for p in inputs["prompt"] for _ in range(k)]
         columns = {key: [v for v in values for _ in range(k)] for key, values in inputs["columns"].items()}
         texts, completions, ids = self.decode(rollout, prompts)
@@ -255,6 +262,8 @@ class OnlineTrainer(BaseTrainer):
                  "old_logp": rollout.logprobs.float()}
         batch = {k: v.to(device) for k, v in batch.items()}
         N, C = batch["completion_ids"].shape
+        batch["rollout_row"] = torch.arange(N, device=device)  # where each row's sampler record is
+        self._replay = rollout.linear_outputs
         truncated = rollout.is_truncated.to(device)
         loss_mask = batch["completion_mask"].clone()
         if args.mask_truncated_completions:
@@ -317,6 +326,7 @@ class OnlineTrainer(BaseTrainer):
     #   old_values, returns (B, C) only with a critic
     #   denominator, token_denominator: scalars, this optimizer step's global counts / processes
     #   old_is_current: bool, the policy has not moved since sampling (old_logp = logp.detach())
+    #   rollout_row (B,) each row's index in its rollout (to find its sampler record)
     def _micro_batches(self, batch: dict) -> list[dict]:
         """Split into micro-batches (shuffled per pass when the policy moves within a batch), each carrying the
         global denominators of its optimizer step."""
@@ -349,12 +359,17 @@ class OnlineTrainer(BaseTrainer):
         return micro
 
     # ------------------------------------------------------------------ loss
-    def forward(self, model, mb: dict, with_values: bool = False, with_entropy: bool = False):
+    def forward(self, model, mb: dict, with_values: bool = False, with_entropy: bool = False, replay: bool = False):
         """(log-probs (B, C) at the sampling temperature, entropy (B, C) or None, values (B, C) or None).
-        Without a critic, each distinct prompt of the micro-batch is computed once (`completion_logprobs`)."""
+        Without a critic, each distinct prompt of the micro-batch is computed once (`completion_logprobs`).
+        `replay`: the policy's forward, which may take its linear outputs from the sampler's record."""
         if not with_values:
+            record = None
+            if replay and self._replay is not None and mb.get("old_is_current") and "rollout_row" in mb:
+                record = (self._replay, mb["rollout_row"])
             logp, entropy = completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                                mb["completion_mask"], self.args.temperature, with_entropy)
+                                                mb["completion_mask"], self.args.temperature, with_entropy,
+                                                replay=record)
             return logp, entropy, None
         ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
         attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
@@ -365,14 +380,19 @@ class OnlineTrainer(BaseTrainer):
         return logp, entropy, values
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if inputs["micro_index"] == 0 or not self._buffer:
+        index = inputs["micro_index"]
+        if index == 0 or not self._buffer:
+            self._replay = None  # the last batch's record goes before sampling the next
             self._buffer = self.make_experience(inputs)
-        return super().training_step(model, self._buffer[inputs["micro_index"]], num_items_in_batch)
+        loss = super().training_step(model, self._buffer[index], num_items_in_batch)
+        if index == len(self._buffer) - 1:
+            self._replay = None
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         critic = args.advantage_estimator in CRITIC_ESTIMATORS
-        logp, entropy, values = self.forward(model, inputs, with_values=critic, with_entropy=True)
+        logp, entropy, values = self.forward(model, inputs, with_values=critic, with_entropy=True, replay=True)
         mask = inputs["loss_mask"]
         old_logp = logp.detach() if inputs["old_is_current"] else inputs["old_logp"]
         per_token, stats = POLICY_LOSSES[args.policy_loss](logp, old_logp, inputs["advantages"], mask,
@@ -492,6 +512,13 @@ class OnlineTrainer(BaseTrainer):
                 self.processing_class.save_pretrained(output_dir)
             return
         super().save_model(output_dir, _internal_call)
+
+
+def _no_dropout(model) -> bool:
+    """Whether the training forward computes what eval-mode sampling computed: no dropout anywhere."""
+    config = getattr(model, "config", None)
+    return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) and not (
+        getattr(config, "attention_dropout", 0.0) or 0.0)
 
 
 def _trim(mb: dict) -> dict:

@@ -97,6 +97,13 @@ class OnlineConfig(BaseConfig):
     # ---- misc
     disable_dropout: bool = field(default=True, metadata={"help": "No dropout in the policy, so the sampler's "
                                   "log-probs equal the training forward's."})
+    replay_linear_outputs: bool = field(default=True, metadata={"help": "When the policy cannot have moved since "
+                                        "sampling (num_iterations=1, one optimizer step per generation batch), the "
+                                        "training forward takes every decoder layer's linear outputs from the sampler "
+                                        "instead of recomputing them (rollout/replay.py); the backward is unchanged. "
+                                        "Used where the lean CPU decoding step runs (Llama/Qwen2-style float32 "
+                                        "models), without dropout, mixed precision, torch_compile or gradient "
+                                        "checkpointing."})
     local_rollout_forward_batch_size: int = field(default=64, metadata={"help": "Rows per no-grad forward "
                                                   "(reference log-probs, old values)."})
     total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (sets max_steps)."})

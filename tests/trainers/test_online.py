@@ -115,11 +115,16 @@ def test_no_old_logprob_pass(tmp_path, monkeypatch, num_iterations):
     assert trainer.state.log_history[0]["val/ratio"] == pytest.approx(1.0, abs=1e-4) or num_iterations == 1
 
 
+@pytest.mark.parametrize("replay", [False, True])  # the training forward computes, or replays the sampler's
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_loss_and_gradient_do_not_depend_on_the_split(tmp_path, loss_type):
+def test_loss_and_gradient_do_not_depend_on_the_split(tmp_path, loss_type, replay, monkeypatch):
     """Same rollouts: batch 8 x accumulation 1 == 4 x 2 == 2 x 4 (sum of micro-batch losses and gradients)."""
     from posttrain.models.loading import load_causal_lm
+    from posttrain.rollout import generate as generate_module
 
+    replayed = []
+    monkeypatch.setattr(generate_module, "replaying",
+                        lambda *a, real=generate_module.replaying: replayed.append(1) or real(*a))
     model = load_causal_lm("posttrain/tiny-qwen2")
     results = []
     rollout = scores = None
@@ -128,7 +133,8 @@ def test_loss_and_gradient_do_not_depend_on_the_split(tmp_path, loss_type):
                        loss_type=loss_type)
         if rollout is None:
             inputs = next(iter(trainer.get_train_dataloader()))
-            rollout = trainer.sample_completions(inputs["prompt_ids"])
+            rollout = trainer.sample_completions(inputs["prompt_ids"], record_linears=replay)
+            assert (rollout.linear_outputs is not None) == replay
             scores = torch.tensor(first_token_reward(rollout.completion_ids.tolist()))
         micro = trainer.build_experience(rollout, scores)
         assert len(micro) == ga
@@ -139,11 +145,68 @@ def test_loss_and_gradient_do_not_depend_on_the_split(tmp_path, loss_type):
             loss.backward()
             total += loss.item()
         results.append((total, grads(model)))
+    assert len(replayed) == (1 + 2 + 4 if replay else 0)  # every micro-batch's forward replayed
     (loss0, grads0), *others = results
     for loss, g in others:
         assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-7)
         for name in grads0:
             torch.testing.assert_close(g[name], grads0[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_replayed_training_forward_gives_the_same_update(tmp_path, monkeypatch):
+    """The same rollout trained with the sampler's linear outputs and without: same loss and gradients; the
+    record is let go after the generation batch's last micro-batch."""
+    from posttrain.rollout import generate as generate_module
+
+    replayed = []
+    monkeypatch.setattr(generate_module, "replaying",
+                        lambda *a, real=generate_module.replaying: replayed.append(1) or real(*a))
+    results = []
+    for replay in (True, False):
+        trainer = grpo(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                       replay_linear_outputs=replay)
+        assert trainer.replays == replay
+        with torch.no_grad():  # larger weights than the seeded tiny model: activations of a real size
+            g = torch.Generator().manual_seed(0)
+            for p in trainer.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+        inputs = next(iter(trainer.get_train_dataloader()))
+        trainer.model.zero_grad()
+        losses = []
+        for index in range(2):
+            losses.append(trainer.training_step(trainer.model, {**inputs, "micro_index": index}).item())
+            assert (trainer._replay is not None) == (replay and index == 0)  # kept until the last micro-batch
+        results.append((losses, grads(trainer.model), trainer._buffer[0]["completion_ids"]))
+    assert len(replayed) == 2
+    (losses1, grads1, ids1), (losses0, grads0, ids0) = results
+    assert torch.equal(ids1, ids0)  # the same samples (recording does not change sampling)
+    assert losses1 == pytest.approx(losses0, rel=1e-4, abs=1e-6)
+    for name in grads0:
+        assert grads0[name].abs().sum() > 0, name
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-3, atol=1e-4 * grads0[name].abs().max().item(),
+                                   msg=name)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(replay_linear_outputs=False),
+    dict(num_iterations=2),                                   # the policy moves between passes
+    dict(steps_per_generation=2, gradient_accumulation_steps=1, per_device_train_batch_size=4),  # ... between steps
+    dict(gradient_checkpointing=True),                        # the recomputation would run outside the replay
+])
+def test_no_replay_when_the_sampler_outputs_may_not_be_the_forwards(tmp_path, overrides):
+    assert grpo(tmp_path).replays  # the default, on a supported model
+    trainer = grpo(tmp_path, **overrides)
+    assert not trainer.replays
+    _, micro = first_batch(trainer)
+    assert trainer._replay is None
+
+
+def test_no_replay_with_dropout(tmp_path):
+    from posttrain.models.loading import load_causal_lm
+
+    model = load_causal_lm("posttrain/tiny-qwen2", attention_dropout=0.1)
+    assert model.config.attention_dropout == 0.1
+    assert not grpo(tmp_path, model=model).replays
 
 
 def test_mask_truncated_completions_and_missing_eos_penalty(tmp_path):

@@ -1,0 +1,140 @@
+"""The sampler's linear-layer outputs, reused by the training forward.
+
+When the policy has not moved since it sampled a batch (one pass and one optimizer step per
+generation batch: the case in which the trainer also takes the old-policy log-probs as the
+detached current ones), the training forward over prompts and completions recomputes, position
+by position, every product the sampler already computed: the prompt's in the prefill, each
+completion token's in the decoding step that fed it back. The sampler can keep those outputs
+(`generate(..., record_linears=True)`: a `LinearRecord`), and the training forward then takes each
+linear layer's output from the record instead of multiplying (`replaying`). Everything else in the
+forward still runs (norms, rotary embedding, attention, SiLU, residual sums, the output layer):
+it is cheap, and autograd keeps what it needs from it. The backward is the ordinary one,
+dx = dy W, dW = dy^T x, db = sum dy, with x the input that the training forward recomputed from the
+recorded outputs. Values are the sampler's, which equal the forward's up to float rounding (the
+decoding kernels sum in another order); the gradients agree to the same precision (tested).
+
+SmolLM2-135M, 2 prompts x 4 samples x 32 tokens, 2 threads: the training forward takes about
+0.35 s instead of about 1.0 s; the backward is unchanged (about 1.9 s).
+
+Positions the sampler never fed (each completion's last token, and the tokens of rows that stopped
+and were dropped from the decoding batch) are filled with zeros. Nothing that is scored depends on
+them: attention is causal, and their own logits are either not kept or masked out of the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LinearRecord:
+    """What the sampler's linear layers returned. modules[l][j] is layer l's j-th recorded module (the same
+    kinds in every layer, e.g. q, k, v, o, gate, up, down); for each kind j:
+
+    prompt[j]:     (L, B, P, width_j) at each prompt position of the B prefilled (left-padded) prompts
+    completion[j]: (L, N, T, width_j) at completion position t of rollout row n (that token fed back at
+                   step t); zeros where the token was never fed
+    Rollout row n (prompt-major) belongs to prompt n // group.
+    """
+
+    modules: list[list[torch.nn.Linear]]
+    prompt: list[Tensor]
+    completion: list[Tensor]
+    group: int
+
+    @classmethod
+    def empty(cls, modules: list[list[torch.nn.Linear]], prompts: int, prompt_length: int, rows: int, steps: int,
+              group: int) -> LinearRecord:
+        widths = [m.out_features for m in modules[0]]
+        L = len(modules)
+        return cls(modules, [torch.empty(L, prompts, prompt_length, w) for w in widths],
+                   [torch.zeros(L, rows, steps, w) for w in widths], group)
+
+    def keep_step(self, step: int, rows: Tensor, outputs: Tensor):
+        """Completion position `step` of rollout rows `rows` (A,), from a lean step's (L, A, sum of widths) record."""
+        start = 0
+        for part in self.completion:
+            part[:, rows, step] = outputs[..., start:start + part.shape[-1]]
+            start += part.shape[-1]
+
+    def known_outputs(self, rows: Tensor, prompt_width: int, completion_width: int, blocks: int = 1) -> list[Tensor]:
+        """The record laid out as a training forward's sequences: per kind, (L, S, prompt_width + blocks *
+        completion_width, width).
+
+        rows (S, blocks): the rollout row whose completion fills each block of each sequence, -1 for an
+        empty block (zeros); each sequence's prompt is that of its first filled block (all blocks of a
+        sequence share one prompt). The prompt part is the last `prompt_width` columns of the
+        prefill (prompts are left-padded, a micro-batch drops all-padding columns on the left), the
+        completion part the first `completion_width` positions."""
+        P, T = self.prompt[0].shape[2], self.completion[0].shape[2]
+        if prompt_width > P or completion_width > T:
+            raise ValueError(f"the record holds {P} prompt and {T} completion positions; asked for "
+                             f"{prompt_width} and {completion_width}")
+        sequences = rows.tolist()
+        outs = []
+        for prompt, completion in zip(self.prompt, self.completion):
+            L, width = prompt.shape[0], prompt.shape[-1]
+            out = prompt.new_empty(L, len(sequences), prompt_width + blocks * completion_width, width)
+            for s, sequence in enumerate(sequences):  # a few sequences: plain slice copies, no temporaries
+                filled = [row for row in sequence if row >= 0]
+                if not filled:
+                    raise ValueError(f"sequence {s} has no filled block")
+                out[:, s, :prompt_width] = prompt[:, filled[0] // self.group, P - prompt_width:]
+                for b, row in enumerate(sequence):
+                    at = slice(prompt_width + b * completion_width, prompt_width + (b + 1) * completion_width)
+                    if row >= 0:
+                        out[:, s, at] = completion[:, row, :completion_width]
+                    else:
+                        out[:, s, at] = 0
+            outs.append(out)
+        return outs
+
+
+class _KnownLinear(torch.autograd.Function):
+    """y = x W^T + b, with y given: the forward multiplies nothing, the backward is the linear layer's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, y):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        want_x, want_w, want_b = ctx.needs_input_grad[:3]
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.matmul(grad, weight.to(grad.dtype)).to(x.dtype) if want_x else None
+        grad_w = torch.mm(flat.t(), x.reshape(-1, x.shape[-1]).to(flat.dtype)).to(weight.dtype) if want_w else None
+        grad_b = flat.sum(0) if ctx.has_bias and want_b else None
+        return grad_x, grad_w, grad_b, None
+
+
+def _known_forward(module: torch.nn.Linear, y: Tensor, x: Tensor) -> Tensor:
+    if x.shape[:-1] != y.shape[:-1]:
+        raise RuntimeError(f"replayed linear layer got input {tuple(x.shape)}, but its recorded output is "
+                           f"{tuple(y.shape)}: the forward does not match the record's layout")
+    return _KnownLinear.apply(x, module.weight, module.bias, y)
+
+
+@contextlib.contextmanager
+def replaying(record: LinearRecord, known: list[Tensor]):
+    """Within the block, each recorded module returns its part of `known` (from `known_outputs`)
+    instead of computing; a forward must call each one once, on inputs of the layout of `known`."""
+    patched = []
+    try:
+        for layer, modules in enumerate(record.modules):
+            for module, outputs in zip(modules, known):
+                if "forward" in module.__dict__:
+                    raise RuntimeError(f"cannot replay {type(module).__name__}: its forward is already replaced")
+                module.forward = functools.partial(_known_forward, module, outputs[layer])
+                patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            module.__dict__.pop("forward", None)
