@@ -17,9 +17,11 @@ run of many steps is dominated by the steady state.
                token log-probs kept. Training forward (`completion_logprobs`): each prompt and its 4
                completions form one sequence with a block attention mask, so the prompt is computed
                (and back-propagated) once per group and every weight once, logits only at the 32
-               scoring positions of each completion, entropy from the same log-softmax pass. No
-               old-log-prob pass (ratio = 1 from the detached current log-probs), no reference
-               model (beta = 0)
+               scoring positions of each completion, entropy from the same log-softmax pass; the
+               policy has not moved since sampling, so every decoder layer's linear outputs are
+               the sampler's, recorded while decoding, and only the backward multiplies
+               (`rollout/replay.py`). No old-log-prob pass (ratio = 1 from the detached current
+               log-probs), no reference model (beta = 0)
   ours-rloo    RLOOTrainer.training_step, the same with the KL penalty in the reward: one extra
                no-grad reference forward (beta = 0.05), also one sequence per prompt group
   baseline-grpo  the straightforward loop: one transformers `model.generate` call for the left-padded

@@ -15,7 +15,9 @@ threads: 1.45 s per `generate` against 2.69 s through the model's forward (with 
 kernel) and 4.28 s with PyTorch's ops alone. Where the C step cannot run (more than
 `few_rows.MAX_ROWS` rows, no compiler, a head size that is not a multiple of 8) the same step runs
 as about 20 PyTorch ops per layer, still faster than the model's forward. Same values as the
-model's own forward up to float rounding (tested token for token against it).
+model's own forward up to float rounding (tested token for token against it). Given a `record`
+buffer, a step also writes every layer's linear outputs into it (q, k, v before the rotary
+embedding, o, gate and up before the SiLU, down), for the training forward to replay (`replay.py`).
 
 `lean_decoder(model)` returns None (and `generate` uses the model's forward) for any other
 architecture or configuration: another activation, sliding-window layers, modules with hooks or

@@ -21,6 +21,9 @@ values in place instead of copying the cache.
 
 `completion_logprobs` is the teacher-forced counterpart the trainers use: the log-probs of given
 completions, computing each distinct prompt once per forward (with gradients under autograd).
+With `generate(..., record_linears=True)` the sampler also keeps every decoder layer's linear
+outputs (prefill and decoding steps), and `completion_logprobs(..., replay=...)` takes them instead of
+multiplying again, for a policy that has not moved since sampling (`replay.py`).
 
 Log-probs are those of softmax(logits / temperature) *before* top-k / top-p / min-p filtering,
 i.e. the same quantity `core.logprobs.token_logprobs(..., temperature=T)` recomputes; a trainer
@@ -449,7 +452,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
 
     if attn not in ("sdpa", "eager") or cost(U, P + k * C) >= cost(R, P + C):  # long blocks or little sharing
         ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-        with _replayed(replay, lambda record, rollout_rows: record.known_outputs(rollout_rows[:, None], P, C)):
+        with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
             logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
                                               with_entropy=with_entropy, exact_positions=True)
         return logp, entropy
@@ -476,9 +479,9 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     targets = slot_ids.view(U, k * C)
     head = plain_lm_head(_unwrap(model), ids)  # looked up on the bare module; the forward keeps any DDP wrapper
     def known(record, rollout_rows):  # the rollout row in each slot, -1 in empty ones
-        slots = torch.full((U * k,), -1, dtype=torch.long, device=device)
-        slots[rows] = rollout_rows
-        return record.known_outputs(slots.view(U, k), P, C, blocks=k)
+        slots = torch.full((U * k,), -1, dtype=torch.long)
+        slots[rows.cpu()] = rollout_rows
+        return record.layout(slots.view(U, k), P, C)
 
     if head is not None:  # the output layer fused into the log-softmax: no (U, k * C, V) logits
         with _replayed(replay, known):

@@ -62,9 +62,8 @@ class LinearRecord:
             part[:, rows, step] = outputs[..., start:start + part.shape[-1]]
             start += part.shape[-1]
 
-    def known_outputs(self, rows: Tensor, prompt_width: int, completion_width: int, blocks: int = 1) -> list[Tensor]:
-        """The record laid out as a training forward's sequences: per kind, (L, S, prompt_width + blocks *
-        completion_width, width).
+    def layout(self, rows: Tensor, prompt_width: int, completion_width: int) -> Layout:
+        """Where each position of a training forward's sequences is in the record.
 
         rows (S, blocks): the rollout row whose completion fills each block of each sequence, -1 for an
         empty block (zeros); each sequence's prompt is that of its first filled block (all blocks of a
@@ -75,24 +74,43 @@ class LinearRecord:
         if prompt_width > P or completion_width > T:
             raise ValueError(f"the record holds {P} prompt and {T} completion positions; asked for "
                              f"{prompt_width} and {completion_width}")
-        sequences = rows.tolist()
-        outs = []
-        for prompt, completion in zip(self.prompt, self.completion):
-            L, width = prompt.shape[0], prompt.shape[-1]
-            out = prompt.new_empty(L, len(sequences), prompt_width + blocks * completion_width, width)
-            for s, sequence in enumerate(sequences):  # a few sequences: plain slice copies, no temporaries
-                filled = [row for row in sequence if row >= 0]
-                if not filled:
-                    raise ValueError(f"sequence {s} has no filled block")
-                out[:, s, :prompt_width] = prompt[:, filled[0] // self.group, P - prompt_width:]
-                for b, row in enumerate(sequence):
-                    at = slice(prompt_width + b * completion_width, prompt_width + (b + 1) * completion_width)
-                    if row >= 0:
-                        out[:, s, at] = completion[:, row, :completion_width]
-                    else:
-                        out[:, s, at] = 0
-            outs.append(out)
-        return outs
+        sequences = [tuple(sequence) for sequence in rows.tolist()]
+        for s, sequence in enumerate(sequences):
+            if all(row < 0 for row in sequence):
+                raise ValueError(f"sequence {s} has no filled block")
+        prompts = tuple(next(row for row in sequence if row >= 0) // self.group for sequence in sequences)
+        return Layout(prompts, tuple(sequences), prompt_width, completion_width)
+
+    def output(self, kind: int, layer: int, layout: Layout) -> Tensor:
+        """Module `modules[layer][kind]`'s outputs for the sequences of `layout`: (S, length, width), made on
+        demand (so only the outputs that autograd keeps stay alive, as in an ordinary forward)."""
+        prompt, completion = self.prompt[kind][layer], self.completion[kind][layer]
+        P, Pw, Cw = prompt.shape[1], layout.prompt_width, layout.completion_width
+        out = prompt.new_empty(len(layout.blocks), layout.length, prompt.shape[-1])
+        for s, (source, sequence) in enumerate(zip(layout.prompts, layout.blocks)):  # plain slice copies
+            out[s, :Pw] = prompt[source, P - Pw:]
+            for b, row in enumerate(sequence):
+                at = slice(Pw + b * Cw, Pw + (b + 1) * Cw)
+                if row >= 0:
+                    out[s, at] = completion[row, :Cw]
+                else:
+                    out[s, at] = 0
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A training forward's sequences: per sequence, its prefilled prompt and the rollout row of each
+    completion block (-1: empty); `prompt_width` prompt positions, then `completion_width` per block."""
+
+    prompts: tuple[int, ...]
+    blocks: tuple[tuple[int, ...], ...]
+    prompt_width: int
+    completion_width: int
+
+    @property
+    def length(self) -> int:
+        return self.prompt_width + len(self.blocks[0]) * self.completion_width
 
 
 class _KnownLinear(torch.autograd.Function):
@@ -115,24 +133,26 @@ class _KnownLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def _known_forward(module: torch.nn.Linear, y: Tensor, x: Tensor) -> Tensor:
-    if x.shape[:-1] != y.shape[:-1]:
-        raise RuntimeError(f"replayed linear layer got input {tuple(x.shape)}, but its recorded output is "
-                           f"{tuple(y.shape)}: the forward does not match the record's layout")
-    return _KnownLinear.apply(x, module.weight, module.bias, y)
+def _known_forward(record: LinearRecord, kind: int, layer: int, layout: Layout, module: torch.nn.Linear,
+                   x: Tensor) -> Tensor:
+    if x.shape[:-1] != (len(layout.blocks), layout.length):
+        raise RuntimeError(f"replayed linear layer got input {tuple(x.shape)}, but the record is laid out for "
+                           f"{(len(layout.blocks), layout.length)} positions: the forward does not match the "
+                           "record's layout")
+    return _KnownLinear.apply(x, module.weight, module.bias, record.output(kind, layer, layout))
 
 
 @contextlib.contextmanager
-def replaying(record: LinearRecord, known: list[Tensor]):
-    """Within the block, each recorded module returns its part of `known` (from `known_outputs`)
-    instead of computing; a forward must call each one once, on inputs of the layout of `known`."""
+def replaying(record: LinearRecord, layout: Layout):
+    """Within the block, each recorded module returns its recorded outputs laid out as `layout` instead of
+    computing; a forward must call each one once, on inputs of that layout."""
     patched = []
     try:
         for layer, modules in enumerate(record.modules):
-            for module, outputs in zip(modules, known):
+            for kind, module in enumerate(modules):
                 if "forward" in module.__dict__:
                     raise RuntimeError(f"cannot replay {type(module).__name__}: its forward is already replaced")
-                module.forward = functools.partial(_known_forward, module, outputs[layer])
+                module.forward = functools.partial(_known_forward, record, kind, layer, layout, module)
                 patched.append(module)
         yield
     finally:

@@ -12,6 +12,8 @@
      With `kl_in_reward`, -beta * KL goes into the reward instead (PPO, RLOO, REINFORCE++).
      Policy and reference log-probs come from one forward that computes each prompt once per group
      (`rollout.generate.completion_logprobs`: block attention mask, logits at scoring positions only).
+     When old == current, the policy's forward takes every decoder layer's linear outputs from the
+     sampler's record instead of recomputing them (`rollout/replay.py`, `replay_linear_outputs`).
 
 The configuration, `OnlineConfig`, lives in `online_config.py` (imported here).
 
@@ -327,6 +329,7 @@ class OnlineTrainer(BaseTrainer):
     #   denominator, token_denominator: scalars, this optimizer step's global counts / processes
     #   old_is_current: bool, the policy has not moved since sampling (old_logp = logp.detach())
     #   rollout_row (B,) each row's index in its rollout (to find its sampler record)
+    #   last_of_generation: bool, the generation batch's last micro-batch (its record is then let go)
     def _micro_batches(self, batch: dict) -> list[dict]:
         """Split into micro-batches (shuffled per pass when the policy moves within a batch), each carrying the
         global denominators of its optimizer step."""
@@ -354,7 +357,7 @@ class OnlineTrainer(BaseTrainer):
             if not self.global_denominator:  # bnpo: this micro-batch's tokens
                 denominator = mb["loss_mask"].sum().clamp(min=1).double() * ga
             mb.update(denominator=denominator.float(), token_denominator=step_counts[0].float(),
-                      old_is_current=self.old_is_current)
+                      old_is_current=self.old_is_current, last_of_generation=i == len(rows) - 1)
             micro.append(mb)
         return micro
 
@@ -384,15 +387,14 @@ class OnlineTrainer(BaseTrainer):
         if index == 0 or not self._buffer:
             self._replay = None  # the last batch's record goes before sampling the next
             self._buffer = self.make_experience(inputs)
-        loss = super().training_step(model, self._buffer[index], num_items_in_batch)
-        if index == len(self._buffer) - 1:
-            self._replay = None
-        return loss
+        return super().training_step(model, self._buffer[index], num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         critic = args.advantage_estimator in CRITIC_ESTIMATORS
         logp, entropy, values = self.forward(model, inputs, with_values=critic, with_entropy=True, replay=True)
+        if inputs.get("last_of_generation"):
+            self._replay = None  # the record's last use: let it go before the backward
         mask = inputs["loss_mask"]
         old_logp = logp.detach() if inputs["old_is_current"] else inputs["old_logp"]
         per_token, stats = POLICY_LOSSES[args.policy_loss](logp, old_logp, inputs["advantages"], mask,

@@ -172,7 +172,7 @@ def test_known_linear_backward_is_the_linear_layers_float64():
     torch.testing.assert_close(x.grad, upstream @ w.detach(), rtol=1e-12, atol=1e-12)
 
 
-def test_known_outputs_layout_by_hand():
+def test_layout_by_hand():
     """One layer, kinds of widths 1 and 2; prompt positions p hold 10 * prompt + p, completion positions
     t hold 100 * (row + 1) + t (second kind: the same plus 0.5)."""
     modules = [[torch.nn.Linear(2, 1), torch.nn.Linear(2, 2)]]
@@ -183,22 +183,24 @@ def test_known_outputs_layout_by_hand():
         for n in range(4):
             record.completion[kind][0, n] = (100 * (n + 1) + torch.arange(3.0))[:, None] + offset
     # two sequences: rows 3 and (empty) of prompt 1, then row 0 alone; last 2 prompt columns, 2 completion positions
-    known = record.known_outputs(torch.tensor([[3, -1], [0, -1]]), prompt_width=2, completion_width=2, blocks=2)
-    assert [k.shape for k in known] == [(1, 2, 6, 1), (1, 2, 6, 2)]
+    layout = record.layout(torch.tensor([[3, -1], [0, -1]]), prompt_width=2, completion_width=2)
+    assert layout.prompts == (1, 0) and layout.length == 6
+    first, second = record.output(0, 0, layout), record.output(1, 0, layout)
+    assert first.shape == (2, 6, 1) and second.shape == (2, 6, 2)
     want = torch.tensor([[11, 12, 400, 401, 0, 0], [1, 2, 100, 101, 0, 0]], dtype=torch.float32)
-    assert torch.equal(known[0][0, :, :, 0], want)
+    assert torch.equal(first[:, :, 0], want)
     want_second = torch.where(want == 0, 0.0, want + 0.5)
-    assert torch.equal(known[1][0, :, :, 0], want_second) and torch.equal(known[1][0, :, :, 1], want_second)
+    assert torch.equal(second[:, :, 0], want_second) and torch.equal(second[:, :, 1], want_second)
     with pytest.raises(ValueError, match="holds 3 prompt and 3 completion positions"):
-        record.known_outputs(torch.tensor([[0]]), prompt_width=4, completion_width=1)
+        record.layout(torch.tensor([[0]]), prompt_width=4, completion_width=1)
     with pytest.raises(ValueError, match="sequence 0 has no filled block"):
-        record.known_outputs(torch.tensor([[-1]]), prompt_width=1, completion_width=1)
+        record.layout(torch.tensor([[-1]]), prompt_width=1, completion_width=1)
 
 
 def test_replaying_refuses_a_forward_of_another_layout():
     model = load_causal_lm("posttrain/tiny-llama")
     record = LinearRecord.empty(layer_linears(model), prompts=1, prompt_length=4, rows=1, steps=2, group=1)
-    known = record.known_outputs(torch.tensor([[0]]), prompt_width=4, completion_width=2)
-    with replaying(record, known), pytest.raises(RuntimeError, match="does not match the record's layout"):
+    layout = record.layout(torch.tensor([[0]]), prompt_width=4, completion_width=2)
+    with replaying(record, layout), pytest.raises(RuntimeError, match="does not match the record's layout"):
         model(input_ids=torch.tensor([[1, 2, 3]]))
     assert not any("forward" in m.__dict__ for modules in record.modules for m in modules)  # restored

@@ -175,7 +175,7 @@ def test_replayed_training_forward_gives_the_same_update(tmp_path, monkeypatch):
         losses = []
         for index in range(2):
             losses.append(trainer.training_step(trainer.model, {**inputs, "micro_index": index}).item())
-            assert (trainer._replay is not None) == (replay and index == 0)  # kept until the last micro-batch
+            assert (trainer._replay is not None) == (replay and index == 0)  # let go after the last forward
         results.append((losses, grads(trainer.model), trainer._buffer[0]["completion_ids"]))
     assert len(replayed) == 2
     (losses1, grads1, ids1), (losses0, grads0, ids0) = results
