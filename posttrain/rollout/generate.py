@@ -422,7 +422,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     prompt_ids / prompt_mask (R, P) left-padded, completion_ids / completion_mask (R, C) right-padded.
     The k rows that share a prompt become one sequence [prompt, completion_1, ..., completion_k] with
     a block attention mask: each completion sees the prompt and its own earlier tokens, at the
-    positions it has in its own row. One forward then computes the prompt once per group (its
+    positions it has in its own row. A block holds its completion's first C - 1 tokens: the last one
+    would only produce the logits of a token after the completion. One forward then computes the prompt once per group (its
     gradient collects what all k completions send it), each weight is used once (no per-use weight
     gradients to add up), and the logits are computed only at the scoring positions. Results and
     gradients equal those of the plain (R, P + C) forward up to float rounding. Falls back to the
@@ -450,7 +451,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     def cost(rows: int, length: int) -> float:  # in token-forwards; a dense-mask attention pair costs ~1 / (6 hidden)
         return rows * length * (1 + length / (6 * hidden))
 
-    if attn not in ("sdpa", "eager") or cost(U, P + k * C) >= cost(R, P + C):  # long blocks or little sharing
+    B = C - 1  # a block's input tokens: a completion's last token scores nothing (its logits would score the next)
+    if attn not in ("sdpa", "eager") or k == 1 or cost(U, P + k * B) >= cost(R, P + C):  # little or no sharing
         ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
         with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
             logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
@@ -464,24 +466,24 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     slot_ids[rows] = completion_ids
     slot_mask = torch.zeros(U * k, C, dtype=torch.bool, device=device)
     slot_mask[rows] = completion_mask.bool()
-    ids = torch.cat([prompt_ids[lead], slot_ids.view(U, k * C)], 1)  # (U, L), L = P + k * C
-    valid = torch.cat([prompt_mask[lead].bool(), slot_mask.view(U, k * C)], 1)
+    ids = torch.cat([prompt_ids[lead], slot_ids[:, :B].reshape(U, k * B)], 1)  # (U, L), L = P + k * B
+    valid = torch.cat([prompt_mask[lead].bool(), slot_mask[:, :B].reshape(U, k * B)], 1)
     lengths = prompt_mask[lead].sum(1, keepdim=True)
     positions = torch.cat([(prompt_mask[lead].cumsum(1) - 1).clamp(min=0),
-                           (lengths + torch.arange(C, device=device)).repeat(1, k)], 1)
+                           (lengths + torch.arange(B, device=device)).repeat(1, k)], 1)
     segment = torch.cat([torch.zeros(P, dtype=torch.long, device=device),
-                         torch.arange(1, k + 1, device=device).repeat_interleave(C)]).expand(U, -1)
+                         torch.arange(1, k + 1, device=device).repeat_interleave(B)]).expand(U, -1)
     eager = _unwrap(model).get_input_embeddings().weight.dtype if attn == "eager" else None  # eager adds the mask
     mask = shared_prefix_attention_mask(segment, valid, additive_dtype=eager)  # (U, 1, L, L)
     # the logits at P - 1 score each block's first token; block j's tokens 0..C-2 score its tokens 1..C-1
     keep = torch.cat([torch.full((k, 1), P - 1, device=device),
-                      P + torch.arange(k, device=device)[:, None] * C + torch.arange(C - 1, device=device)], 1)
+                      P + torch.arange(k, device=device)[:, None] * B + torch.arange(B, device=device)], 1)
     targets = slot_ids.view(U, k * C)
     head = plain_lm_head(_unwrap(model), ids)  # looked up on the bare module; the forward keeps any DDP wrapper
     def known(record, rollout_rows):  # the rollout row in each slot, -1 in empty ones
         slots = torch.full((U * k,), -1, dtype=torch.long)
         slots[rows.cpu()] = rollout_rows
-        return record.layout(slots.view(U, k), P, C)
+        return record.layout(slots.view(U, k), P, B)
 
     if head is not None:  # the output layer fused into the log-softmax: no (U, k * C, V) logits
         with _replayed(replay, known):
