@@ -58,8 +58,9 @@ class LinearRecord:
     def keep_step(self, step: int, rows: Tensor, outputs: Tensor):
         """Completion position `step` of rollout rows `rows` (A,), from a lean step's (L, A, sum of widths) record."""
         start = 0
+        every = len(rows) == self.completion[0].shape[1]  # no row dropped yet: rows is 0..N-1, a plain slice
         for part in self.completion:
-            part[:, rows, step] = outputs[..., start:start + part.shape[-1]]
+            part[:, slice(None) if every else rows, step] = outputs[..., start:start + part.shape[-1]]
             start += part.shape[-1]
 
     def layout(self, rows: Tensor, prompt_width: int, completion_width: int) -> Layout:

@@ -205,20 +205,20 @@ class OnlineTrainer(BaseTrainer):
                              args.steps_per_generation * args.num_iterations, args.shuffle_dataset, args.seed)
 
     # ------------------------------------------------------------------ rollout
-    def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None,
-                           record_linears: bool = False) -> Rollout:
-        """Generate `num_generations` completions per prompt with the current policy."""
+    def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None) -> Rollout:
+        """Generate `num_generations` completions per prompt with the current policy. With the training
+        sampling settings (`sampling` None) and `self.replays`, the rollout keeps the linear outputs."""
         tok = self.processing_class
         return generate(self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
                         eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator,
-                        record_linears=record_linears)
+                        record_linears=self.replays and sampling is None)
 
     @torch.no_grad()
     def make_experience(self, inputs: dict) -> list[dict]:
         """Generate, score and prepare one generation batch; returns its micro-batches in training order."""
         k = self.args.num_generations
         self._start_time = self._start_time or time.time()
-        rollout = self.sample_completions(inputs["prompt_ids"], record_linears=self.replays)
+        rollout = self.sample_completions(inputs["prompt_ids"])
         prompts = [p for p in inputs["prompt"] for _ in range(k)]
         columns = {key: [v for v in values for _ in range(k)] for key, values in inputs["columns"].items()}
         texts, completions, ids = self.decode(rollout, prompts)

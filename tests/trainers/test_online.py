@@ -133,7 +133,8 @@ def test_loss_and_gradient_do_not_depend_on_the_split(tmp_path, loss_type, repla
                        loss_type=loss_type)
         if rollout is None:
             inputs = next(iter(trainer.get_train_dataloader()))
-            rollout = trainer.sample_completions(inputs["prompt_ids"], record_linears=replay)
+            trainer.replays = replay
+            rollout = trainer.sample_completions(inputs["prompt_ids"])
             assert (rollout.linear_outputs is not None) == replay
             scores = torch.tensor(first_token_reward(rollout.completion_ids.tolist()))
         micro = trainer.build_experience(rollout, scores)
