@@ -322,7 +322,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     hooks = []
     try:
         if record_linears and lean is not None:  # the prefill's outputs, as the hooks see them
-            record = LinearRecord.empty(lean.linears, B, P, N, max_new, G)
+            record = LinearRecord(lean.linears, B, P, N, max_new, G)
             for i, modules in enumerate(lean.linears):
                 for module, part in zip(modules, record.prompt):
                     hooks.append(module.register_forward_hook(functools.partial(_keep_output, part[i])))

@@ -31,34 +31,31 @@ import torch
 from torch import Tensor
 
 
-@dataclass
 class LinearRecord:
     """What the sampler's linear layers returned. modules[l][j] is layer l's j-th recorded module (the same
-    kinds in every layer, e.g. q, k, v, o, gate, up, down); for each kind j:
+    kinds in every layer, e.g. q, k, v, o, gate, up, down). For each kind j, one tensor holds, per layer,
+    the rows [prompt positions | completion positions | one row of zeros]; its two views:
 
     prompt[j]:     (L, B, P, width_j) at each prompt position of the B prefilled (left-padded) prompts
     completion[j]: (L, N, T, width_j) at completion position t of rollout row n (that token fed back at
                    step t); zeros where the token was never fed
-    Rollout row n (prompt-major) belongs to prompt n // group.
+    Rollout row n (prompt-major) belongs to prompt n // group. A training forward's outputs are one
+    row gather from that tensor (`layout`, `output`).
     """
 
-    modules: list[list[torch.nn.Linear]]
-    prompt: list[Tensor]
-    completion: list[Tensor]
-    group: int
-
-    @classmethod
-    def empty(cls, modules: list[list[torch.nn.Linear]], prompts: int, prompt_length: int, rows: int, steps: int,
-              group: int) -> LinearRecord:
-        widths = [m.out_features for m in modules[0]]
-        L = len(modules)
-        return cls(modules, [torch.empty(L, prompts, prompt_length, w) for w in widths],
-                   [torch.zeros(L, rows, steps, w) for w in widths], group)
+    def __init__(self, modules: list[list[torch.nn.Linear]], prompts: int, prompt_length: int, rows: int,
+                 steps: int, group: int):
+        self.modules, self.group = modules, group
+        self.shape = (prompts, prompt_length, rows, steps)  # B, P, N, T
+        L, cut = len(modules), prompts * prompt_length
+        self.outputs = [torch.zeros(L, cut + rows * steps + 1, m.out_features) for m in modules[0]]
+        self.prompt = [o[:, :cut].view(L, prompts, prompt_length, -1) for o in self.outputs]
+        self.completion = [o[:, cut:cut + rows * steps].view(L, rows, steps, -1) for o in self.outputs]
 
     def keep_step(self, step: int, rows: Tensor, outputs: Tensor):
         """Completion position `step` of rollout rows `rows` (A,), from a lean step's (L, A, sum of widths) record."""
         start = 0
-        every = len(rows) == self.completion[0].shape[1]  # no row dropped yet: rows is 0..N-1, a plain slice
+        every = len(rows) == self.shape[2]  # no row dropped yet: rows is 0..N-1, a plain slice
         for part in self.completion:
             part[:, slice(None) if every else rows, step] = outputs[..., start:start + part.shape[-1]]
             start += part.shape[-1]
@@ -71,47 +68,33 @@ class LinearRecord:
         sequence share one prompt). The prompt part is the last `prompt_width` columns of the
         prefill (prompts are left-padded, a micro-batch drops all-padding columns on the left), the
         completion part the first `completion_width` positions."""
-        P, T = self.prompt[0].shape[2], self.completion[0].shape[2]
+        B, P, N, T = self.shape
         if prompt_width > P or completion_width > T:
             raise ValueError(f"the record holds {P} prompt and {T} completion positions; asked for "
                              f"{prompt_width} and {completion_width}")
-        sequences = [tuple(sequence) for sequence in rows.tolist()]
-        for s, sequence in enumerate(sequences):
-            if all(row < 0 for row in sequence):
-                raise ValueError(f"sequence {s} has no filled block")
-        prompts = tuple(next(row for row in sequence if row >= 0) // self.group for sequence in sequences)
-        return Layout(prompts, tuple(sequences), prompt_width, completion_width)
+        if rows.numel() and not bool((rows >= 0).any(1).all()):
+            raise ValueError(f"sequence {int((rows < 0).all(1).nonzero()[0])} has no filled block")
+        S, blocks = rows.shape
+        first = torch.where(rows >= 0, rows, N).min(1).values  # a filled block's row; its prompt is the sequence's
+        prompt = (first // self.group * P + P - prompt_width)[:, None] + torch.arange(prompt_width)  # (S, Pw)
+        block = torch.where(rows[..., None] >= 0,  # (S, blocks, Cw); empty blocks read the zero row
+                            B * P + rows[..., None] * T + torch.arange(completion_width), B * P + N * T)
+        return Layout(torch.cat([prompt, block.reshape(S, -1)], 1), prompt_width, completion_width)
 
     def output(self, kind: int, layer: int, layout: Layout) -> Tensor:
-        """Module `modules[layer][kind]`'s outputs for the sequences of `layout`: (S, length, width), made on
-        demand (so only the outputs that autograd keeps stay alive, as in an ordinary forward)."""
-        prompt, completion = self.prompt[kind][layer], self.completion[kind][layer]
-        P, Pw, Cw = prompt.shape[1], layout.prompt_width, layout.completion_width
-        out = prompt.new_empty(len(layout.blocks), layout.length, prompt.shape[-1])
-        for s, (source, sequence) in enumerate(zip(layout.prompts, layout.blocks)):  # plain slice copies
-            out[s, :Pw] = prompt[source, P - Pw:]
-            for b, row in enumerate(sequence):
-                at = slice(Pw + b * Cw, Pw + (b + 1) * Cw)
-                if row >= 0:
-                    out[s, at] = completion[row, :Cw]
-                else:
-                    out[s, at] = 0
-        return out
+        """Module `modules[layer][kind]`'s outputs for the sequences of `layout`: (S, length, width), one row
+        gather made on demand (so only the outputs that autograd keeps stay alive, as in an ordinary forward)."""
+        return self.outputs[kind][layer].index_select(0, layout.index.flatten()).view(*layout.index.shape, -1)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A training forward's sequences: per sequence, its prefilled prompt and the rollout row of each
-    completion block (-1: empty); `prompt_width` prompt positions, then `completion_width` per block."""
+    """A training forward's sequences as rows of a record: index (S, length), `prompt_width` prompt
+    positions, then `completion_width` per completion block."""
 
-    prompts: tuple[int, ...]
-    blocks: tuple[tuple[int, ...], ...]
+    index: Tensor
     prompt_width: int
     completion_width: int
-
-    @property
-    def length(self) -> int:
-        return self.prompt_width + len(self.blocks[0]) * self.completion_width
 
 
 class _KnownLinear(torch.autograd.Function):
@@ -136,10 +119,9 @@ class _KnownLinear(torch.autograd.Function):
 
 def _known_forward(record: LinearRecord, kind: int, layer: int, layout: Layout, module: torch.nn.Linear,
                    x: Tensor) -> Tensor:
-    if x.shape[:-1] != (len(layout.blocks), layout.length):
+    if x.shape[:-1] != layout.index.shape:
         raise RuntimeError(f"replayed linear layer got input {tuple(x.shape)}, but the record is laid out for "
-                           f"{(len(layout.blocks), layout.length)} positions: the forward does not match the "
-                           "record's layout")
+                           f"{tuple(layout.index.shape)} positions: the forward does not match the record's layout")
     return _KnownLinear.apply(x, module.weight, module.bias, record.output(kind, layer, layout))
 
 

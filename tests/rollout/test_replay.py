@@ -176,7 +176,7 @@ def test_layout_by_hand():
     """One layer, kinds of widths 1 and 2; prompt positions p hold 10 * prompt + p, completion positions
     t hold 100 * (row + 1) + t (second kind: the same plus 0.5)."""
     modules = [[torch.nn.Linear(2, 1), torch.nn.Linear(2, 2)]]
-    record = LinearRecord.empty(modules, prompts=2, prompt_length=3, rows=4, steps=3, group=2)
+    record = LinearRecord(modules, prompts=2, prompt_length=3, rows=4, steps=3, group=2)
     for kind, offset in ((0, 0.0), (1, 0.5)):
         for b in range(2):
             record.prompt[kind][0, b] = (10 * b + torch.arange(3.0))[:, None] + offset
@@ -184,7 +184,7 @@ def test_layout_by_hand():
             record.completion[kind][0, n] = (100 * (n + 1) + torch.arange(3.0))[:, None] + offset
     # two sequences: rows 3 and (empty) of prompt 1, then row 0 alone; last 2 prompt columns, 2 completion positions
     layout = record.layout(torch.tensor([[3, -1], [0, -1]]), prompt_width=2, completion_width=2)
-    assert layout.prompts == (1, 0) and layout.length == 6
+    assert layout.index.shape == (2, 6)
     first, second = record.output(0, 0, layout), record.output(1, 0, layout)
     assert first.shape == (2, 6, 1) and second.shape == (2, 6, 2)
     want = torch.tensor([[11, 12, 400, 401, 0, 0], [1, 2, 100, 101, 0, 0]], dtype=torch.float32)
@@ -193,13 +193,13 @@ def test_layout_by_hand():
     assert torch.equal(second[:, :, 0], want_second) and torch.equal(second[:, :, 1], want_second)
     with pytest.raises(ValueError, match="holds 3 prompt and 3 completion positions"):
         record.layout(torch.tensor([[0]]), prompt_width=4, completion_width=1)
-    with pytest.raises(ValueError, match="sequence 0 has no filled block"):
-        record.layout(torch.tensor([[-1]]), prompt_width=1, completion_width=1)
+    with pytest.raises(ValueError, match="sequence 1 has no filled block"):
+        record.layout(torch.tensor([[0, 1], [-1, -1]]), prompt_width=1, completion_width=1)
 
 
 def test_replaying_refuses_a_forward_of_another_layout():
     model = load_causal_lm("posttrain/tiny-llama")
-    record = LinearRecord.empty(layer_linears(model), prompts=1, prompt_length=4, rows=1, steps=2, group=1)
+    record = LinearRecord(layer_linears(model), prompts=1, prompt_length=4, rows=1, steps=2, group=1)
     layout = record.layout(torch.tensor([[0]]), prompt_width=4, completion_width=2)
     with replaying(record, layout), pytest.raises(RuntimeError, match="does not match the record's layout"):
         model(input_ids=torch.tensor([[1, 2, 3]]))
