@@ -422,10 +422,11 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     prompt_ids / prompt_mask (R, P) left-padded, completion_ids / completion_mask (R, C) right-padded.
     The k rows that share a prompt become one sequence [prompt, completion_1, ..., completion_k] with
     a block attention mask: each completion sees the prompt and its own earlier tokens, at the
-    positions it has in its own row. A block holds its completion's first C - 1 tokens: the last one
-    would only produce the logits of a token after the completion. One forward then computes the prompt once per group (its
-    gradient collects what all k completions send it), each weight is used once (no per-use weight
-    gradients to add up), and the logits are computed only at the scoring positions. Results and
+    positions it has in its own row (a block holds its completion's first C - 1 tokens: the last
+    one would only give the logits of a token after the completion). One forward then computes the
+    prompt once per group (its gradient collects what all k completions send it), each weight is
+    used once (no per-use weight gradients to add up), and the logits are computed only at the
+    scoring positions. Results and
     gradients equal those of the plain (R, P + C) forward up to float rounding. Falls back to the
     plain forward (`core.logprobs.token_logprobs`) when that is estimated cheaper (few repeated
     prompts, or blocks so long that the dense-mask attention outweighs the saved prompt tokens) or
