@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from rollout_helpers import varied
 
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rollout import few_rows
@@ -11,16 +12,6 @@ from posttrain.rollout.decode import lean_decoder
 from posttrain.rollout.generate import SamplingConfig, generate
 
 PROMPTS = ["reverse 1234 =", "Beautiful is better than ugly. Explicit is", "a"]
-
-
-def varied(name):
-    """The tiny model with larger random weights (the seeded one repeats one token), biases included."""
-    model = load_causal_lm(name)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1))
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

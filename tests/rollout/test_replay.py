@@ -3,6 +3,7 @@ training forward that replays it gives the log-probs and gradients of the ordina
 
 import pytest
 import torch
+from rollout_helpers import varied
 
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rollout import decode, few_rows
@@ -17,16 +18,6 @@ PROMPTS = ["reverse 1234 =", "Beautiful is better than ugly. Explicit is", "a"]
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer("posttrain/tiny-qwen2")
-
-
-def varied(name):
-    """The tiny model with larger random weights (the seeded one repeats one token), biases included."""
-    model = load_causal_lm(name)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1))
-    return model.eval()
 
 
 def rollout_with_early_stops(model, tok, num_generations=4, max_new_tokens=12):
