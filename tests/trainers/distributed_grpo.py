@@ -3,6 +3,8 @@ as a plain single process; writes the first-step loss and the updated weights to
 
 Sampling is made independent of how prompts are split over processes: each prompt is sampled in its own
 `generate` call, with a generator seeded from its token ids, so both runs train on the same completions.
+With replay (the default), the per-prompt records of the sampler's linear outputs are merged into one, as
+a single `generate` call would have made it, and the number of replayed forwards is written out too.
 """
 
 import json
@@ -12,7 +14,9 @@ import sys
 import torch
 
 from posttrain.data.builtin import task_dataset
+from posttrain.rollout import generate as generate_module
 from posttrain.rollout.generate import Rollout, generate
+from posttrain.rollout.replay import LinearRecord
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 
@@ -27,22 +31,42 @@ def _cat(tensors, value, left=False):
                                               value=value) for t in tensors])
 
 
+def _merge(records):
+    """One LinearRecord for prompts sampled one `generate` call each (prompt positions left-padded)."""
+    first = records[0]
+    P = max(r.shape[1] for r in records)
+    T = max(r.shape[3] for r in records)
+    G = first.group
+    merged = LinearRecord(first.modules, len(records), P, G * len(records), T, G)
+    for b, r in enumerate(records):
+        for kind in range(len(merged.outputs)):
+            merged.prompt[kind][:, b, P - r.shape[1]:] = r.prompt[kind][:, 0]
+            merged.completion[kind][:, b * G:(b + 1) * G, :r.shape[3]] = r.completion[kind]
+    return merged
+
+
 class PerPromptSeededGRPO(GRPOTrainer):
     def sample_completions(self, prompt_ids, sampling=None):
         tok = self.processing_class
         parts = [generate(self.policy, [ids], sampling or self.sampling, pad_token_id=tok.pad_token_id,
-                          eos_token_id=tok.eos_token_id, generator=torch.Generator().manual_seed(sum(ids) + len(ids)))
+                          eos_token_id=tok.eos_token_id, generator=torch.Generator().manual_seed(sum(ids) + len(ids)),
+                          record_linears=self.replays and sampling is None)
                  for ids in prompt_ids]
+        records = [p.linear_outputs for p in parts]
         return Rollout(prompt_ids=_cat([p.prompt_ids for p in parts], tok.pad_token_id, left=True),
                        prompt_mask=_cat([p.prompt_mask for p in parts], 0, left=True),
                        completion_ids=_cat([p.completion_ids for p in parts], tok.pad_token_id),
                        completion_mask=_cat([p.completion_mask for p in parts], 0),
                        logprobs=_cat([p.logprobs for p in parts], 0.0),
-                       is_truncated=torch.cat([p.is_truncated for p in parts]))
+                       is_truncated=torch.cat([p.is_truncated for p in parts]),
+                       linear_outputs=_merge(records) if all(r is not None for r in records) else None)
 
 
-def main(out_path: str, per_device_batch: int):
-    args = GRPOConfig(output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch, num_generations=4,
+def main(out_path: str, per_device_batch: int, replay: bool):
+    replayed = []
+    real = generate_module.replaying
+    generate_module.replaying = lambda *a: replayed.append(1) or real(*a)
+    args = GRPOConfig(replay_linear_outputs=replay, output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch, num_generations=4,
                       max_completion_length=6, learning_rate=1e-2, max_steps=1, logging_steps=1, beta=0.1,
                       shuffle_dataset=False, report_to="none", disable_tqdm=True, use_cpu=True,
                       ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
@@ -54,8 +78,9 @@ def main(out_path: str, per_device_batch: int):
         weights = {n: p.detach().double().sum().item() for n, p in trainer.policy.named_parameters()}
         with open(out_path, "w") as f:
             json.dump({"loss": trainer.state.log_history[0]["loss"], "reward": trainer.state.log_history[0]["reward"],
-                       "processes": trainer.accelerator.num_processes, "weights": weights}, f)
+                       "processes": trainer.accelerator.num_processes, "weights": weights,
+                       "replayed": len(replayed)}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "replay")

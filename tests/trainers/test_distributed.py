@@ -29,16 +29,18 @@ def _run(cmd, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("mode", ["replay", "plain"])  # the training forward replays the sampler's, or computes
+def test_two_processes_match_one(tmp_path, mode):
     pytest.importorskip("accelerate")
     one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
     # 1 process x 8 completions (2 prompts) vs 2 processes x 4 completions (1 prompt each)
-    _run([sys.executable, SCRIPT, one, "8"], tmp_path)
+    _run([sys.executable, SCRIPT, one, "8", mode], tmp_path)
     _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-          SCRIPT, two, "4"], tmp_path)
+          SCRIPT, two, "4", mode], tmp_path)
     a, b = (json.load(open(p)) for p in (one, two))
     assert (a["processes"], b["processes"]) == (1, 2)
+    assert (a["replayed"] > 0, b["replayed"] > 0) == ((mode == "replay",) * 2)
     assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same completions were sampled
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
     for name, value in a["weights"].items():
