@@ -79,9 +79,7 @@ def lean_decoder(model) -> LeanDecoder | None:
         return None
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return None
-    linears = [model.lm_head] + [m for layer in inner.layers for m in
-                                 (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                                  layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    linears = [model.lm_head] + [m for layer in layer_linears(model) for m in layer]
     if not all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
                for m in linears):
         return None

@@ -242,7 +242,6 @@ static void rms_norm_row(const float *x, const float *w, float eps, float *out, 
     for (int i = 0; i < D; i++) out[i] = w[i] * (x[i] * r);
 }
 
-/* work: at least A * (3 D + (Hq + 2 Hk) hd + Hq hd + 2 I) + A * Hq * cap floats */
 /* rows a < A of n floats each (row stride ld) into the record: record[(l * A + a) * F + offset + i] */
 static void keep_rows(float *record, int l, int A, ptrdiff_t F, ptrdiff_t offset, const float *src, ptrdiff_t ld,
                       ptrdiff_t n) {
@@ -253,7 +252,8 @@ static void keep_rows(float *record, int l, int A, ptrdiff_t F, ptrdiff_t offset
     }
 }
 
-/* `record` (NULL: none): every layer's linear outputs for the A rows, as the nn.Linear modules give them
+/* work: at least A * (3 D + (Hq + 2 Hk) hd + Hq hd + 2 I) + A * Hq * cap floats.
+ * `record` (NULL: none): every layer's linear outputs for the A rows, as the nn.Linear modules give them
  * (q, k and v before the rotary embedding, gate and up before the SiLU), laid out (L, A, F) with
  * F = (Hq + 2 Hk) hd + D + 2 I + D: [q | k | v | o | gate | up | down]. */
 void lean_decode_step(const LeanModel *m, const LeanLayer *layers, const long *tokens, int T, const float *cos,

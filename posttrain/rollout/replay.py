@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -64,8 +62,8 @@ class LinearRecord:
             part[:, slice(None) if every else rows, step] = outputs[..., start:start + part.shape[-1]]
             start += part.shape[-1]
 
-    def layout(self, rows: Tensor, prompt_width: int, completion_width: int) -> Layout:
-        """Where each position of a training forward's sequences is in the record.
+    def layout(self, rows: Tensor, prompt_width: int, completion_width: int) -> Tensor:
+        """Where each position of a training forward's sequences is in the record: (S, length) row indices.
 
         rows (S, blocks): the rollout row whose completion fills each block of each sequence, -1 for an
         empty block (zeros); each sequence's prompt is that of its first filled block (all blocks of a
@@ -83,22 +81,12 @@ class LinearRecord:
         prompt = (first // self.group * P + P - prompt_width)[:, None] + torch.arange(prompt_width)  # (S, Pw)
         block = torch.where(rows[..., None] >= 0,  # (S, blocks, Cw); empty blocks read the zero row
                             B * P + rows[..., None] * T + torch.arange(completion_width), B * P + N * T)
-        return Layout(torch.cat([prompt, block.reshape(S, -1)], 1), prompt_width, completion_width)
+        return torch.cat([prompt, block.reshape(S, -1)], 1)
 
-    def output(self, kind: int, layer: int, layout: Layout) -> Tensor:
+    def output(self, kind: int, layer: int, layout: Tensor) -> Tensor:
         """Module `modules[layer][kind]`'s outputs for the sequences of `layout`: (S, length, width), one row
         gather made on demand (so only the outputs that autograd keeps stay alive, as in an ordinary forward)."""
-        return self.outputs[kind][layer].index_select(0, layout.index.flatten()).view(*layout.index.shape, -1)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A training forward's sequences as rows of a record: index (S, length), `prompt_width` prompt
-    positions, then `completion_width` per completion block."""
-
-    index: Tensor
-    prompt_width: int
-    completion_width: int
+        return self.outputs[kind][layer].index_select(0, layout.flatten()).view(*layout.shape, -1)
 
 
 class _KnownLinear(torch.autograd.Function):
@@ -121,16 +109,16 @@ class _KnownLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def _known_forward(record: LinearRecord, kind: int, layer: int, layout: Layout, module: torch.nn.Linear,
+def _known_forward(record: LinearRecord, kind: int, layer: int, layout: Tensor, module: torch.nn.Linear,
                    x: Tensor) -> Tensor:
-    if x.shape[:-1] != layout.index.shape:
+    if x.shape[:-1] != layout.shape:
         raise RuntimeError(f"replayed linear layer got input {tuple(x.shape)}, but the record is laid out for "
-                           f"{tuple(layout.index.shape)} positions: the forward does not match the record's layout")
+                           f"{tuple(layout.shape)} positions: the forward does not match the record's layout")
     return _KnownLinear.apply(x, module.weight, module.bias, record.output(kind, layer, layout))
 
 
 @contextlib.contextmanager
-def replaying(record: LinearRecord, layout: Layout):
+def replaying(record: LinearRecord, layout: Tensor):
     """Within the block, each recorded module returns its recorded outputs laid out as `layout` instead of
     computing; a forward must call each one once, on inputs of that layout."""
     patched = []

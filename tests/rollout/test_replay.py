@@ -175,7 +175,7 @@ def test_layout_by_hand():
             record.completion[kind][0, n] = (100 * (n + 1) + torch.arange(3.0))[:, None] + offset
     # two sequences: rows 3 and (empty) of prompt 1, then row 0 alone; last 2 prompt columns, 2 completion positions
     layout = record.layout(torch.tensor([[3, -1], [0, -1]]), prompt_width=2, completion_width=2)
-    assert layout.index.shape == (2, 6)
+    assert layout.shape == (2, 6)
     first, second = record.output(0, 0, layout), record.output(1, 0, layout)
     assert first.shape == (2, 6, 1) and second.shape == (2, 6, 2)
     want = torch.tensor([[11, 12, 400, 401, 0, 0], [1, 2, 100, 101, 0, 0]], dtype=torch.float32)
