@@ -12,7 +12,11 @@
   "module:function" path, or else a model name/path loaded as a sequence classifier.
 
 Each function returns one value per completion; `None` means "this function abstains on this
-sample" (NaN in the per-function table, skipped in the weighted total). Async functions run
+sample" (NaN in the per-function table, skipped in the weighted total). A function that abstains
+on a whole batch is warned about once; a sample on which every function abstains gets total 0,
+with a warning.
+Every reward must be a finite number no larger in magnitude than `REWARD_LIMIT` (`check_scores`,
+which `PPOTrainer.step` also applies to the scores it is given). Async functions run
 concurrently with each other (one `asyncio.gather`, in a worker thread so that it also works
 under an already running event loop, e.g. a notebook) and with the sync functions and reward
 models, which run meanwhile in the calling thread.
@@ -26,6 +30,7 @@ import inspect
 import math
 import numbers
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -35,8 +40,54 @@ from torch import Tensor
 REWARD_MODEL_BATCH = 64  # rows per reward-model forward
 
 
+# Rewards are normalised in float32 (group mean and std): the square of a larger magnitude
+# overflows float32 (max 3.4e38), the std becomes inf and every advantage silently 0 or NaN.
+# Such rewards are refused rather than rescaled, since any rescaling would change what they mean.
+REWARD_LIMIT = 1e15
+
+
 class RewardError(RuntimeError):
     """A reward function failed or returned something unusable; the message names it."""
+
+
+def check_scores(scores, source: str = "scores", *, allow_none: bool = False) -> Tensor:
+    """`scores` as a float32 tensor (N,), each checked to be a finite real number with |s| <= REWARD_LIMIT.
+
+    scores: a tensor or array of N values, or a sequence of numbers or one-element tensors (the
+    `PPOTrainer.step` form). source names where they came from in the error, e.g.
+    "reward function 'f'". allow_none: None is an abstention and becomes NaN (reward functions);
+    otherwise it is refused. Raises RewardError naming the source and the sample index.
+    """
+    if isinstance(scores, Tensor):
+        scores = scores.detach().cpu().double().reshape(-1).tolist()
+    elif hasattr(scores, "tolist") and not isinstance(scores, (str, bytes)):  # numpy arrays
+        scores = scores.tolist()
+    if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__len__"):
+        raise RewardError(f"{source} returned a {type(scores).__name__}; it must be a list with one value "
+                          f"per sample")
+    values = []
+    for j, v in enumerate(scores):
+        if v is None and allow_none:
+            values.append(math.nan)
+            continue
+        if isinstance(v, Tensor) and v.numel() == 1:
+            v = v.item()
+        if not isinstance(v, numbers.Real):
+            hint = "return a float, or None to abstain" if allow_none else "give a float"
+            raise RewardError(f"{source} returned a non-number value {v!r} ({type(v).__name__}) for sample {j}; "
+                              f"{hint}")
+        v = float(v)
+        if math.isnan(v):
+            hint = "; return None to abstain on a sample" if allow_none else ""
+            raise RewardError(f"{source} returned NaN for sample {j}{hint}")
+        if math.isinf(v):
+            raise RewardError(f"{source} returned {v} for sample {j}; rewards must be finite")
+        if abs(v) > REWARD_LIMIT:
+            raise RewardError(f"{source} returned {v:g} for sample {j}; rewards must lie within "
+                              f"+-{REWARD_LIMIT:g}, beyond which the float32 std of the advantages overflows: "
+                              f"rescale the reward")
+        values.append(v)
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def resolve_reward_func(spec):
@@ -152,7 +203,12 @@ class RewardScorer:
         if len(reward_weights) != F:
             raise ValueError(f"reward_weights has {len(reward_weights)} values but there are {F} reward functions "
                              f"({self.names})")
+        for i, w in enumerate(reward_weights):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+                raise ValueError(f"reward_weights[{i}] (for {self.names[i]!r}) is {w!r}; each weight must be a "
+                                 f"finite number")
         self.weights = torch.tensor([float(w) for w in reward_weights], dtype=torch.float32)
+        self._warned_abstain: set[int] = set()  # functions already warned about abstaining on a whole batch
         if reward_processing_classes is None:
             reward_processing_classes = [None] * F
         elif not isinstance(reward_processing_classes, (list, tuple)):
@@ -231,9 +287,10 @@ class RewardScorer:
                 for i, out in zip(late, pool.submit(asyncio.run, self._gather(list(late.values()))).result()):
                     results[i] = out
 
-        table = torch.tensor([self._check(i, out, N) for i, out in enumerate(results)], dtype=torch.float32).T
-        table = table.reshape(N, len(self.funcs))
+        table = torch.stack([self._check(i, out, N) for i, out in enumerate(results)], dim=1).reshape(N, -1)
+        self._check_abstentions(table)
         total = torch.nansum(table * self.weights, dim=1)
+        check_scores(total, "the weighted sum of the rewards")  # large weights can overflow a valid reward
         if self.device is not None:
             table, total = table.to(self.device), total.to(self.device)
         return table, total
@@ -248,37 +305,32 @@ class RewardScorer:
     async def _gather(coroutines):
         return await asyncio.gather(*coroutines)
 
-    def _check(self, i: int, out, N: int) -> list[float]:
+    def _check(self, i: int, out, N: int) -> Tensor:
         """Validate one function's output; None -> NaN (abstain)."""
         name = self.names[i]
-        if isinstance(out, Tensor):
-            out = out.detach().float().cpu().reshape(-1).tolist()
-        elif hasattr(out, "tolist") and not isinstance(out, (str, bytes)):  # numpy arrays
-            out = out.tolist()
-        if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
-            raise RewardError(f"reward function {name!r} returned a {type(out).__name__}; it must return a list "
-                              f"with one value per completion ({N})")
-        if len(out) != N:
+        if hasattr(out, "__len__") and not isinstance(out, (str, bytes, dict)) and len(out) != N:
             raise RewardError(f"reward function {name!r} returned {len(out)} values, expected {N} "
                               f"(one per completion)")
-        values = []
-        for j, v in enumerate(out):
-            if v is None:
-                values.append(math.nan)
-                continue
-            if isinstance(v, Tensor) and v.numel() == 1:
-                v = v.item()
-            if not isinstance(v, numbers.Real):
-                raise RewardError(f"reward function {name!r} returned a non-number value {v!r} "
-                                  f"({type(v).__name__}) for sample {j}; return a float, or None to abstain")
-            v = float(v)
-            if math.isnan(v):
-                raise RewardError(f"reward function {name!r} returned NaN for sample {j}; "
-                                  f"return None to abstain on a sample")
-            if math.isinf(v):
-                raise RewardError(f"reward function {name!r} returned {v} for sample {j}; rewards must be finite")
-            values.append(v)
-        return values
+        return check_scores(out, f"reward function {name!r}", allow_none=True)
+
+    def _check_abstentions(self, table: Tensor):
+        """Warn once per function that abstains on a whole batch, and about samples no function scores."""
+        abstained = table.isnan()  # (N, F)
+        if len(table) == 0:
+            return
+        # As in TRL, a sample nobody scores gets total 0 and a warning, not an error: None means
+        # "not applicable", and a batch may legitimately hold a sample no function covers.
+        unscored = abstained.all(dim=1).nonzero().flatten().tolist()
+        if unscored:
+            warnings.warn(f"every reward function ({self.names}) returned None for sample(s) {unscored[:10]}"
+                          f"{' ...' if len(unscored) > 10 else ''}: their reward is 0; make at least one function "
+                          f"score every sample", stacklevel=3)
+        for i in abstained.all(dim=0).nonzero().flatten().tolist():
+            if i not in self._warned_abstain:
+                self._warned_abstain.add(i)
+                warnings.warn(f"reward function {self.names[i]!r} returned None for every sample of a batch of "
+                              f"{len(table)}: it contributes no reward there (warned once per function)",
+                              stacklevel=3)
 
     def _texts(self, tokenizer, prompts: list, completions: list) -> tuple[list[str], bool]:
         """Prompt + completion as one text per sample; (texts, whether a chat template rendered them)."""
