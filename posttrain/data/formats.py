@@ -3,7 +3,8 @@
 A format is recognised from column names alone; the first layout below whose columns are all
 present wins, so richer layouts are tried before the ones they contain. Other columns (``id``,
 ``answer``, ``margin``, ...) are allowed and carried through conversions unchanged, repeated
-when one row becomes several.
+when one row becomes several. Extra columns with a meaning of their own are checked too: a
+``margin`` (the reward model's required score gap) must be a finite number in every row.
 
 =============================  ==============================================================
 ``ranked``                     ``prompt``, ``responses``, ``ranks`` (lower is better, 0 best)
@@ -19,8 +20,10 @@ when one row becomes several.
 
 Every value is either *standard* (a string) or *conversational* (a list of ``{"role",
 "content"}`` messages); a dataset is one or the other throughout. A standard ``prompt`` may be
-the empty string (unconditional generation); completions, ``chosen`` and ``rejected`` may not
-be empty.
+the empty string (unconditional generation; the online trainers, which must start generating
+from some token, further need the tokenizer to give it one, e.g. a BOS: see
+`posttrain.data.tokenize.check_prompts`); completions, ``chosen`` and ``rejected`` may not be
+empty.
 
 The canonical formats are ``language_modeling``, ``prompt_only``, ``prompt_completion``,
 ``preference`` and ``unpaired_preference``: ``to_canonical`` turns ``instruction`` into
@@ -243,6 +246,12 @@ def _numbers(value: Any) -> None:
             raise _Bad(f"expected a list of finite numbers, element {j} is {_describe(x)}")
 
 
+def _finite_number(value: Any) -> None:
+    is_bool = isinstance(value, (bool, np.bool_))
+    if is_bool or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
+        raise _Bad(f"expected a finite number, got {_describe(value)}")
+
+
 def _responses(value: Any) -> str:
     if not isinstance(value, (list, tuple)) or not value:
         got = _describe(value)
@@ -273,6 +282,12 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "instruction": _string,
     "output": _string,
     "input": _optional_string,
+}
+
+
+# Extra columns that mean something to a trainer, checked wherever they appear.
+_EXTRA_CHECKS: dict[str, Callable[[Any], None]] = {
+    "margin": _finite_number,  # RewardTrainer: one NaN would make every weight NaN
 }
 
 
@@ -311,8 +326,18 @@ def validate(data: Data, info: FormatInfo | None = None, max_rows: int | None = 
     if missing := sorted(set(info.columns) - available):
         raise FormatError(f"the dataset has no column(s) {missing} needed by format {info.name!r}")
 
+    if isinstance(data, Dataset):
+        extras = tuple(c for c in _EXTRA_CHECKS if c in available and c not in info.columns)
+    else:  # rows may differ in their keys: each row's extras are read from the row itself
+        extras = tuple(c for c in _EXTRA_CHECKS if c not in info.columns)
     first: tuple[int, str, str] | None = None  # (row, column, kind) that fixed the dataset's kind
-    for i, row in enumerate(_iter_rows(data, info.columns, max_rows)):
+    for i, row in enumerate(_iter_rows(data, info.columns + extras, max_rows)):
+        for column in extras:
+            if column in row:
+                try:
+                    _EXTRA_CHECKS[column](row[column])
+                except _Bad as e:
+                    raise FormatError(f"row {i}, column {column!r}: {e}") from None
         for column in info.columns:
             try:
                 kind = _CHECKS[column](row.get(column, _MISSING))
@@ -458,19 +483,28 @@ def ranked_to_preference(data: Data) -> Data:
     """``prompt``/``responses``/``ranks`` or ``scores`` -> one preference row per ordered pair.
 
     Pairs are every (better, worse) pair with a strict difference, ties skipped, listed with the
-    best response's pairs first: ranks [1, 2, 0] give (2 > 0), (2 > 1), (0 > 1).
+    best response's pairs first: ranks [1, 2, 0] give (2 > 0), (2 > 1), (0 > 1). A row that gives
+    no pair (one response, or all tied) raises FormatError naming it, rather than vanish.
     """
     info = _expect(data, "ranked")
 
     def convert(i: int, row: Mapping) -> list[dict]:
-        order, badness = _best_first(row, info.columns[2])
+        key = info.columns[2]
+        order, badness = _best_first(row, key)
         responses = row["responses"]
-        return [
+        pairs = [
             {"prompt": row["prompt"], "chosen": responses[a], "rejected": responses[b]}
             for n, a in enumerate(order)
             for b in order[n + 1 :]
             if badness[a] < badness[b]
         ]
+        if not pairs:
+            raise FormatError(
+                f"row {i}, column {key!r}: {list(row[key])} gives no (better, worse) pair: "
+                f"{'the only response' if len(order) == 1 else 'all responses tie'}; give at least "
+                f"two responses with different {key}, or drop the row"
+            )
+        return pairs
 
     return _convert(data, info, ("prompt", "chosen", "rejected"), convert)
 

@@ -13,6 +13,7 @@ live in one place:
 
 from __future__ import annotations
 
+from posttrain.data import formats
 from posttrain.models.loading import require_chat_template
 
 
@@ -35,6 +36,32 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
         require_chat_template(tokenizer)
         return _chat_ids(tokenizer, prompt, add_generation_prompt=True)
     return list(tokenizer(prompt)["input_ids"])
+
+
+def check_prompts(dataset, tokenizer, what: str = "train_dataset") -> None:
+    """Refuse, naming the row, a prompt the online trainers cannot generate from.
+
+    Every `prompt` must be a string or a list of {'role','content'} messages (checked here, at
+    construction, rather than at the first step), and an empty string prompt must give at least
+    one token (a BOS): generation starts from the prompt's last token. Datasets without a
+    `prompt` column (pre-tokenised `input_ids`) are left alone.
+    """
+    columns = getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else [])
+    if "prompt" not in columns:
+        return
+    try:
+        formats.validate(dataset, formats.FormatInfo("prompt_only", False, ("prompt",)))
+    except formats.FormatError as err:
+        raise TokenizeError(f"{what}: {err}") from None
+    if encode_prompt(tokenizer, ""):
+        return
+    prompts = dataset["prompt"] if hasattr(dataset, "column_names") else [row["prompt"] for row in dataset]
+    empty = next((i for i, p in enumerate(prompts) if isinstance(p, str) and not p), None)
+    if empty is not None:
+        raise TokenizeError(
+            f"{what}: row {empty}, column 'prompt': the prompt is the empty string and this tokenizer adds no "
+            f"BOS token, so it gives no token to generate from; give the prompt some text (or a chat message), "
+            f"or use a tokenizer that adds a BOS token")
 
 
 def encode_prompt_completion(tokenizer, prompt, completion, max_length: int | None = None,
