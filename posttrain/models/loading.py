@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,14 +102,50 @@ def load_causal_lm(model, dtype=None, **kwargs):
     return _from_pretrained(AutoModelForCausalLM, model, dtype=_dtype(dtype), **kwargs)
 
 
-def load_sequence_classifier(model, num_labels: int = 1, dtype=None, **kwargs):
-    """A sequence-classification model with `num_labels` outputs; a causal-LM checkpoint gets a fresh score head."""
+class UntrainedHeadWarning(UserWarning):
+    """A sequence classifier used for its scores has a freshly initialised (random) score head."""
+
+
+def load_sequence_classifier(model, num_labels: int = 1, dtype=None, *, warn_untrained_head: bool = False,
+                             **kwargs):
+    """A sequence-classification model with `num_labels` outputs; a causal-LM checkpoint gets a fresh score head.
+
+    An object is checked (`check_num_labels`) and returned as is. warn_untrained_head: warn
+    (UntrainedHeadWarning, naming the path and the new parameters) when loading created
+    weights the checkpoint lacks -- right for a model whose scores are used as they are (a
+    reward function, a judge), noise for one about to be trained (RewardTrainer, a critic).
+    """
     if not isinstance(model, str):
+        check_num_labels(model, num_labels)
         return model
     from transformers import AutoModelForSequenceClassification
 
-    return _from_pretrained(AutoModelForSequenceClassification, model, _task="seq-cls",
-                            num_labels=num_labels, dtype=_dtype(dtype), **kwargs)
+    loaded, info = _from_pretrained(AutoModelForSequenceClassification, model, _task="seq-cls",
+                                    num_labels=num_labels, dtype=_dtype(dtype), output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys", ()))
+    if warn_untrained_head and missing:
+        warnings.warn(f"posttrain: {model!r} has no trained score head: {missing} were newly initialised at random "
+                      f"(a causal-LM checkpoint, or a classifier saved without its head), so its scores are random. "
+                      f"Train it first (posttrain reward ...) and pass the trained folder", UntrainedHeadWarning,
+                      stacklevel=2)
+    return loaded
+
+
+def check_num_labels(model, num_labels: int = 1, what: str = "reward model"):
+    """Refuse a model object whose config gives other than `num_labels` outputs (only logit 0 would be read)."""
+    config = getattr(model, "config", None)
+    found = getattr(config, "num_labels", None)
+    if found is None or found == num_labels:
+        return
+    name = getattr(config, "_name_or_path", "") or type(model).__name__
+    if "CausalLM" in type(model).__name__ or hasattr(model, "lm_head"):
+        raise ValueError(f"{what} {name!r} is a causal language model ({type(model).__name__}), not a sequence "
+                         f"classifier with {num_labels} output(s); pass its path instead, to load it with a score head "
+                         f"(untrained until you train it), or pass a trained reward model")
+    raise ValueError(f"{what} {name!r} has num_labels={found}, but a {what} gives {num_labels} score(s) per text "
+                     f"and only logit 0 would be read; load it with num_labels={num_labels} "
+                     f"(e.g. AutoModelForSequenceClassification.from_pretrained(path, num_labels={num_labels})) or "
+                     f"pass a model trained with one output")
 
 
 def load_tokenizer(tokenizer_or_name, model=None):

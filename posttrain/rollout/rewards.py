@@ -6,8 +6,8 @@
   among `prompts`, `completions`, `completion_ids` and every dataset column; `**kwargs` takes
   them all; a callable with a single positional parameter that names none of them is called
   with the completions only (`lambda texts: ...`);
-* a sequence-classification model object (scored on prompt + completion text with its own
-  tokenizer, logit 0 is the reward);
+* a sequence-classification model object with one output (num_labels=1; others are refused),
+  scored on prompt + completion text with its own tokenizer;
 * a string: a built-in reward name (`posttrain.data.builtin.REWARD_FUNCTIONS`), a
   "module:function" path, or else a model name/path loaded as a sequence classifier.
 
@@ -94,10 +94,15 @@ def resolve_reward_func(spec):
     """A callable or a model from a reward spec.
 
     Strings: a built-in name ("exact_match", "digit_match"), "module:function" (imported), or
-    anything else is a model name/path loaded with `load_sequence_classifier`. Objects are
-    returned unchanged.
+    anything else is a model name/path loaded with `load_sequence_classifier` (with a warning
+    when its score head is untrained). Objects are returned unchanged, a model only once it is
+    known to give one score (num_labels == 1).
     """
+    from posttrain.models.loading import check_num_labels, load_sequence_classifier
+
     if not isinstance(spec, str):
+        if _is_model(spec):
+            check_num_labels(spec, 1)
         return spec
     from posttrain.data.builtin import REWARD_FUNCTIONS
 
@@ -117,9 +122,7 @@ def resolve_reward_func(spec):
         if not callable(func):
             raise ValueError(f"reward function {spec!r} is not callable")
         return func
-    from posttrain.models.loading import load_sequence_classifier
-
-    return load_sequence_classifier(spec)
+    return load_sequence_classifier(spec, warn_untrained_head=True)
 
 
 def _is_model(func) -> bool:

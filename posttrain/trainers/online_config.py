@@ -27,6 +27,8 @@ _COUNT = {"token_mean": 0, "seq_mean_token_mean": 1, "seq_mean_token_sum": 1, "s
 # estimators that read per-token rewards (AdvantageInput.token_rewards); the others see one score per sequence
 PER_TOKEN_ESTIMATORS = {"gae", "reinforce_pp", "reinforce_pp_baseline"}
 CRITIC_ESTIMATORS = {"gae"}
+# estimators whose baseline is the other completions of the prompt: a group of one gets advantage 0
+GROUP_ESTIMATORS = {"group_norm", "leave_one_out", "reinforce_pp_baseline"}
 
 
 @dataclass
@@ -37,7 +39,8 @@ class OnlineConfig(BaseConfig):
     # ---- rollout
     num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the group); must divide "
                                  "per_device_train_batch_size * steps_per_generation."})
-    max_prompt_length: int | None = field(default=512, metadata={"help": "Keep the last this many prompt tokens."})
+    max_prompt_length: int | None = field(default=512, metadata={"help": "Keep the last this many prompt tokens "
+                                          "(>= 1; None: no limit)."})
     max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (training log-probs use it too)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (1.0: off)."})
@@ -72,7 +75,7 @@ class OnlineConfig(BaseConfig):
                                  "penalty at every token; else the summed KL joins the sequence score."})
     sync_ref_model: bool = field(default=False, metadata={"help": "ref <- alpha * policy + (1 - alpha) * ref every "
                                  "ref_model_sync_steps (TR-DPO); needs beta > 0."})
-    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "alpha of sync_ref_model."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "alpha of sync_ref_model, in [0, 1]."})
     ref_model_sync_steps: int = field(default=512, metadata={"help": "Steps between reference syncs."})
     # ---- advantages
     advantage_estimator: str = field(default="group_norm", metadata={"help": "A core.advantages estimator: "
@@ -89,8 +92,9 @@ class OnlineConfig(BaseConfig):
                            "mean per micro-batch), 'dr_grpo' (token sum / max_completion_length), 'dapo' (token "
                            "mean over the step), or a core.masked aggregation."})
     num_iterations: int = field(default=1, metadata={"help": "Passes over each generation batch (PPO epochs)."})
-    epsilon: float = field(default=0.2, metadata={"help": "Clip range of the importance ratio."})
-    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO); None: epsilon."})
+    epsilon: float = field(default=0.2, metadata={"help": "Clip range of the importance ratio (>= 0)."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO, >= 0); None: "
+                                       "epsilon."})
     importance_sampling_level: str = field(default="token", metadata={"help": "'token', or 'sequence' (GSPO)."})
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss (gae)."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value update (gae)."})
@@ -106,7 +110,8 @@ class OnlineConfig(BaseConfig):
                                         "checkpointing."})
     local_rollout_forward_batch_size: int = field(default=64, metadata={"help": "Rows per no-grad forward "
                                                   "(reference log-probs, old values)."})
-    total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (sets max_steps)."})
+    total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (>= 1; sets "
+                                       "max_steps). None: max_steps / num_train_epochs decide."})
     log_completions: bool = field(default=False, metadata={"help": "A completions table at every logging step."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "Table rows printed (None: all)."})
     num_sample_generations: int = field(default=0, metadata={"help": "Completion tables (and completions.jsonl "
@@ -155,9 +160,25 @@ class OnlineConfig(BaseConfig):
                                     ("token", "sequence"))]:
             if value not in known:
                 raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(known)}")
-        if self.advantage_estimator in ("leave_one_out", "reinforce_pp_baseline") and k < 2:
+        if self.advantage_estimator in GROUP_ESTIMATORS and k < 2:  # else every advantage, and gradient, is 0
             raise ValueError(f"advantage_estimator={self.advantage_estimator!r} compares the completions of a "
                              "prompt with each other: set num_generations >= 2")
+        # 0 would read as "no limit" and a negative length would cut the prompt's start instead
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {self.max_prompt_length}; "
+                             "set it to None for no limit")
+        for name in ("epsilon", "epsilon_high"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:  # NaN too
+                raise ValueError(f"{name} (a clip range of the importance ratio) must be >= 0, got {value}")
+        if self.total_episodes is not None and self.total_episodes < 1:
+            raise ValueError(f"total_episodes must be >= 1 completions, got {self.total_episodes}; set it to None "
+                             "to train for max_steps / num_train_epochs instead")
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            raise ValueError(f"ref_model_mixup_alpha must be in [0, 1] (the policy's share in each reference sync), "
+                             f"got {self.ref_model_mixup_alpha}")
+        if self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.sync_ref_model and self.beta == 0:
