@@ -46,7 +46,7 @@ from posttrain.core.kl import kl_penalty
 from posttrain.core.logprobs import token_logprobs
 from posttrain.core.masked import aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss
-from posttrain.data.tokenize import encode_prompt
+from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.models import loading
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, completion_logprobs, generate
@@ -129,6 +129,9 @@ class OnlineTrainer(BaseTrainer):
             raise ValueError("reward_funcs is required: reward functions, reward models, or model names "
                              "(or set reward_model_path)")
         self._check_dataset(train_dataset, "train_dataset")
+        for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if data is not None and not isinstance(data, dict):  # prompts refused here, not at a later step
+                check_prompts(data, processing_class, what)
         super().__init__(wrapped, args, processing_class=processing_class, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers,
                          data_collator=lambda rows: rows)
