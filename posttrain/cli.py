@@ -1,9 +1,10 @@
 """`posttrain <command> [--config file.yaml] [--field value ...]`: train from the command line.
 
 Each command is one entry of `COMMANDS`, a function `run_x(script_args, config)` that builds
-and returns a trainer (or does its work itself and returns None); `main` parses the flags,
-trains, and saves the model to `output_dir`. The flags come from two dataclasses named by
-the `@command` decorator: the script arguments (model, dataset) and the trainer's config, every
+and returns a trainer (or does its work itself and returns None); `run` parses the flags,
+trains (resuming from `--resume_from_checkpoint` when given), saves the model to `output_dir`
+and returns the trainer; `main`, the console script, returns the exit status instead. The
+flags come from two dataclasses named by the `@command` decorator: the script arguments (model, dataset) and the trainer's config, every
 field of which is a flag. Values come from, lowest to highest: the dataclass defaults, the
 YAML file given with `--config` (flat `field: value` pairs), the command line.
 
@@ -65,10 +66,14 @@ def command(config: str | None, script_args: type | None = ScriptArguments, help
     return mark
 
 
+class DatasetError(ValueError):
+    """A dataset argument that cannot be loaded; the message names the file, the line and what is wrong."""
+
+
 def load_dataset_arg(name: str, split: str = "train", config: str | None = None):
     """A `datasets.Dataset` from a built-in name, a local data file or a local dataset folder.
 
-    Nothing is fetched from the hub: anything else raises a ValueError that says what is accepted.
+    Nothing is fetched from the hub: anything else raises a DatasetError that says what is accepted.
     """
     from posttrain.data.builtin import builtin_names, load_builtin
 
@@ -83,11 +88,16 @@ def load_dataset_arg(name: str, split: str = "train", config: str | None = None)
 
         suffix = os.path.splitext(path)[1].lower()
         if suffix not in formats:
-            raise ValueError(f"dataset file {name!r}: unknown extension {suffix!r}; use one of {sorted(formats)}")
+            raise DatasetError(f"dataset file {name!r}: unknown extension {suffix!r}; use one of {sorted(formats)}")
         if split != "train":
-            raise ValueError(f"dataset file {name!r} holds a single split, 'train'; there is no split {split!r} "
-                             "(point the command at a folder with one file per split to evaluate)")
-        return datasets.load_dataset(formats[suffix], data_files=path, split="train")
+            raise DatasetError(f"dataset file {name!r} holds a single split, 'train'; there is no split {split!r} "
+                               "(point the command at a folder with one file per split to evaluate)")
+        check_data_file(path, suffix)
+        try:
+            return datasets.load_dataset(formats[suffix], data_files=path, split="train")
+        except Exception as err:  # what the checks above do not catch, e.g. a corrupt parquet file
+            raise DatasetError(f"dataset file {name!r} cannot be read as {formats[suffix]}: "
+                               f"{type(err).__name__}: {err}") from err
     if os.path.isdir(path):
         import datasets
 
@@ -95,19 +105,87 @@ def load_dataset_arg(name: str, split: str = "train", config: str | None = None)
             data = datasets.load_from_disk(path)
             if isinstance(data, datasets.DatasetDict):
                 if split not in data:
-                    raise ValueError(f"dataset folder {name!r} has splits {sorted(data)}, not {split!r}")
+                    raise DatasetError(f"dataset folder {name!r} has splits {sorted(data)}, not {split!r}")
                 return data[split]
             if split != "train":
-                raise ValueError(f"dataset folder {name!r} holds a single split; there is no split {split!r}")
+                raise DatasetError(f"dataset folder {name!r} holds a single split; there is no split {split!r}")
             return data
         try:  # a folder of data files, e.g. train.jsonl + test.jsonl
             return datasets.load_dataset(path, config, split=split)
         except ValueError as err:
-            raise ValueError(f"dataset folder {name!r}: {err}") from err
-    raise ValueError(
+            raise DatasetError(f"dataset folder {name!r}: {err}") from err
+        except Exception as err:  # most likely a faulty file: find it and its line
+            for root, _, files in os.walk(path):
+                for file in sorted(files):
+                    if (suffix := os.path.splitext(file)[1].lower()) in formats:
+                        check_data_file(os.path.join(root, file), suffix)
+            raise DatasetError(f"dataset folder {name!r} cannot be loaded: {type(err).__name__}: {err}") from err
+    raise DatasetError(
         f"dataset {name!r} is not a built-in dataset, a local file or a local folder (datasets are not "
         f"downloaded from the hub here: fetch it where you have a network, save it with "
         f"`dataset.save_to_disk(folder)`, and pass the folder). Built-in names: {', '.join(builtin_names())}")
+
+
+def check_data_file(path: str, suffix: str):
+    """Raise a DatasetError naming the line of the first fault of a local data file: empty, not UTF-8
+    (text formats), a JSON line that does not parse or is not an object, or a column whose JSON type
+    changes between lines. The `datasets` loaders report these as tracebacks without a line."""
+    if os.path.getsize(path) == 0:
+        raise DatasetError(f"dataset file {path!r} is empty")
+    if suffix == ".parquet":
+        return
+    json_lines = suffix == ".jsonl"
+    if suffix == ".json":  # one JSON document (a list of rows, or an object of columns), or JSON lines
+        text = "".join(line for _, line in _utf8_lines(path))
+        try:
+            json.loads(text)
+            return
+        except json.JSONDecodeError as err:
+            first = next((line for line in text.splitlines() if line.strip()), "")
+            try:
+                json.loads(first)
+            except json.JSONDecodeError:
+                if first:
+                    raise DatasetError(f"dataset file {path!r}, line {err.lineno}, column {err.colno}: "
+                                       f"not valid JSON: {err.msg}") from None
+            json_lines = True
+    blank = True
+    column_types: dict[str, tuple[str, int]] = {}  # column -> (JSON type, first line that has it)
+    for number, line in _utf8_lines(path):
+        if not line.strip():
+            continue
+        blank = False
+        if not json_lines:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"dataset file {path!r}, line {number}, column {err.colno}: not valid JSON: "
+                               f"{err.msg} (each line must be one JSON object)") from None
+        if not isinstance(row, dict):
+            raise DatasetError(f"dataset file {path!r}, line {number}: expected a JSON object "
+                               f'{{"column": value, ...}}, got {type(row).__name__}')
+        for column, value in row.items():
+            if value is None:
+                continue
+            kind = "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
+            seen = column_types.setdefault(column, (kind, number))
+            if seen[0] != kind:
+                raise DatasetError(f"dataset file {path!r}, line {number}: column {column!r} is a {kind} here "
+                                   f"but a {seen[0]} on line {seen[1]}; a column holds one type")
+    if blank:
+        raise DatasetError(f"dataset file {path!r} holds only blank lines")
+
+
+def _utf8_lines(path: str):
+    """(line number, text) of each line of a UTF-8 file; a DatasetError at the first bad byte."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"dataset file {path!r}, line {number}: byte {err.start + 1} of the line "
+                                   f"({raw[err.start:err.start + 1]!r}) is not UTF-8; save the file as UTF-8") from None
 
 
 def load_datasets(script_args: ScriptArguments, config) -> tuple[Any, Any]:
@@ -171,9 +249,11 @@ class OnlineScriptArguments(ScriptArguments):
     """Script arguments of the online RL commands: model, dataset and reward functions."""
 
     reward_funcs: list[str] | None = field(
-        default=None, metadata={"help": "Reward functions: built-in names (exact_match, digit_match), "
+        default=None, metadata={"help": "Reward functions: built-in names (exact_match, digit_match, final_answer), "
                                         "'module:function' paths, or reward-model names/paths. "
-                                        "--reward_model_path adds a reward model."})
+                                        "--reward_model_path adds a reward model. A 'module:function' is "
+                                        "imported and run in this process: it executes that module's code, "
+                                        "so name only your own or trusted modules."})
 
 
 @command(config="posttrain.trainers.grpo:GRPOConfig", script_args=OnlineScriptArguments,
@@ -303,6 +383,7 @@ class _Flag:
     name: str
     convert: Callable[[str], Any]  # one command-line word -> value (raises ValueError)
     type_name: str
+    type: Any  # the field's annotation, to check values that arrive already typed (YAML)
     is_bool: bool = False
     is_list: bool = False
 
@@ -337,7 +418,7 @@ def _flag(name: str, tp) -> _Flag | None:
 
     names = [getattr(m, "__name__", str(m)) for m in members] + (["None"] if nullable else [])
     convert.__name__ = " | ".join(names)  # argparse names the type in "invalid ... value" errors
-    return _Flag(name, convert, convert.__name__, is_bool=members == [bool], is_list=list_member is not None)
+    return _Flag(name, convert, convert.__name__, tp, is_bool=members == [bool], is_list=list_member is not None)
 
 
 def _flags(cls) -> dict[str, _Flag]:
@@ -372,16 +453,47 @@ def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], ti
         group.add_argument(*names, **kwargs)
 
 
-def _yaml_value(flag: _Flag, key: str, value, path: str):
-    """YAML values arrive typed; strings for non-string fields (e.g. `1e-5`) go through the converter."""
-    try:
-        if isinstance(value, str):
-            return flag.convert(value)
-        if isinstance(value, list) and flag.is_list:
-            return [flag.convert(v) if isinstance(v, str) else v for v in value]
+def _matches(value, tp) -> bool:
+    """Whether a YAML value (already a Python object) fits annotation `tp`; types we cannot check pass
+    and are left to the config's own `__post_init__`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, member) for member in args)
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:  # YAML `true` is a bool, which Python counts as an int
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is list or origin is list:
+        return isinstance(value, list) and all(_matches(v, args[0]) for v in value if args)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
+    if origin is typing.Literal:
+        return value in args
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return isinstance(value, tp) or value in [member.value for member in tp]
+    return True
+
+
+def _yaml_value(flag: _Flag, value):
+    """A YAML value for `flag`'s field, or ValueError. YAML values arrive typed; strings for non-string
+    fields (e.g. `1e-5`) go through the flag's converter, and one value for a list field becomes a list."""
+    if isinstance(value, str):
+        value = flag.convert(value)
+    elif isinstance(value, list) and flag.is_list:
+        value = [flag.convert(v) if isinstance(v, str) else v for v in value]
+    if _matches(value, flag.type):
         return value
-    except (ValueError, json.JSONDecodeError):
-        raise SystemExit(f"posttrain: error: {path}: {key}: invalid {flag.type_name} value: {value!r}") from None
+    if flag.is_list and _matches([value], flag.type):
+        return [value]
+    raise ValueError(value)
 
 
 def _load_yaml(path: str) -> dict:
@@ -411,7 +523,7 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     fn = COMMANDS[name]
     classes = [c for c in (fn.script_args_class, _config_class(fn)) if c is not None]
     flags = [_flags(c) for c in classes]
-    parser = argparse.ArgumentParser(prog=f"posttrain {name}", description=fn.help)
+    parser = _Parser(prog=f"posttrain {name}", description=fn.help)
     parser.add_argument("--config", help="YAML file of `field: value` pairs; command-line flags override it.")
     for cls, cls_flags in zip(classes, flags):
         _add_flags(parser, cls, cls_flags, cls.__name__)
@@ -422,7 +534,11 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
             owner = next((i for i, fl in enumerate(flags) if key in fl), None)
             if owner is None:
                 parser.error(f"{path}: unknown field {key!r} for `posttrain {name}`")
-            values[owner][key] = _yaml_value(flags[owner][key], key, value, path)
+            flag = flags[owner][key]
+            try:
+                values[owner][key] = _yaml_value(flag, value)
+            except (ValueError, json.JSONDecodeError):
+                parser.error(f"{path}: {key}: expected {flag.type_name}, got {type(value).__name__} {value!r}")
     for key, value in given.items():
         owner = next(i for i, fl in enumerate(flags) if key in fl)
         values[owner][key] = value
@@ -438,7 +554,56 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
         missing = [f"--{k}" for k in ("model_name_or_path", "dataset_name") if getattr(script_args, k) is None]
         if missing:
             parser.error(f"the following arguments are required: {', '.join(missing)}")
+    for spec in getattr(script_args, "reward_funcs", None) or []:
+        if problem := _reward_spec_problem(spec):
+            parser.error(f"--reward_funcs: {problem}")
+    if (resume := getattr(config, "resume_from_checkpoint", None)) is not None:
+        if (problem := _resume_problem(_resume_arg(resume), config.output_dir)):
+            parser.error(f"--resume_from_checkpoint: {problem}")
     return script_args, config
+
+
+class _Parser(argparse.ArgumentParser):
+    """An error prints one usage line, not the hundred lines of flags that `--help` lists."""
+
+    def error(self, message):
+        self.exit(2, f"usage: {self.prog} [options] (see {self.prog} --help)\n{self.prog}: error: {message}\n")
+
+
+def _reward_spec_problem(spec: str) -> str | None:
+    """Why `spec` cannot be a reward, or None. Checked before any model loads: a name that is not
+    built in would otherwise be tried as a hub model id and reported as a failed download."""
+    import difflib
+
+    from posttrain.data.builtin import REWARD_FUNCTIONS
+    from posttrain.models.loading import BUILTIN_PREFIX
+
+    module, sep, attr = spec.partition(":")
+    if (spec in REWARD_FUNCTIONS or (sep and module and attr) or spec.startswith(BUILTIN_PREFIX)
+            or os.path.exists(os.path.expanduser(spec))):
+        return None  # module:function imports and unknown built-in models are reported when they load
+    close = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"{spec!r} is neither a built-in reward name, a module:function, nor a local model path; {hint}"
+            f"built-in names: {', '.join(REWARD_FUNCTIONS)}")
+
+
+def _resume_arg(value: str | None) -> str | bool | None:
+    """`resume_from_checkpoint` as `Trainer.train` takes it: true -> the latest checkpoint of output_dir."""
+    if value is None or value.lower() in _FALSE:
+        return None
+    return True if value.lower() in _TRUE else os.path.expanduser(value)
+
+
+def _resume_problem(resume: str | bool | None, output_dir: str) -> str | None:
+    """Why resuming cannot start, found before the model loads; None when it can."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume is True and not (os.path.isdir(output_dir) and get_last_checkpoint(output_dir)):
+        return f"true asks for the latest checkpoint in --output_dir {output_dir!r}, which holds none"
+    if isinstance(resume, str) and not os.path.isdir(resume):
+        return f"{resume!r} is not a checkpoint folder"
+    return None
 
 
 def run_demo(script_args=None, config=None):
@@ -449,9 +614,10 @@ run_demo.help = "End-to-end pipeline on the built-in task: every method, accurac
 COMMANDS["demo"] = run_demo
 
 
-def main(argv: list[str] | None = None):
-    """Entry point of the `posttrain` command; returns the trainer for training commands."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def run(argv: list[str]):
+    """Run `posttrain <command> ...` in this process; returns the trainer of a training command
+    (for tests and notebooks), None for the others."""
+    argv = list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {n:<8} {getattr(fn, 'help', '')}" for n, fn in COMMANDS.items()]
         usage = "usage: posttrain <command> [--config file.yaml] [--field value ...]\n\ncommands:\n" + "\n".join(lines)
@@ -469,12 +635,23 @@ def main(argv: list[str] | None = None):
     trainer = COMMANDS[name](script_args, config)
     if trainer is None:
         return None
-    trainer.train()
+    trainer.train(resume_from_checkpoint=_resume_arg(config.resume_from_checkpoint))
     trainer.save_model(config.output_dir)
     if trainer.eval_dataset is not None:
         trainer.evaluate()
     return trainer
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `posttrain` console script: 0 on success. Failures exit non-zero: 2 for a
+    usage error, 1 for a bad dataset file (one line naming it) or any other exception (traceback)."""
+    try:
+        run(sys.argv[1:] if argv is None else argv)
+    except DatasetError as err:
+        print(f"posttrain: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

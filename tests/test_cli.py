@@ -14,7 +14,7 @@ def test_sft_end_to_end_writes_a_loadable_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
-    trainer = cli.main(["sft", *TINY, "--dataset_name", "zen/prompt_completion", "--output_dir", str(out),
+    trainer = cli.run(["sft", *TINY, "--dataset_name", "zen/prompt_completion", "--output_dir", str(out),
                         "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3",
                         "--packing", "--max_length", "64", "--disable_tqdm", "true"])
     assert trainer.state.global_step == 2 and trainer.args.packing and trainer.args.padding_free is False
@@ -64,7 +64,7 @@ def test_bad_yaml_and_missing_arguments(tmp_path, capsys):
 
 
 def test_env(capsys):
-    assert cli.main(["env"]) is None
+    assert cli.run(["env"]) is None
     out = capsys.readouterr().out
     for key in ("posttrain", "python", "torch", "transformers", "datasets", "accelerate", "peft",
                 "CPU count", "memory", "CUDA available", "bf16 supported"):
@@ -92,5 +92,111 @@ def test_load_dataset_arg(tmp_path):
     files.mkdir()
     (files / "train.jsonl").write_text(jsonl.read_text())
     assert len(cli.load_dataset_arg(str(files), "train")) == 2
-    with pytest.raises(ValueError, match="not a built-in dataset, a local file or a local folder"):
+    with pytest.raises(cli.DatasetError, match="not a built-in dataset, a local file or a local folder"):
         cli.load_dataset_arg("someone/some-hub-dataset")
+
+
+ONLINE = [*TINY, "--dataset_name", "reverse", "--output_dir", "o"]
+
+
+@pytest.mark.parametrize("line, shown", [
+    ("max_steps: 1.7", "max_steps: expected int, got float 1.7"),
+    ("max_steps: [1, 2]", "max_steps: expected int, got list [1, 2]"),
+    ("max_steps: true", "max_steps: expected int, got bool True"),
+    ("learning_rate: fast", "learning_rate: expected float, got str 'fast'"),
+    ("packing: 3", "packing: expected bool, got int 3"),
+    ("model_init_kwargs: [1]", "model_init_kwargs: expected dict | None, got list [1]"),
+])
+def test_yaml_values_are_type_checked_before_anything_loads(tmp_path, capsys, line, shown):
+    path = tmp_path / "sft.yaml"
+    path.write_text(line + "\n")
+    with pytest.raises(SystemExit):
+        cli.parse("sft", ["--config", str(path), *TINY, "--dataset_name", "zen", "--output_dir", "o"])
+    assert f"{path}: {shown}" in capsys.readouterr().err
+
+
+def test_yaml_typed_values_that_fit(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text("max_steps: 3\nlearning_rate: 1\nreward_funcs: digit_match\nreward_weights: [1, 0.5]\n"
+                    "report_to: none\n")
+    script_args, config = cli.parse("grpo", ["--config", str(path), *ONLINE])
+    assert config.max_steps == 3 and config.learning_rate == 1
+    assert script_args.reward_funcs == ["digit_match"]  # one name for a list field is a list of one
+    assert config.reward_weights == [1, 0.5]
+
+
+def test_unknown_reward_name_is_named_with_the_accepted_forms(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse("grpo", [*ONLINE, "--reward_funcs", "exact_match", "digit_mach"])
+    err = capsys.readouterr().err
+    assert ("'digit_mach' is neither a built-in reward name, a module:function, nor a local model path; "
+            "did you mean 'digit_match'? built-in names: exact_match, digit_match, final_answer") in err
+    (tmp_path / "rm").mkdir()
+    script_args, _ = cli.parse("grpo", [*ONLINE, "--reward_funcs", "digit_match", "my_rewards:score",
+                                        "posttrain/tiny-qwen2-seqcls", str(tmp_path / "rm")])
+    assert len(script_args.reward_funcs) == 4
+
+
+def test_reward_funcs_help_says_module_code_runs(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse("grpo", ["--help"])
+    assert "executes that module's code" in " ".join(capsys.readouterr().out.split())
+
+
+def test_resume_from_checkpoint_is_checked_before_the_model_loads(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse("sft", [*TINY, "--dataset_name", "zen", "--output_dir", str(tmp_path),
+                          "--resume_from_checkpoint", "true"])
+    assert f"latest checkpoint in --output_dir '{tmp_path}', which holds none" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parse("sft", [*TINY, "--dataset_name", "zen", "--output_dir", str(tmp_path),
+                          "--resume_from_checkpoint", str(tmp_path / "checkpoint-9")])
+    assert "checkpoint-9' is not a checkpoint folder" in capsys.readouterr().err
+    assert cli._resume_arg("True") is True and cli._resume_arg("false") is None and cli._resume_arg(None) is None
+
+
+def test_usage_error_is_one_line_of_usage_and_the_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse("sft", [*TINY, "--dataset_name", "zen", "--max_steps", "x"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    assert lines == ["usage: posttrain sft [options] (see posttrain sft --help)",
+                     "posttrain sft: error: argument --max_steps/--max-steps: invalid int value: 'x'"]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.jsonl", b"", "is empty"),
+    ("blank.jsonl", b"\n  \n", "holds only blank lines"),
+    ("broken.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "c", "completion": \n',
+     "line 2, column 1: not valid JSON: Expecting value (each line must be one JSON object)"),
+    ("latin1.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "d"}\n',
+     "line 2: byte 16 of the line (b'\\xe9') is not UTF-8; save the file as UTF-8"),
+    ("latin1.csv", b"prompt,completion\na,b\ncaf\xe9,d\n", "line 3: byte 4 of the line"),
+    ("empty.csv", b"", "is empty"),
+    ("list.jsonl", b'{"prompt": "a"}\n["b"]\n', 'line 2: expected a JSON object {"column": value, ...}, got list'),
+    ("mixed.jsonl", b'{"prompt": "a", "score": 1}\n{"prompt": "b", "score": "high"}\n',
+     "line 2: column 'score' is a str here but a number on line 1; a column holds one type"),
+    ("doc.json", b'[\n {"prompt": "a"},\n {"prompt": "b",}\n]\n', "line 3, column 17: not valid JSON"),
+    ("bad.parquet", b"not parquet", "cannot be read as parquet"),
+])
+def test_dataset_file_faults_name_the_file_and_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(cli.DatasetError) as err:
+        cli.load_dataset_arg(str(path))
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_json_files_in_either_layout_load(tmp_path):
+    rows = [{"prompt": "a", "score": 1}, {"prompt": "b", "score": 2.5}, {"prompt": "c", "score": None}]
+    document, lines = tmp_path / "doc.json", tmp_path / "lines.json"
+    document.write_text(json.dumps(rows, indent=1))
+    lines.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert cli.load_dataset_arg(str(document))["score"] == [1, 2.5, None]
+    assert cli.load_dataset_arg(str(lines))["prompt"] == ["a", "b", "c"]
+
+
+def test_a_faulty_file_in_a_dataset_folder_is_named(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(cli.DatasetError, match=r"train.jsonl', line 2, column 1: not valid JSON"):
+        cli.load_dataset_arg(str(tmp_path))

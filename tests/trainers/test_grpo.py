@@ -59,11 +59,11 @@ def test_grpo_raises_heldout_reward(sft_reverse_path, tmp_path):
 
 
 def test_cli_with_builtin_and_module_reward_functions(tmp_path):
-    from posttrain.cli import main
+    from posttrain.cli import run
 
-    trainer = main(["grpo", "--model_name_or_path", "posttrain/tiny-qwen2", "--dataset_name", "reverse",
-                    "--reward_funcs", "digit_match", "online_helpers:first_token_reward", "--num_generations", "4",
-                    "--per_device_train_batch_size", "8", "--max_completion_length", "6", "--max_steps", "1",
-                    "--output_dir", str(tmp_path), "--disable_tqdm", "true"])
+    trainer = run(["grpo", "--model_name_or_path", "posttrain/tiny-qwen2", "--dataset_name", "reverse",
+                   "--reward_funcs", "digit_match", "online_helpers:first_token_reward", "--num_generations", "4",
+                   "--per_device_train_batch_size", "8", "--max_completion_length", "6", "--max_steps", "1",
+                   "--output_dir", str(tmp_path), "--disable_tqdm", "true"])
     assert trainer.reward_scorer.names == ["digit_match_reward", "first_token_reward"]
     assert os.path.exists(tmp_path / "model.safetensors")

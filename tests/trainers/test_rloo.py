@@ -51,12 +51,12 @@ def test_rloo_raises_heldout_reward(sft_reverse_path, tmp_path):
 
 
 def test_cli_classic_flags(tmp_path):
-    from posttrain.cli import main
+    from posttrain.cli import run
 
-    trainer = main(["rloo", "--dataset_name", "reverse", "--learning_rate", "3e-6", "--output_dir", str(tmp_path),
-                    "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
-                    "--total_episodes", "8", "--model_name_or_path", "posttrain/tiny-qwen2",
-                    "--reward_model_path", "posttrain/tiny-qwen2-seqcls", "--missing_eos_penalty", "1.0",
-                    "--response_length", "6", "--num_ppo_epochs", "1", "--disable_tqdm", "true"])
+    trainer = run(["rloo", "--dataset_name", "reverse", "--learning_rate", "3e-6", "--output_dir", str(tmp_path),
+                   "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+                   "--total_episodes", "8", "--model_name_or_path", "posttrain/tiny-qwen2",
+                   "--reward_model_path", "posttrain/tiny-qwen2-seqcls", "--missing_eos_penalty", "1.0",
+                   "--response_length", "6", "--num_ppo_epochs", "1", "--disable_tqdm", "true"])
     assert trainer.state.global_step == 2  # 8 episodes / 4 completions per generation batch
     assert trainer.args.missing_eos_penalty == 1.0 and len(trainer.reward_scorer.funcs) == 1
