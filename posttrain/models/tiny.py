@@ -1,16 +1,17 @@
 """Offline tokenizer and deterministic tiny models, for tests, examples and the demo.
 
-Nothing here touches the network. The tokenizer is a byte-level BPE trained with the
-`tokenizers` library on text that ships with Python (the Zen of Python and the pydoc topic
-pages), with digits split one per token so arithmetic-style tasks stay learnable. The models
-are small Qwen2- and Llama-style configs whose weights come from a fixed seed. Everything is
-built once into a cache folder (``$POSTTRAIN_CACHE`` or ``~/.cache/posttrain``) and then
-loaded with the ordinary ``from_pretrained`` calls.
+Nothing here touches the network. The tokenizer is a byte-level BPE shipped with the package
+(`tiny_tokenizer.json`), with digits split one per token so arithmetic-style tasks stay
+learnable; it was trained once with `train_tokenizer` and is loaded, never retrained, so every
+machine gets the same ids. The models are small Qwen2- and Llama-style configs whose weights
+come from a fixed seed. Each is built once into a cache folder (``$POSTTRAIN_CACHE`` or
+``~/.cache/posttrain``) and then loaded with the ordinary ``from_pretrained`` calls.
 """
 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 import shutil
 import tempfile
@@ -45,25 +46,12 @@ TINY_MODELS = {
 }
 SEED = 1234
 VOCAB_SIZE = 1024
+TOKENIZER_FILE = Path(__file__).with_name("tiny_tokenizer.json")  # package data (pyproject.toml)
 
 
 def cache_dir() -> Path:
     root = os.environ.get("POSTTRAIN_CACHE") or os.path.join(Path.home(), ".cache", "posttrain")
     return Path(root)
-
-
-def _training_text() -> list[str]:
-    import contextlib
-    import io
-
-    import pydoc_data.topics
-
-    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
-        import this
-    zen = codecs.decode(this.s, "rot13")
-    pages = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
-    digits = " ".join(f"{i}+{j}={i + j}" for i in range(10) for j in range(10))
-    return [zen] * 20 + pages + [digits]
 
 
 def _build_in(target: Path, builder) -> Path:
@@ -85,40 +73,17 @@ def _build_in(target: Path, builder) -> Path:
 
 
 def build_tokenizer():
-    """Train the byte-level BPE tokenizer (deterministic, about a second) and wrap it for transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """The shipped byte-level BPE tokenizer, wrapped for transformers (ChatML template, right padding)."""
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[PAD_TOKEN, IM_START, IM_END],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_training_text(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=IM_END,
+        tokenizer_object=Tokenizer.from_file(str(TOKENIZER_FILE)), pad_token=PAD_TOKEN, eos_token=IM_END,
         additional_special_tokens=[IM_START], model_max_length=2048,
     )
     fast.chat_template = CHATML_TEMPLATE
     fast.padding_side = "right"
     return fast
-
-
-def tokenizer_path() -> Path:
-    return _build_in(cache_dir() / "tiny-tokenizer", lambda d: build_tokenizer().save_pretrained(d))
-
-
-def load_tiny_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_path())
 
 
 def _tiny_config(name: str, tokenizer, num_labels: int | None = None):
@@ -148,7 +113,7 @@ def tiny_model_path(name: str, task: str = "causal-lm") -> Path:
     suffix = "" if task == "causal-lm" else "-seqcls"
 
     def build(folder: Path):
-        tokenizer = load_tiny_tokenizer()
+        tokenizer = build_tokenizer()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
             if task == "causal-lm":
@@ -158,4 +123,54 @@ def tiny_model_path(name: str, task: str = "causal-lm") -> Path:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    return _build_in(cache_dir() / f"{name}{suffix}", build)
+    # The folder name carries a hash of everything the folder is built from, so a folder built
+    # from another tokenizer (earlier versions trained theirs per Python release) is never reused.
+    recipe = TOKENIZER_FILE.read_bytes() + repr((CHATML_TEMPLATE, TINY_MODELS[name], SEED, task)).encode()
+    key = hashlib.sha256(recipe).hexdigest()[:12]
+    return _build_in(cache_dir() / f"{name}{suffix}-{key}", build)
+
+
+# --------------------------------------------------------------------------- regenerating the tokenizer
+
+def _training_text() -> list[str]:
+    import contextlib
+    import io
+
+    import pydoc_data.topics
+
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        import this
+    zen = codecs.decode(this.s, "rot13")
+    pages = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
+    digits = " ".join(f"{i}+{j}={i + j}" for i in range(10) for j in range(10))
+    return [zen] * 20 + pages + [digits]
+
+
+def train_tokenizer():
+    """Train the byte-level BPE that `tiny_tokenizer.json` holds; only used to rewrite that file.
+
+    `python -m posttrain.models.tiny` rewrites it. The training text includes the running Python's
+    pydoc pages, which change between Python releases (3.11.2 and 3.11.7 give different merges),
+    so the file, not this function, is the tokenizer: rewriting it changes every tiny model.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[PAD_TOKEN, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    return tok
+
+
+if __name__ == "__main__":
+    train_tokenizer().save(str(TOKENIZER_FILE), pretty=True)
+    print(f"wrote {TOKENIZER_FILE}")
