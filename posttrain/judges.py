@@ -18,6 +18,8 @@ the verdict is swapped back, so the bias spreads evenly over both sides.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import ipaddress
 import json
 import os
@@ -198,6 +200,67 @@ class _Retryable(Exception):
     pass
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Follow no redirect: urllib would re-send the Authorization header to wherever a 3xx points
+    (and turn the POST into a GET). The 3xx then surfaces as an HTTPError."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+class _Deadline:
+    """An overall time limit on one HTTP exchange. The socket timeout bounds each read only, so a
+    server sending a byte at a time could hold a request for ever; when the time is up this shuts
+    the request's sockets down, whatever the request waits for (TLS handshake, headers, body)."""
+
+    def __init__(self, seconds: float):
+        self.expired, self.done = False, threading.Event()
+        self.connections: list[http.client.HTTPConnection] = []
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._watch, args=(seconds,), daemon=True).start()
+
+    def connection_class(self, base: type[http.client.HTTPConnection]) -> type[http.client.HTTPConnection]:
+        deadline = self
+
+        class Tracked(base):
+            def connect(self):
+                deadline.connections.append(self)  # its socket appears during connect (TLS handshake included)
+                super().connect()
+                deadline.sockets.append(self.sock)  # urllib drops connection.sock once the headers are in
+
+        return Tracked
+
+    def _watch(self, seconds: float):
+        if self.done.wait(seconds):
+            return
+        self.expired = True
+        while True:  # a connection still connecting has no socket yet: keep at it until the request ends
+            for sock in [c.sock for c in list(self.connections)] + list(self.sockets):
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+            if self.done.wait(0.05):
+                return
+
+
+class _TrackedHTTP(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(self.deadline.connection_class(http.client.HTTPConnection), req)
+
+
+class _TrackedHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req):  # no context given: HTTPSConnection's default (verified) one
+        return self.do_open(self.deadline.connection_class(http.client.HTTPSConnection), req)
+
+
 class OpenAIPairwiseJudge(PairwiseJudge):
     """Ask a chat model behind an OpenAI-compatible `/chat/completions` endpoint which response is better.
 
@@ -205,8 +268,11 @@ class OpenAIPairwiseJudge(PairwiseJudge):
     * The key is read from the environment variable `api_key_env` each time `judge` runs. When it is
       unset the call fails with an error naming the variable, except for a loopback `base_url`
       (localhost, 127.0.0.1, ::1: a local server such as vLLM or llama.cpp), which is sent no key.
-    * Each request has a `timeout` (seconds); connection errors, timeouts, HTTP 429 and 5xx are
-      retried up to `max_retries` times, waiting `backoff * 2**attempt` seconds in between.
+    * Each request has a `timeout` (seconds) on the whole exchange (connect, headers, body), not on
+      each read; connection errors, timeouts, HTTP 429 and 5xx are retried up to `max_retries`
+      times, waiting `backoff * 2**attempt` seconds in between.
+    * Redirects are not followed (the key would go along to the new address): a 3xx is an error
+      naming the status and the Location, and is not retried. Give the final URL as `base_url`.
     * An item whose request fails or whose answer is not "0"/"1" gets -1 and one warning per call
       sums them up; when every item of a call fails, `JudgeError` quotes what the server said.
     * `system_prompt` replaces the default system message; a prompt that contains the placeholders
@@ -243,20 +309,35 @@ class OpenAIPairwiseJudge(PairwiseJudge):
             headers["Authorization"] = f"Bearer {key}"
         request = urllib.request.Request(self.base_url + "/chat/completions", data=json.dumps(body).encode(),
                                          headers=headers, method="POST")
-        # a loopback server is reached directly, whatever proxy the environment names
-        handlers = [urllib.request.ProxyHandler({})] if self._local else []
+        deadline = _Deadline(self.timeout)
+        handlers = [_NoRedirect(), _TrackedHTTP(deadline), _TrackedHTTPS(deadline)]
+        if self._local:  # a loopback server is reached directly, whatever proxy the environment names
+            handlers.append(urllib.request.ProxyHandler({}))
         opener = urllib.request.build_opener(*handlers)
+        late = f"no complete response within timeout={self.timeout} s"
         try:
             with opener.open(request, timeout=self.timeout) as response:
                 raw = response.read(_MAX_BODY)
         except urllib.error.HTTPError as err:
-            detail = err.read(2000).decode("utf-8", "replace")
-            message = f"HTTP {err.code}: {detail[:500]}"
-            if err.code == 429 or err.code >= 500:
+            if 300 <= err.code < 400:
+                raise ValueError(f"HTTP {err.code} redirect to {err.headers.get('Location')!r}: the judge follows "
+                                 f"no redirects (the API key would go along); set base_url to the address that "
+                                 f"answers") from err
+            try:
+                detail = err.read(2000).decode("utf-8", "replace")
+            except (OSError, http.client.HTTPException):  # the error body itself cut short
+                detail = ""
+            message = late if deadline.expired else f"HTTP {err.code}: {detail[:500]}"
+            if err.code == 429 or err.code >= 500 or deadline.expired:
                 raise _Retryable(message) from err
             raise ValueError(message) from err
-        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as err:
-            raise _Retryable(f"request failed: {getattr(err, 'reason', err)}") from err
+        except (urllib.error.URLError, http.client.HTTPException, socket.timeout, TimeoutError,
+                ConnectionError) as err:
+            raise _Retryable(late if deadline.expired else f"request failed: {getattr(err, 'reason', err)}") from err
+        finally:
+            deadline.done.set()
+        if deadline.expired:  # a body cut short by the deadline
+            raise _Retryable(late)
         text = raw.decode("utf-8", "replace")
         try:
             content = json.loads(text)["choices"][0]["message"]["content"]

@@ -142,6 +142,111 @@ def test_openai_judge_timeout(server):
     assert time.monotonic() - start < 3.0
 
 
+class _RecordingHandler(BaseHTTPRequestHandler):
+    """Records every request (method, path, Authorization) and answers with a verdict, as a
+    hostile host that a redirect points at would."""
+
+    def log_message(self, *args):
+        pass
+
+    def _record_and_answer(self):
+        with self.server.lock:
+            self.server.seen.append((self.command, self.path, self.headers.get("Authorization")))
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "0"}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _record_and_answer
+
+
+class _RedirectHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with self.server.lock:
+            self.server.seen.append((self.command, self.path, self.headers.get("Authorization")))
+        self.send_response(self.server.status)
+        self.send_header("Location", self.server.location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+class _DripHandler(BaseHTTPRequestHandler):
+    """Answers one byte every 0.4 s: each read is quick, the whole answer never comes. Where the
+    drip starts (status line or body) is the server's `drip` attribute."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "0"}}]}).encode()
+        head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        drip = head + body if self.server.drip == "headers" else body
+        if self.server.drip != "headers":
+            self.wfile.write(head)
+        try:
+            for byte in drip:  # at most ~45 s, and it stops when the client hangs up or the test ends
+                if self.server.stop.wait(0.4):
+                    return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+def _serve(handler, **attributes):
+    """A ThreadingHTTPServer on 127.0.0.1 (ephemeral port) running in a daemon thread."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.lock, srv.seen, srv.stop = threading.Lock(), [], threading.Event()
+    for name, value in attributes.items():
+        setattr(srv, name, value)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
+    return srv
+
+
+def _stop(*servers):
+    for srv in servers:
+        srv.stop.set()
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_openai_judge_follows_no_redirect_and_never_sends_the_key_elsewhere(status, monkeypatch):
+    other = _serve(_RecordingHandler)
+    redirecting = _serve(_RedirectHandler, status=status, location=other.url + "/steal")
+    try:
+        monkeypatch.setenv("MY_JUDGE_KEY", "sk-secret")
+        judge = OpenAIPairwiseJudge("m", base_url=redirecting.url + "/v1", api_key_env="MY_JUDGE_KEY",
+                                    max_retries=2, backoff=0.01, timeout=5.0)
+        with pytest.raises(JudgeError, match=f"HTTP {status} redirect to '{other.url}/steal'"):
+            judge.judge(["p"], [("a", "b")])
+        assert redirecting.seen == [("POST", "/v1/chat/completions", "Bearer sk-secret")]  # not retried either
+        assert other.seen == []  # the other host never heard of the request, let alone the key
+    finally:
+        _stop(other, redirecting)
+
+
+@pytest.mark.parametrize("drip", ["body", "headers"])
+def test_openai_judge_timeout_bounds_the_whole_request_not_each_read(drip):
+    srv = _serve(_DripHandler, drip=drip)
+    try:
+        judge = OpenAIPairwiseJudge("m", base_url=srv.url + "/v1", timeout=1.0, max_retries=0)
+        start = time.monotonic()
+        with pytest.raises(JudgeError, match=r"no complete response within timeout=1\.0 s"):
+            judge.judge(["p"], [("a", "b")])
+        # the drip would take ~25 s (~45 s from the status line); the deadline is 1 s
+        assert time.monotonic() - start < 4.0
+    finally:
+        _stop(srv)
+
+
 def test_openai_judge_trl_style_prompt_template_and_request_cap(server):
     template = "TRL-STYLE {prompt}\n[Response 0]\n{response0}\n\n[Response 1]\n{response1}"
     judge = _judge(server, system_prompt=template, max_requests=3)
