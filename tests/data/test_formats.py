@@ -345,15 +345,15 @@ def test_ranked_to_preference_with_ranks():
 def test_ranked_to_preference_with_scores_skips_ties():
     rows = [
         {"prompt": "p", "responses": ["a", "b", "c"], "scores": [0.5, 2.0, 0.5]},
-        {"prompt": "q", "responses": ["x", "y"], "scores": [1, 1]},  # all tied: no pairs
+        {"prompt": "q", "responses": ["x", "y"], "scores": [1, 1]},  # all tied: no pairs, an error
     ]
-    assert ranked_to_preference(rows) == [
+    assert ranked_to_preference(rows[:1]) == [
         {"prompt": "p", "chosen": "b", "rejected": "a"},
         {"prompt": "p", "chosen": "b", "rejected": "c"},
     ]
-    assert len(ranked_to_preference(Dataset.from_list(rows))) == 2
-    empty = ranked_to_preference(Dataset.from_list(rows[1:]))
-    assert len(empty) == 0 and empty.column_names == ["prompt", "chosen", "rejected"]
+    assert len(ranked_to_preference(Dataset.from_list(rows[:1]))) == 2
+    with pytest.raises(FormatError, match="row 1, column 'scores': .* all responses tie"):
+        ranked_to_preference(Dataset.from_list(rows))
 
 
 def test_ranked_conversational():
