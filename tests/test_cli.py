@@ -1,5 +1,6 @@
 """The `posttrain` command: sft end to end, YAML + flag precedence, env, dataset resolution, errors."""
 
+import dataclasses
 import json
 
 import pytest
@@ -200,3 +201,22 @@ def test_a_faulty_file_in_a_dataset_folder_is_named(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
     with pytest.raises(cli.DatasetError, match=r"train.jsonl', line 2, column 1: not valid JSON"):
         cli.load_dataset_arg(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["sft", "reward", "dpo", "bco", "kto", "grpo", "rloo", "ppo"])
+def test_every_default_written_as_yaml_passes_the_type_check(name):
+    """The YAML type check accepts each field's own default, so it cannot refuse a valid config."""
+    import enum
+
+    import yaml
+
+    fn = cli.COMMANDS[name]
+    for cls in (fn.script_args_class, cli._config_class(fn)):
+        flags = cli._flags(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in flags:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            default = default.value if isinstance(default, enum.Enum) else default
+            cli._yaml_value(flags[f.name], yaml.safe_load(yaml.safe_dump(default)))
