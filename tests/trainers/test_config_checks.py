@@ -64,11 +64,13 @@ def test_grpo_refuses_an_empty_prompt_its_tokenizer_cannot_start_from(tmp_path):
 
 
 def test_sft_trains_on_an_empty_prompt(tmp_path):
-    """docs/datasets.md: a standard prompt may be empty; SFT then learns the completion alone."""
+    """docs/datasets.md: a standard prompt may be empty; SFT then scores the completion alone."""
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
     rows = [{"prompt": "", "completion": " 1274"}, {"prompt": "reverse 4721 =", "completion": " 1274"}] * 2
-    trainer = SFTTrainer(TINY, args=SFTConfig(**config_kwargs(tmp_path, max_steps=1)), train_dataset=Dataset.from_list(rows))
+    trainer = SFTTrainer(TINY, args=SFTConfig(**config_kwargs(tmp_path, max_steps=1)),
+                         train_dataset=Dataset.from_list(rows))
+    assert len(trainer.train_dataset) == 4  # the empty-prompt rows are kept
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert losses and all(math.isfinite(x) for x in losses)
