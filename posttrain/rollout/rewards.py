@@ -30,6 +30,7 @@ import inspect
 import math
 import numbers
 import os
+import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -131,8 +132,14 @@ def _is_model(func) -> bool:
 
 def _name(func) -> str:
     if _is_model(func):
+        from posttrain.models.tiny import cache_dir
+
         path = getattr(getattr(func, "config", None), "_name_or_path", "") or ""
-        return os.path.basename(path.rstrip("/\\")) or type(func).__name__
+        name = os.path.basename(path.rstrip("/\\"))
+        if name and os.path.dirname(path.rstrip("/\\")) == str(cache_dir()):
+            # a built-in model's folder is "<name>-<12 hex digits of its recipe>": report the name
+            name = re.sub(r"-[0-9a-f]{12}$", "", name)
+        return name or type(func).__name__
     inner = getattr(func, "func", func)  # functools.partial
     return getattr(inner, "__name__", None) or type(inner).__name__
 
