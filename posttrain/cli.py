@@ -496,18 +496,18 @@ def _yaml_value(flag: _Flag, value):
     raise ValueError(value)
 
 
-def _load_yaml(path: str) -> dict:
+def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
     import yaml
 
     try:
         with open(path) as handle:
             data = yaml.safe_load(handle) or {}
     except OSError as err:
-        raise SystemExit(f"posttrain: error: cannot read --config file: {err}") from None
+        parser.error(f"cannot read --config file: {err}")
     except yaml.YAMLError as err:
-        raise SystemExit(f"posttrain: error: {path} is not valid YAML: {err}") from None
+        parser.error(f"{path} is not valid YAML: {err}")
     if not isinstance(data, dict):
-        raise SystemExit(f"posttrain: error: {path} must hold `field: value` pairs, got {type(data).__name__}")
+        parser.error(f"{path} must hold `field: value` pairs, got {type(data).__name__}")
     return data
 
 
@@ -520,6 +520,8 @@ def _config_class(fn):
 
 def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     """(script_args, config) for command `name` from its flags and optional --config YAML file."""
+    from transformers.trainer_utils import get_last_checkpoint
+
     fn = COMMANDS[name]
     classes = [c for c in (fn.script_args_class, _config_class(fn)) if c is not None]
     flags = [_flags(c) for c in classes]
@@ -530,7 +532,7 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     given = vars(parser.parse_args(argv))
     values: list[dict] = [{} for _ in classes]
     if path := given.pop("config", None):
-        for key, value in _load_yaml(path).items():
+        for key, value in _load_yaml(path, parser).items():
             owner = next((i for i, fl in enumerate(flags) if key in fl), None)
             if owner is None:
                 parser.error(f"{path}: unknown field {key!r} for `posttrain {name}`")
@@ -557,9 +559,12 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     for spec in getattr(script_args, "reward_funcs", None) or []:
         if problem := _reward_spec_problem(spec):
             parser.error(f"--reward_funcs: {problem}")
-    if (resume := getattr(config, "resume_from_checkpoint", None)) is not None:
-        if (problem := _resume_problem(_resume_arg(resume), config.output_dir)):
-            parser.error(f"--resume_from_checkpoint: {problem}")
+    resume = _resume_arg(getattr(config, "resume_from_checkpoint", None))
+    if resume is True and not (os.path.isdir(config.output_dir) and get_last_checkpoint(config.output_dir)):
+        parser.error(f"--resume_from_checkpoint: true asks for the latest checkpoint in --output_dir "
+                     f"{config.output_dir!r}, which holds none")
+    if isinstance(resume, str) and not os.path.isdir(resume):
+        parser.error(f"--resume_from_checkpoint: {resume!r} is not a checkpoint folder")
     return script_args, config
 
 
@@ -595,19 +600,8 @@ def _resume_arg(value: str | None) -> str | bool | None:
     return True if value.lower() in _TRUE else os.path.expanduser(value)
 
 
-def _resume_problem(resume: str | bool | None, output_dir: str) -> str | None:
-    """Why resuming cannot start, found before the model loads; None when it can."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if resume is True and not (os.path.isdir(output_dir) and get_last_checkpoint(output_dir)):
-        return f"true asks for the latest checkpoint in --output_dir {output_dir!r}, which holds none"
-    if isinstance(resume, str) and not os.path.isdir(resume):
-        return f"{resume!r} is not a checkpoint folder"
-    return None
-
-
 def run_demo(script_args=None, config=None):
-    """Placeholder entry: `main` hands `posttrain demo ...` to posttrain.demo.main with its own flags."""
+    """Placeholder entry: `run` hands `posttrain demo ...` to posttrain.demo.main with its own flags."""
 
 
 run_demo.help = "End-to-end pipeline on the built-in task: every method, accuracy before -> after."

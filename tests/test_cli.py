@@ -220,3 +220,13 @@ def test_every_default_written_as_yaml_passes_the_type_check(name):
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             default = default.value if isinstance(default, enum.Enum) else default
             cli._yaml_value(flags[f.name], yaml.safe_load(yaml.safe_dump(default)))
+
+
+def test_unreadable_or_non_mapping_yaml_is_a_usage_error(tmp_path, capsys):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- max_steps: 2\n")
+    for argv, message in [([str(tmp_path / "none.yaml")], "cannot read --config file"),
+                          ([str(listed)], "must hold `field: value` pairs, got list")]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.parse("sft", ["--config", *argv, *TINY, "--dataset_name", "zen"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
