@@ -11,9 +11,11 @@
   the logits of the completion columns; where the output layer is a plain linear map
   (`core.logprobs.plain_lm_head`) it is fused into the log-softmax, so no (N, K, V) logits,
   softmax or logit gradient is ever built whole.
-* `PreferenceTrainer`: BaseTrainer plus the above, the reference forward, a prediction_step for
-  evaluation, a cumulative token count, and (BCO, DPO's bco_pair) the running reward mean δ,
-  folded in once per optimizer step and saved with every checkpoint.
+* `PreferenceTrainer`: BaseTrainer plus the above, the reference forward, its sync (TR-DPO) or
+  precomputation, a prediction_step for evaluation (scores for `compute_metrics`), a cumulative
+  token count, and (BCO, DPO's bco_pair) the running reward mean δ, folded in once per optimizer
+  step and saved with every checkpoint.
+* `PreferenceConfig`: the fields DPO and KTO share (lengths, truncation_mode, reference handling).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +37,8 @@ from posttrain.data import formats
 from posttrain.data.collate import pad
 from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.models import loading
-from posttrain.trainers.base import BaseTrainer
+from posttrain.trainers.base import (BaseConfig, BaseTrainer, SyncRefModelCallback, check_train_dataset,
+                                     latest_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -42,42 +46,101 @@ RUNNING_FILE = "running_reward_mean.json"  # δ's state, next to the weights of 
 
 
 def check_beta_and_lengths(config):
-    """The checks the DPO, BCO and KTO configs share: beta > 0, and max_prompt_length < max_length."""
+    """The checks the DPO, BCO and KTO configs share: beta > 0, every length limit >= 1 (or None), and
+    max_prompt_length < max_length."""
     if config.beta <= 0:
         raise ValueError(f"beta must be > 0, got {config.beta}")
+    for name in ("max_length", "max_prompt_length", "max_completion_length"):
+        value = getattr(config, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be a positive number of tokens or None (no limit), got {value}")
     if config.max_length is not None and config.max_prompt_length is not None \
             and config.max_prompt_length >= config.max_length:
         raise ValueError(f"max_prompt_length ({config.max_prompt_length}) must be below max_length "
                          f"({config.max_length}) to leave room for the completion")
+    mode = getattr(config, "truncation_mode", "keep_start")
+    if mode not in TRUNCATION_MODES:
+        raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {mode!r}")
+
+
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+@dataclass
+class PreferenceConfig(BaseConfig):
+    """Fields DPOConfig and KTOConfig share: sequence limits and the reference model's handling."""
+
+    max_length: int | None = field(default=1024, metadata={
+        "help": "Maximum tokens of prompt + completion; `truncation_mode` says which end survives (None: no limit)."})
+    max_prompt_length: int | None = field(default=None, metadata={
+        "help": "Keep only the last this many prompt tokens (None: no prompt limit besides max_length)."})
+    max_completion_length: int | None = field(default=None, metadata={
+        "help": "Cut completions to their first this many tokens (None: only max_length limits them)."})
+    truncation_mode: str = field(default="keep_start", metadata={
+        "help": "What survives when prompt + completion exceed max_length. 'keep_start': the whole prompt, the "
+                "completion's end is cut, and rows whose prompt alone reaches max_length are dropped. 'keep_end': "
+                "the completion, by cutting the prompt's start (down to one token; only then is the completion's "
+                "end cut). For pairs the prompt is cut to fit the longer completion.",
+        "choices": list(TRUNCATION_MODES)})
+    precompute_ref_log_probs: bool = field(default=False, metadata={
+        "help": "Score the train (and eval) data with the reference once before training, store the "
+                "log-probs as dataset columns and free the reference model."})
+    sync_ref_model: bool = field(default=False, metadata={
+        "help": "TR-DPO (Gorbatovski et al. 2024): every `ref_model_sync_steps` steps set "
+                "ref <- α·policy + (1-α)·ref."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={
+        "help": "α of the reference sync (TR-DPO), in [0, 1]."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "Optimizer steps between reference syncs."})
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "Set every dropout probability of the model to 0, so policy and reference log-probs are comparable."})
+
+    def _check(self):
+        check_beta_and_lengths(self)
+        if self.sync_ref_model and self.precompute_ref_log_probs:
+            raise ValueError("sync_ref_model updates the reference during training, so its log-probs cannot be "
+                             "precomputed; set precompute_ref_log_probs=False or sync_ref_model=False")
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        if self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}")
 
 
 # ---------------------------------------------------------------------------------------- data
 
-def _fit(prompt_ids: list[int], completion_ids: list[int], max_length, max_prompt_length, max_completion_length):
-    """(prompt_ids, completion_ids, truncated) cut to the limits, or None when the prompt leaves no room."""
+def _fit(prompt_ids: list[int], completions: list[list[int]], max_length, max_prompt_length, max_completion_length,
+         truncation_mode: str = "keep_start"):
+    """(prompt_ids, completions, truncated) cut to the limits, or None when the prompt leaves no room.
+
+    `completions` share the prompt (a pair's chosen and rejected), so the prompt is cut once for all."""
     truncated = False
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
         prompt_ids, truncated = prompt_ids[-max_prompt_length:], True  # keep the end: nearest the answer
-    if max_completion_length is not None and len(completion_ids) > max_completion_length:
-        completion_ids, truncated = completion_ids[:max_completion_length], True
-    if max_length is not None:
-        if len(prompt_ids) >= max_length:
-            return None
-        room = max_length - len(prompt_ids)
-        if len(completion_ids) > room:
-            completion_ids, truncated = completion_ids[:room], True
-    return prompt_ids, completion_ids, truncated
+    if max_completion_length is not None and any(len(c) > max_completion_length for c in completions):
+        completions, truncated = [c[:max_completion_length] for c in completions], True
+    if max_length is None:
+        return prompt_ids, completions, truncated
+    longest = max(len(c) for c in completions)
+    if truncation_mode == "keep_end" and len(prompt_ids) + longest > max_length:
+        # one prompt token stays: the first completion token is scored from it
+        prompt_ids, truncated = prompt_ids[-max(max_length - longest, 1):], True
+    if len(prompt_ids) >= max_length:
+        return None
+    room = max_length - len(prompt_ids)
+    if longest > room:
+        completions, truncated = [c[:room] for c in completions], True
+    return prompt_ids, completions, truncated
 
 
 def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: int | None,
                                max_prompt_length: int | None = None, max_completion_length: int | None = None,
-                               keep: tuple[str, ...] = (), name: str = "train"):
+                               keep: tuple[str, ...] = (), name: str = "train", truncation_mode: str = "keep_start"):
     """Validate, convert and tokenise `dataset` for pairwise (`paired`) or unpaired training.
 
     Any layout formats accepts works (ranked rows expand to every ordered pair, implicit prompts
     are split off; with `paired=False` pairs become a desirable and an undesirable row). Columns
-    in `keep` (e.g. "margin") are carried through. Rows whose prompt alone reaches `max_length`
-    are dropped; long prompts lose their start, long completions their end.
+    in `keep` (e.g. "margin") are carried through. Long prompts lose their start, long completions
+    their end; with `truncation_mode="keep_start"` rows whose prompt alone reaches `max_length` are
+    dropped, with "keep_end" the prompt's start is cut first (see `_fit`).
     """
     from datasets import Dataset
 
@@ -87,7 +150,7 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
     dataset, _ = formats.to_canonical(dataset, target=target)  # validates every row first
     text_cols = ("chosen", "rejected") if paired else ("completion",)
     extras = [c for c in keep if c in dataset.column_names]
-    limits = (max_length, max_prompt_length, max_completion_length)
+    limits = (max_length, max_prompt_length, max_completion_length, truncation_mode)
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"prompt_ids": [], "truncated": [], **{f"{c}_ids": [] for c in text_cols}}
@@ -96,23 +159,20 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
         for c in extras:
             out[c] = []
         for k, row in enumerate(indices):
-            pieces, truncated = [], False
-            for col in text_cols:
-                enc = encode_prompt_completion(tokenizer, batch["prompt"][k], batch[col][k], None, row)
-                fitted = _fit(enc["prompt_ids"], enc["completion_ids"], *limits)
-                if fitted is None:
-                    break
-                pieces.append(fitted)
-                truncated = truncated or fitted[2]
-            else:
-                out["prompt_ids"].append(pieces[0][0])
-                for col, piece in zip(text_cols, pieces):
-                    out[f"{col}_ids"].append(piece[1])
-                out["truncated"].append(truncated)
-                if not paired:
-                    out["label"].append(bool(batch["label"][k]))
-                for c in extras:
-                    out[c].append(batch[c][k])
+            encoded = [encode_prompt_completion(tokenizer, batch["prompt"][k], batch[col][k], None, row)
+                       for col in text_cols]
+            fitted = _fit(encoded[0]["prompt_ids"], [e["completion_ids"] for e in encoded], *limits)
+            if fitted is None:
+                continue
+            prompt_ids, completions, truncated = fitted
+            out["prompt_ids"].append(prompt_ids)
+            for col, completion in zip(text_cols, completions):
+                out[f"{col}_ids"].append(completion)
+            out["truncated"].append(truncated)
+            if not paired:
+                out["label"].append(bool(batch["label"][k]))
+            for c in extras:
+                out[c].append(batch[c][k])
         return out
 
     before = len(dataset)
@@ -125,7 +185,8 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
                        f"max_length={max_length}; truncated {truncated} {unit} to max_length={max_length}, "
                        f"max_prompt_length={max_prompt_length}, max_completion_length={max_completion_length}")
     if len(dataset) == 0:
-        raise ValueError(f"no {name} rows are left after tokenisation: every prompt reaches max_length={max_length}")
+        raise ValueError(f"no {name} rows are left after tokenisation: every prompt reaches max_length={max_length} "
+                         f"(raise max_length, set max_prompt_length, or truncation_mode='keep_end' to cut prompts)")
     return dataset.remove_columns("truncated")
 
 
@@ -134,8 +195,11 @@ class PreferenceCollator:
 
     paired: input_ids / attention_mask / completion_mask (2B, T), chosen rows first; optional
     margin, ref_chosen_logps, ref_rejected_logps (B,).
-    unpaired: the same for B rows plus label (B,) bool; optional udm_weight (B,) (BCO's density ratios).
-    With kl_pairs: B more rows follow, completion i after prompt (i+1) mod B (KTO's KL estimate).
+    unpaired: the same for B rows plus label (B,) bool; optional udm_weight (B,) (BCO's density ratios),
+    ref_logps and ref_kl_logps (B,) (KTO's precomputed reference).
+    With kl_pairs: B more rows follow (KTO's KL estimate): prompt i followed by the row's
+    `kl_completion_ids` where the dataset fixes them (precomputed reference), else completion i after
+    prompt (i+1) mod B.
     """
 
     def __init__(self, pad_token_id: int, paired: bool = True, kl_pairs: bool = False, max_length: int | None = None):
@@ -149,10 +213,13 @@ class PreferenceCollator:
         else:
             completions = [list(r["completion_ids"]) for r in rows]
         if self.kl_pairs:
-            shifted = prompts[1:] + prompts[:1]
-            room = [None if self.max_length is None else self.max_length - len(p) for p in shifted]
-            completions = completions + [c[:n] for c, n in zip(completions, room)]
-            prompts = prompts + shifted
+            if "kl_completion_ids" in rows[0]:
+                kl_prompts, kl_completions = prompts, [list(r["kl_completion_ids"]) for r in rows]
+            else:
+                kl_prompts, kl_completions = prompts[1:] + prompts[:1], completions
+            room = [None if self.max_length is None else self.max_length - len(p) for p in kl_prompts]
+            completions = completions + [c[:n] for c, n in zip(kl_completions, room)]
+            prompts = prompts + kl_prompts
         seqs = [p + c for p, c in zip(prompts, completions)]
         batch = {
             "input_ids": pad(seqs, self.pad_token_id),
@@ -161,10 +228,17 @@ class PreferenceCollator:
         }
         if not self.paired:
             batch["label"] = torch.tensor([bool(r["label"]) for r in rows])
-        for key in ("margin", "ref_chosen_logps", "ref_rejected_logps", "udm_weight"):
+        for key in ("margin", "ref_chosen_logps", "ref_rejected_logps", "udm_weight", "ref_logps", "ref_kl_logps"):
             if key in rows[0] and rows[0][key] is not None:
                 batch[key] = torch.tensor([float(r[key]) for r in rows])
         return batch
+
+
+def _num_scored(completion_mask: Tensor) -> int:
+    """K: the columns from the batch's first completion token on (token 0 has no context to be scored from)."""
+    T = completion_mask.shape[1]
+    first = int(completion_mask.any(0).to(torch.int8).argmax())
+    return min(T - first, T - 1)
 
 
 def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
@@ -176,9 +250,7 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
     i + N/2 share a prompt, as the paired collator lays them out) each prompt goes through the
     model once: see `core.logprobs.paired_completion_logps`.
     """
-    T = input_ids.shape[1]
-    first = int(completion_mask.any(0).to(torch.int8).argmax())  # first column holding a completion token
-    K = min(T - first, T - 1)  # token 0 has no context to be scored from
+    T, K = input_ids.shape[1], _num_scored(completion_mask)
     head = plain_lm_head(model, input_ids)
     if paired and head is not None and attention_kind(model) in ("sdpa", "eager"):
         return paired_completion_logps(model, head, input_ids, attention_mask, completion_mask)
@@ -197,6 +269,17 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
     with torch.no_grad():
         mean_logits = (token_mean_logits * mask).sum(-1) / lengths.clamp(min=1)
     return sequence_logprobs(logps, mask), lengths, mean_logits.float()
+
+
+def completion_token_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor):
+    """Per-token log-probs (N, K) of the last K columns (as `completion_logps` scores them), the
+    completion mask of those columns (N, K) and the logits that scored them (N, K, V).
+
+    For losses that weight tokens (LD-DPO) or read the whole next-token distribution (WPO); unlike
+    `completion_logps` it builds the (N, K, V) logits whole."""
+    T, K = input_ids.shape[1], _num_scored(completion_mask)
+    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
+    return logps, completion_mask[:, T - K:], logits
 
 
 @torch.no_grad()
@@ -239,17 +322,24 @@ class PreferenceTrainer(BaseTrainer):
     kl_pairs = False  # KTO: the collator appends mismatched rows for the KL reference point
     keep_columns: tuple[str, ...] = ()  # extra dataset columns the collator reads
     uses_reward_mean = False  # BCO / bco_pair: keep the running reward mean δ
+    # columns precompute_ref_log_probs adds: the reference log-probs of the collated rows, one block each
+    reference_columns: tuple[str, ...] = ("ref_chosen_logps", "ref_rejected_logps")
 
     def __init__(self, model, ref_model, args, *, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, callbacks=None, optimizers=(None, None),
-                 needs_reference: bool = True, model_kind: str = "causal-lm"):
+                 needs_reference: bool = True, model_kind: str = "causal-lm", compute_metrics=None):
         if train_dataset is None:
             raise ValueError(f"{type(self).__name__} needs a train_dataset")
+        check_train_dataset(train_dataset)  # before tokenising, which would blame max_length
+        sync = needs_reference and getattr(args, "sync_ref_model", False)
+        if sync and ref_model is None and (peft_config is not None or loading.is_peft_model(model)):
+            raise ValueError("sync_ref_model needs a separate reference model, but with a PEFT model the "
+                             "reference is the adapter-disabled policy; pass ref_model= or unset sync_ref_model")
         tokenizer = loading.load_tokenizer(processing_class, model=model)
         prepare = dict(tokenizer=tokenizer, paired=self.paired, max_length=args.max_length,
                        max_prompt_length=getattr(args, "max_prompt_length", None),
                        max_completion_length=getattr(args, "max_completion_length", None),
-                       keep=self.keep_columns)
+                       keep=self.keep_columns, truncation_mode=getattr(args, "truncation_mode", "keep_start"))
         train_dataset = prepare_preference_dataset(train_dataset, **prepare)
         if isinstance(eval_dataset, dict):
             eval_dataset = {k: prepare_preference_dataset(v, name=f"eval[{k}]", **prepare) for k, v in eval_dataset.items()}
@@ -258,7 +348,8 @@ class PreferenceTrainer(BaseTrainer):
         collator = data_collator or PreferenceCollator(tokenizer.pad_token_id, self.paired, self.kl_pairs, args.max_length)
         super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, data_collator=collator, peft_config=peft_config,
-                         callbacks=callbacks, optimizers=optimizers, model_kind=model_kind)
+                         callbacks=callbacks, optimizers=optimizers, model_kind=model_kind,
+                         compute_metrics=compute_metrics)
         # compute_loss returns the micro-batch mean; let Trainer divide by the accumulation steps
         self.loss_is_scaled_for_ga = False
         if getattr(args, "disable_dropout", False):
@@ -266,6 +357,11 @@ class PreferenceTrainer(BaseTrainer):
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
         self.ref_model = self.make_reference(ref_model, needs_reference)
+        if sync:
+            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
+        self.ref_precomputed = False
+        if needs_reference and getattr(args, "precompute_ref_log_probs", False):
+            self.precompute_reference()
         self._num_tokens = {"train": 0, "eval": 0}
         self.reward_mean, self._pending_rewards = RunningMean(), []
         if self.uses_reward_mean:
@@ -277,6 +373,33 @@ class PreferenceTrainer(BaseTrainer):
         model = self.ref_model if self.ref_model is not None else self.accelerator.unwrap_model(self.model)
         with torch.no_grad(), self.reference_context(self.ref_model):
             return completion_logps(model, input_ids, attention_mask, completion_mask, paired=self.paired)[0]
+
+    def precompute_reference(self) -> None:
+        """precompute_ref_log_probs: score the train and eval data once with the reference, store the
+        log-probs as `reference_columns`, and free the reference model."""
+        self.train_dataset = self.add_reference_columns(self.train_dataset)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self.add_reference_columns(v) for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self.add_reference_columns(self.eval_dataset)
+        self.ref_model, self.ref_precomputed = None, True
+
+    @torch.no_grad()
+    def add_reference_columns(self, dataset):
+        """The dataset plus `reference_columns`: the collated rows' reference log-probs, split into one
+        block per column (DPO: chosen, rejected; KTO: the rows, their KL rows)."""
+        collate = PreferenceCollator(self.processing_class.pad_token_id, self.paired, self.kl_pairs, self.args.max_length)
+        columns: dict[str, list[float]] = {name: [] for name in self.reference_columns}
+        size = self.args.per_device_eval_batch_size
+        for start in range(0, len(dataset), size):
+            batch = collate([dataset[i] for i in range(start, min(start + size, len(dataset)))])
+            batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+            logps = self.reference_logps(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+            for name, block in zip(columns, logps.chunk(len(columns))):
+                columns[name] += block.tolist()
+        for name, values in columns.items():
+            dataset = dataset.add_column(name, values)
+        return dataset
 
     # ------------------------------------------------------------------ metrics
     def count_tokens(self, attention_mask: Tensor, mode: str) -> None:
@@ -329,9 +452,7 @@ class PreferenceTrainer(BaseTrainer):
         if self.uses_reward_mean and resume_from_checkpoint:
             folder = resume_from_checkpoint
             if folder is True:
-                from transformers.trainer_utils import get_last_checkpoint
-
-                folder = get_last_checkpoint(self.args.output_dir)
+                folder = latest_checkpoint(self.args.output_dir)  # the newest complete one
             path = os.path.join(folder or "", RUNNING_FILE)
             if folder and os.path.exists(path):
                 with open(path) as f:
@@ -340,10 +461,23 @@ class PreferenceTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ evaluation
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """(loss, predictions, labels); predictions only for a `compute_metrics`, which then receives
+        an EvalPrediction of all evaluation rows: for pairs, predictions (N, 2) = the [chosen, rejected]
+        scores (implicit rewards β·log π/π_ref for DPO, the reward model's scores for Reward) and
+        label_ids (N,) zeros (column 0, the chosen one, is preferred), so that argmax(predictions)
+        == label_ids is the pair accuracy; for unpaired rows (BCO, KTO) predictions (N,) = the rows'
+        implicit rewards and label_ids (N,) = their labels (1 desirable, 0 undesirable)."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
+            if prediction_loss_only or self.compute_metrics is None:
+                return self.compute_loss(model, inputs).detach(), None, None
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        if self.paired:
+            predictions = torch.stack([outputs["rewards_chosen"], outputs["rewards_rejected"]], dim=-1).float()
+            labels = torch.zeros(predictions.shape[0], dtype=torch.long, device=predictions.device)
+        else:
+            predictions, labels = outputs["rewards"].float(), inputs["label"].long()
+        return loss.detach(), predictions.detach(), labels
 
 
 def build_for_cli(trainer_class, script_args, config):
