@@ -4,9 +4,10 @@ Each command is one entry of `COMMANDS`, a function `run_x(script_args, config)`
 and returns a trainer (or does its work itself and returns None); `run` parses the flags,
 trains (resuming from `--resume_from_checkpoint` when given), saves the model to `output_dir`
 and returns the trainer; `main`, the console script, returns the exit status instead. The
-flags come from two dataclasses named by the `@command` decorator: the script arguments (model, dataset) and the trainer's config, every
-field of which is a flag. Values come from, lowest to highest: the dataclass defaults, the
-YAML file given with `--config` (flat `field: value` pairs), the command line.
+flags come from two dataclasses named by the `@command` decorator: the script arguments (model,
+dataset) and the trainer's config, every field of which is a flag. Values come from, lowest to
+highest: the dataclass defaults, the YAML file given with `--config` (flat `field: value` pairs,
+type-checked against the fields), the command line.
 
 To add a command:
 
