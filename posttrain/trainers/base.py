@@ -1,19 +1,41 @@
-"""What every posttrain trainer shares: model and tokenizer loading, PEFT, reference models, metrics.
+"""What every posttrain trainer shares: model and tokenizer loading, PEFT, reference models, metrics,
+seeding, and checkpoints a run can always resume from.
 
 A trainer subclasses `BaseTrainer` and its config subclasses `BaseConfig`; the trainer file then
 holds only its algorithm (batch preparation and `compute_loss`).
+
+Checkpoints: on top of what transformers saves (weights, optimizer, scheduler, RNG, trainer state,
+data position), every checkpoint holds the trainer attributes named in `checkpointed` (counters,
+generators, running statistics: `posttrain_state.pt`, one per process) and, when a
+`SyncRefModelCallback` moves the reference, the reference's weights (`ref_model.safetensors`).
+A checkpoint is written under `tmp-checkpoint-N/` and renamed to `checkpoint-N` once complete, so
+a run killed mid-save never leaves a `checkpoint-N` that resuming would pick and fail on. A fresh
+run refuses an output_dir that holds an earlier run's checkpoints unless `overwrite_output_dir`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, enable_full_determinism, rotate_checkpoints,
+                                        set_seed)
 
 from posttrain.models import loading
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "posttrain_state.pt"  # the `checkpointed` attributes; posttrain_state_<rank>.pt with several processes
+REF_MODEL_FILE = "ref_model.safetensors"  # a reference that training moves (sync_ref_model)
+STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N/checkpoint-N: a checkpoint being written
+TRAINER_STATE = "trainer_state.json"  # written last by transformers: a checkpoint without it is incomplete
 
 
 @dataclass
@@ -29,6 +51,12 @@ class BaseConfig(TrainingArguments):
         default=False, metadata={"help": "Kept False: posttrain's collators pick the columns they need."})
     report_to: Any = field(default="none", metadata={"help": "Where to report metrics ('none', 'tensorboard', ...)."})
     save_strategy: str = field(default="no", metadata={"help": "Checkpoint saving strategy ('no', 'steps', 'epoch')."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "A new run (not resumed) in an output_dir that holds `checkpoint-N` folders of an earlier "
+                          "run is refused, since a later `resume_from_checkpoint=True` could pick the earlier run's "
+                          "latest checkpoint. True deletes those checkpoints (with a warning naming them) and "
+                          "starts afresh. To continue the earlier run instead, pass resume_from_checkpoint."})
     keep_freed_memory: bool = field(
         default=True,
         metadata={"help": "Training on CPU under glibc (Linux): keep freed memory in the process heap (mallopt: "
@@ -46,6 +74,50 @@ class BaseConfig(TrainingArguments):
 
     def _check(self):
         """Subclasses raise ValueError here for invalid combinations of fields."""
+
+
+def seed_run(args: TrainingArguments) -> None:
+    """Seed python, numpy and torch from `args.seed` (fully deterministic kernels with `full_determinism`).
+
+    Trainers call it before they load or build any model, so that fresh weights (a reward model's
+    score head, a value head) are the same for the same seed; transformers.Trainer seeds only
+    after the model exists.
+    """
+    enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+
+
+def check_train_dataset(dataset) -> None:
+    """Refuse an empty train_dataset at construction, not at the first step."""
+    if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
+        raise ValueError("train_dataset is empty (0 rows): give a dataset with at least one training row")
+
+
+def checkpoint_folders(folder: str) -> list[tuple[int, str, bool]]:
+    """(step, path, complete) of every `checkpoint-N` folder in `folder`, by step; complete means that
+    transformers' last file (trainer_state.json) is there."""
+    if not os.path.isdir(folder):
+        return []
+    found = []
+    for name in os.listdir(folder):
+        match = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+        path = os.path.join(folder, name)
+        if match and os.path.isdir(path):
+            found.append((int(match.group(1)), path, os.path.isfile(os.path.join(path, TRAINER_STATE))))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: str) -> str | None:
+    """The newest complete checkpoint in `folder` (None if there is none); newer incomplete ones (a run
+    killed while saving with an older posttrain, or a copy cut short) are skipped with a warning."""
+    found = checkpoint_folders(folder)
+    complete = [path for _, path, ok in found if ok]
+    latest = complete[-1] if complete else None
+    skipped = [os.path.basename(path) for step, path, ok in found
+               if not ok and (latest is None or step > int(latest.rsplit("-", 1)[1]))]
+    if skipped:
+        logger.warning(f"skipping incomplete checkpoint(s) {skipped} in {folder} (no {TRAINER_STATE}: the run was "
+                       f"stopped while saving); resuming from {latest and os.path.basename(latest)}")
+    return latest
 
 
 def keep_freed_memory() -> bool:
@@ -129,10 +201,16 @@ class BaseTrainer(Trainer):
     """transformers.Trainer plus model-from-string loading, PEFT, reference models and a metric buffer."""
 
     _tag = "posttrain"
+    # attributes that the next steps depend on and transformers does not save: ints, floats, lists or dicts of
+    # them, torch.Generators and objects with state_dict/load_state_dict; absent ones are skipped
+    checkpointed: tuple[str, ...] = ("_num_tokens",)
 
     def __init__(self, model, args: BaseConfig, *, processing_class=None, train_dataset=None,
                  eval_dataset=None, data_collator=None, peft_config=None, callbacks=None,
                  optimizers=(None, None), model_kind: str = "causal-lm", **trainer_kwargs):
+        check_train_dataset(train_dataset)
+        seed_run(args)
+        self._staging_dir = None  # set while a checkpoint is written (see _save_checkpoint)
         self._heap_kept = bool(args.keep_freed_memory and (args.use_cpu or not torch.cuda.is_available())
                                and keep_freed_memory())
         model_name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
@@ -158,6 +236,132 @@ class BaseTrainer(Trainer):
         if self._heap_kept:
             make_adam_state(optimizer)
         return optimizer
+
+    # ------------------------------------------------------------------ checkpoints and resuming
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """transformers' train, plus: `True` resumes from the newest *complete* checkpoint; a fresh run refuses
+        (or with overwrite_output_dir clears) an earlier run's checkpoints; posttrain's own state is restored."""
+        folder = self.args.output_dir
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_checkpoint(folder)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True, but {folder} holds no complete checkpoint-N folder")
+        if resume_from_checkpoint:
+            if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE)):
+                raise ValueError(f"cannot resume from {resume_from_checkpoint}: it has no {TRAINER_STATE}, so it is "
+                                 "not a complete checkpoint (the run was stopped while saving it?)")
+            self.load_checkpoint_extras(resume_from_checkpoint)
+        else:
+            self._clear_earlier_run(folder)
+        table = getattr(self, "completions_table", None)  # online trainers' sample log
+        if table is not None and self.args.should_save:
+            step = TrainerState.load_from_json(os.path.join(resume_from_checkpoint, TRAINER_STATE)).global_step \
+                if resume_from_checkpoint else None
+            table.start(resumed_step=step)
+        return super().train(resume_from_checkpoint or None, *args, **kwargs)
+
+    def _clear_earlier_run(self, folder: str):
+        """A fresh run: never leave an earlier run's checkpoints where resume_from_checkpoint=True would find them."""
+        earlier = [os.path.basename(path) for _, path, _ in checkpoint_folders(folder)]
+        if earlier and not self.args.overwrite_output_dir:
+            raise ValueError(f"output_dir {folder} holds checkpoints of an earlier run: {earlier}. Continue that run "
+                             "with resume_from_checkpoint=True (or a checkpoint path), set overwrite_output_dir=True "
+                             "to delete them and start afresh, or choose another output_dir")
+        if self.args.should_save:
+            if earlier:
+                logger.warning(f"overwrite_output_dir=True: deleting the earlier run's checkpoints {earlier} in {folder}")
+            for name in os.listdir(folder) if os.path.isdir(folder) else []:
+                if name in earlier or name.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
+                    shutil.rmtree(os.path.join(folder, name))
+        self.accelerator.wait_for_everyone()
+
+    def _get_output_dir(self, trial) -> str:
+        return self._staging_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        """Write the checkpoint into tmp-checkpoint-N/ and rename it to checkpoint-N once every file is there.
+
+        transformers writes checkpoint-N in place, so a kill mid-save leaves a folder that
+        resume_from_checkpoint=True picks and fails on. There is no public hook for where a checkpoint
+        goes: the run folder (`_get_output_dir`) is redirected while transformers saves.
+        """
+        run_dir = super()._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = os.path.join(run_dir, STAGING_PREFIX + name)
+        written, final = os.path.join(staging, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.exists(staging):  # left by a save that was killed
+            shutil.rmtree(staging)
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.save_checkpoint_extras(written)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            if self.state.best_model_checkpoint == written:  # this step is the best: name its final place
+                self.state.best_model_checkpoint = final
+                self.state.save_to_json(os.path.join(written, TRAINER_STATE))
+            replaced = os.path.join(run_dir, STAGING_PREFIX + "old-" + name)
+            if os.path.exists(final):  # e.g. resumed from an earlier checkpoint of this run
+                os.rename(final, replaced)
+            os.rename(written, final)
+            os.rmdir(staging)
+            shutil.rmtree(replaced, ignore_errors=True)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
+
+    def _sync_callback(self) -> SyncRefModelCallback | None:
+        return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, SyncRefModelCallback)), None)
+
+    def _state_file(self, folder: str) -> str:
+        if self.accelerator.num_processes == 1:
+            return os.path.join(folder, STATE_FILE)
+        return os.path.join(folder, STATE_FILE.replace(".pt", f"_{self.accelerator.process_index}.pt"))
+
+    def save_checkpoint_extras(self, folder: str):
+        """Save what a step depends on beyond transformers' checkpoint: `checkpointed` attributes (each process)
+        and a reference model that training moves (main process)."""
+        from safetensors.torch import save_model
+
+        state = {}
+        for name in self.checkpointed:
+            value = getattr(self, name, None)
+            if isinstance(value, torch.Generator):
+                state[name] = value.get_state()
+            elif hasattr(value, "state_dict"):
+                state[name] = value.state_dict()
+            elif value is not None:
+                state[name] = value
+        os.makedirs(folder, exist_ok=True)
+        torch.save(state, self._state_file(folder))
+        sync = self._sync_callback()
+        if sync is not None and self.args.should_save:
+            save_model(self.accelerator.unwrap_model(sync.ref_model), os.path.join(folder, REF_MODEL_FILE))
+
+    def load_checkpoint_extras(self, folder: str):
+        """Restore what `save_checkpoint_extras` saved; checkpoints written before it existed are read as they are."""
+        from safetensors.torch import load_model
+
+        path = self._state_file(folder)
+        state = torch.load(path, weights_only=True) if os.path.exists(path) else {}
+        for name, value in state.items():
+            current = getattr(self, name, None)
+            if isinstance(current, torch.Generator):
+                current.set_state(value)
+            elif hasattr(current, "load_state_dict"):
+                current.load_state_dict(value)
+            else:
+                setattr(self, name, value)
+        sync, ref_path = self._sync_callback(), os.path.join(folder, REF_MODEL_FILE)
+        if sync is not None:
+            if not os.path.exists(ref_path):
+                logger.warning(f"{folder} has no {REF_MODEL_FILE}: the synced reference model restarts from its "
+                               "initial weights, so the resumed run will differ from an uninterrupted one")
+            else:
+                ref = self.accelerator.unwrap_model(sync.ref_model)
+                load_model(ref, ref_path, device=str(next(ref.parameters()).device))
 
     # ------------------------------------------------------------------ reference policy
     def make_reference(self, ref_model, needed: bool = True):

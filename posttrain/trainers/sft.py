@@ -42,7 +42,7 @@ from posttrain.data.collate import IGNORE_INDEX, LanguageModelingCollator
 from posttrain.data.packing import STRATEGIES, pack_dataset
 from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
 from posttrain.models import loading
-from posttrain.trainers.base import BaseConfig, BaseTrainer
+from posttrain.trainers.base import BaseConfig, BaseTrainer, check_train_dataset, seed_run
 
 
 @dataclass
@@ -104,6 +104,8 @@ class SFTTrainer(BaseTrainer):
             args = SFTConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-SFT")
         elif not isinstance(args, SFTConfig):
             raise TypeError(f"args must be an SFTConfig, got {type(args).__name__}")
+        check_train_dataset(train_dataset)
+        seed_run(args)
         model = loading.load_causal_lm(model, **(args.model_init_kwargs or {}))
         tokenizer = loading.load_tokenizer(processing_class, model=model)
         prepare = lambda data, pack: self.prepare_dataset(data, tokenizer, args, pack, formatting_func)  # noqa: E731

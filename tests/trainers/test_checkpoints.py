@@ -1,0 +1,143 @@
+"""Checkpoints a run can always resume from (atomic saves, incomplete ones skipped), a reused output_dir,
+the seed fixing fresh weights, and an empty train_dataset refused at construction."""
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from datasets import Dataset
+from preference_helpers import TINY, config_kwargs
+from transformers import TrainerCallback
+
+from posttrain.data.builtin import zen
+from posttrain.models.tiny import tiny_model_path
+from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+from posttrain.trainers.reward import RewardConfig, RewardTrainer
+from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sft(output_dir, **overrides) -> SFTTrainer:
+    fields = config_kwargs(output_dir, per_device_train_batch_size=2, learning_rate=1e-3, save_strategy="steps",
+                           save_steps=2, max_steps=2)
+    return SFTTrainer(TINY, args=SFTConfig(**{**fields, **overrides}), train_dataset=zen())
+
+
+def folders(path) -> list[str]:
+    return sorted(name for name in os.listdir(path) if os.path.isdir(os.path.join(path, name)))
+
+
+class RecordSteps(TrainerCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+# ------------------------------------------------------------------ atomic checkpoints
+
+def test_resume_true_skips_a_half_written_checkpoint_with_a_warning(tmp_path, caplog):
+    sft(tmp_path).train()
+    # what a run killed while writing checkpoint-6 leaves behind: weights, no trainer_state.json
+    os.makedirs(tmp_path / "checkpoint-6")
+    shutil.copy(tmp_path / "checkpoint-2" / "model.safetensors", tmp_path / "checkpoint-6")
+    resumed, steps = sft(tmp_path, max_steps=4), RecordSteps()
+    resumed.add_callback(steps)
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        resumed.train(resume_from_checkpoint=True)
+    assert "checkpoint-6" in caplog.text and "incomplete" in caplog.text
+    assert steps.steps == [3, 4]  # went on from checkpoint-2
+    with pytest.raises(ValueError, match="no trainer_state.json"):
+        sft(tmp_path, max_steps=8).train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+
+
+def test_a_save_interrupted_midway_leaves_no_checkpoint_folder(tmp_path):
+    trainer = sft(tmp_path)
+
+    def killed(output_dir):  # the RNG state is written after the weights and the optimizer
+        raise KeyboardInterrupt("killed while saving")
+
+    trainer._save_rng_state = killed
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert not [name for name in folders(tmp_path) if name.startswith("checkpoint-")]
+    assert folders(tmp_path) == ["tmp-checkpoint-2"]  # the partial save, under a name resuming never picks
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        sft(tmp_path, max_steps=4).train(resume_from_checkpoint=True)
+
+    again = sft(tmp_path)  # a run that saves the same step again replaces the leftover
+    again.train()
+    assert folders(tmp_path) == ["checkpoint-2"]
+    assert os.path.isfile(tmp_path / "checkpoint-2" / "trainer_state.json")
+
+
+def test_save_total_limit_still_rotates_checkpoints(tmp_path):
+    sft(tmp_path, max_steps=6, save_steps=1, save_total_limit=2).train()
+    assert folders(tmp_path) == ["checkpoint-5", "checkpoint-6"]
+
+
+# ------------------------------------------------------------------ reusing an output_dir
+
+def test_a_fresh_run_refuses_an_earlier_runs_checkpoints_unless_told_to_overwrite(tmp_path, caplog):
+    sft(tmp_path, max_steps=4).train()  # the earlier, longer run: checkpoint-2 and checkpoint-4
+    assert folders(tmp_path) == ["checkpoint-2", "checkpoint-4"]
+    with pytest.raises(ValueError, match=r"earlier run.*checkpoint-2.*checkpoint-4.*overwrite_output_dir"):
+        sft(tmp_path).train()
+
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        sft(tmp_path, overwrite_output_dir=True).train()
+    assert "checkpoint-4" in caplog.text
+    assert folders(tmp_path) == ["checkpoint-2"]  # the stale checkpoint-4 is gone; checkpoint-2 is the new run's
+    resumed = sft(tmp_path, max_steps=3)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+
+
+def test_a_run_without_checkpoints_in_the_folder_is_not_refused(tmp_path):
+    sft(tmp_path, save_strategy="no").train()
+    sft(tmp_path, save_strategy="no").train()  # final weights are overwritten, as transformers does
+    assert os.path.isdir(tmp_path) and not folders(tmp_path)
+
+
+# ------------------------------------------------------------------ seeds
+
+def first_loss_and_head(tmp_path, seed: int):
+    args = RewardConfig(**config_kwargs(tmp_path, max_steps=1, seed=seed))
+    causal_lm = str(tiny_model_path("tiny-qwen2"))  # a causal-LM folder: the score head is new, drawn at random
+    trainer = RewardTrainer(causal_lm, args=args, train_dataset=zen("preference"))
+    head = trainer.model.score.weight.detach().clone()
+    trainer.train()
+    return trainer.state.log_history[0]["loss"], head
+
+
+def test_same_seed_same_fresh_score_head_and_first_loss(tmp_path):
+    torch.manual_seed(123)  # whatever the global RNG holds before, the seed decides
+    loss_a, head_a = first_loss_and_head(tmp_path / "a", seed=0)
+    torch.rand(10)
+    loss_b, head_b = first_loss_and_head(tmp_path / "b", seed=0)
+    loss_c, head_c = first_loss_and_head(tmp_path / "c", seed=1)
+    assert torch.equal(head_a, head_b) and loss_a == loss_b
+    assert not torch.equal(head_a, head_c) and loss_a != loss_c
+
+
+# ------------------------------------------------------------------ empty data
+
+@pytest.mark.parametrize("make", [
+    lambda path: SFTTrainer(TINY, args=SFTConfig(output_dir=path), train_dataset=Dataset.from_dict({"text": []})),
+    lambda path: RewardTrainer(TINY, args=RewardConfig(output_dir=path),
+                               train_dataset=Dataset.from_dict({"prompt": [], "chosen": [], "rejected": []})),
+    lambda path: DPOTrainer(TINY, args=DPOConfig(output_dir=path), train_dataset=[]),
+], ids=["sft", "reward", "dpo"])
+def test_an_empty_train_dataset_is_refused_at_construction(tmp_path, make):
+    with pytest.raises(ValueError, match=r"train_dataset is empty \(0 rows\)"):
+        make(str(tmp_path))
