@@ -639,10 +639,13 @@ def run(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `posttrain` console script: 0 on success. Failures exit non-zero: 2 for a
-    usage error, 1 for a bad dataset file (one line naming it) or any other exception (traceback)."""
+    usage error; 1 for a dataset or model that cannot be loaded (one line that says why) or any
+    other exception (with its traceback)."""
+    from posttrain.models.loading import ModelLoadError
+
     try:
         run(sys.argv[1:] if argv is None else argv)
-    except DatasetError as err:
+    except (DatasetError, ModelLoadError) as err:
         print(f"posttrain: error: {err}", file=sys.stderr)
         return 1
     return 0
