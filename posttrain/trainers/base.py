@@ -269,7 +269,8 @@ class BaseTrainer(Trainer):
                              "to delete them and start afresh, or choose another output_dir")
         if self.args.should_save:
             if earlier:
-                logger.warning(f"overwrite_output_dir=True: deleting the earlier run's checkpoints {earlier} in {folder}")
+                logger.warning(f"overwrite_output_dir=True: deleting the earlier run's checkpoints {earlier} "
+                               f"in {folder}")
             for name in os.listdir(folder) if os.path.isdir(folder) else []:
                 if name in earlier or name.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
                     shutil.rmtree(os.path.join(folder, name))
@@ -303,7 +304,7 @@ class BaseTrainer(Trainer):
             if self.state.best_model_checkpoint == written:  # this step is the best: name its final place
                 self.state.best_model_checkpoint = final
                 self.state.save_to_json(os.path.join(written, TRAINER_STATE))
-            replaced = os.path.join(run_dir, STAGING_PREFIX + "old-" + name)
+            replaced = staging + "-old"  # a tmp- name too: never resumed from, cleared by the next fresh run
             if os.path.exists(final):  # e.g. resumed from an earlier checkpoint of this run
                 os.rename(final, replaced)
             os.rename(written, final)

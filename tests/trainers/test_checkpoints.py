@@ -1,6 +1,7 @@
 """Checkpoints a run can always resume from (atomic saves, incomplete ones skipped), a reused output_dir,
 the seed fixing fresh weights, and an empty train_dataset refused at construction."""
 
+import json
 import logging
 import os
 import shutil
@@ -86,6 +87,19 @@ def test_save_total_limit_still_rotates_checkpoints(tmp_path):
     assert folders(tmp_path) == ["checkpoint-5", "checkpoint-6"]
 
 
+def test_the_best_checkpoint_is_named_by_its_final_folder(tmp_path):
+    trainer = SFTTrainer(TINY, train_dataset=zen(), eval_dataset=zen().select(range(4)), args=SFTConfig(**config_kwargs(
+        tmp_path, per_device_train_batch_size=2, max_steps=4, save_strategy="steps", save_steps=2,
+        eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss")))
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert os.path.basename(best) in ("checkpoint-2", "checkpoint-4") and os.path.isdir(best)
+    assert folders(tmp_path) == ["checkpoint-2", "checkpoint-4"]
+    for name in folders(tmp_path):  # a resumed run reads the best checkpoint from its trainer state
+        with open(tmp_path / name / "trainer_state.json") as f:
+            assert os.path.isdir(json.load(f)["best_model_checkpoint"])
+
+
 # ------------------------------------------------------------------ reusing an output_dir
 
 def test_a_fresh_run_refuses_an_earlier_runs_checkpoints_unless_told_to_overwrite(tmp_path, caplog):
@@ -141,3 +155,21 @@ def test_same_seed_same_fresh_score_head_and_first_loss(tmp_path):
 def test_an_empty_train_dataset_is_refused_at_construction(tmp_path, make):
     with pytest.raises(ValueError, match=r"train_dataset is empty \(0 rows\)"):
         make(str(tmp_path))
+
+
+# ------------------------------------------------------------------ an online run's sample log
+
+def test_grpo_completions_log_one_file_per_run_and_markup_printed_literally(tmp_path, capsys):
+    from online_helpers import first_token_reward, online_args, prompts
+
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    data = prompts(8).map(lambda row: {"prompt": "[INST] " + row["prompt"] + " [/INST] [bold]"})
+    for _ in range(2):
+        args = GRPOConfig(**online_args(tmp_path, num_generations=4, log_completions=True, max_steps=1))
+        GRPOTrainer(TINY, reward_funcs=first_token_reward, args=args, train_dataset=data).train()
+    assert "[/INST] [bold]" in capsys.readouterr().out
+    for name in ("completions.jsonl", "completions.1.jsonl"):  # the first run's rows moved aside, not appended to
+        with open(tmp_path / name) as f:
+            steps = [json.loads(line)["step"] for line in f]
+        assert steps and set(steps) == {1}, (name, steps)
