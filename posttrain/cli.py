@@ -617,7 +617,8 @@ def run(argv: list[str]):
         lines = [f"  {n:<8} {getattr(fn, 'help', '')}" for n, fn in COMMANDS.items()]
         usage = "usage: posttrain <command> [--config file.yaml] [--field value ...]\n\ncommands:\n" + "\n".join(lines)
         if argv and argv[0] not in ("-h", "--help"):
-            raise SystemExit(f"{usage}\n\nposttrain: error: unknown command {argv[0]!r}")
+            print(f"{usage}\n\nposttrain: error: unknown command {argv[0]!r}", file=sys.stderr)
+            raise SystemExit(2)
         print(usage)
         return None
     name = argv[0]
