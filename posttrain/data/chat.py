@@ -1,11 +1,20 @@
 """Chat templates: the built-in ChatML template, with {% generation %} markers so assistant-only
-loss masks work, and a helper to give a tokenizer that lacks a template this one."""
+loss masks work, and a helper to give a tokenizer that lacks a template this one.
+
+Tool calling follows transformers: tools reach the template as its `tools=` argument (a list of
+JSON schemas), assistant messages carry `tool_calls`, and `tool` messages carry the results.
+`template_inputs` turns a dataset row's messages and `tools` value into what the template gets.
+"""
 
 from __future__ import annotations
 
-from posttrain.models.tiny import CHATML_TEMPLATE, IM_END, IM_START
+import json
+from collections.abc import Mapping
 
-__all__ = ["CHATML_TEMPLATE", "IM_START", "IM_END", "ensure_chat_template"]
+from posttrain.models.tiny import CHATML_TEMPLATE, IM_END, IM_START, TOOL_CALL_END, TOOL_CALL_START
+
+__all__ = ["CHATML_TEMPLATE", "IM_START", "IM_END", "TOOL_CALL_START", "TOOL_CALL_END", "ensure_chat_template",
+           "template_inputs", "template_tools"]
 
 
 def ensure_chat_template(tokenizer, template: str = CHATML_TEMPLATE):
@@ -18,3 +27,54 @@ def ensure_chat_template(tokenizer, template: str = CHATML_TEMPLATE):
                              "or set tokenizer.chat_template to a template of your own")
         tokenizer.chat_template = template
     return tokenizer
+
+
+def _drop_nones(value):
+    """`value` without the None-valued dict keys, at every depth.
+
+    A `datasets.Dataset` stores dicts as Arrow structs whose fields are the union over all rows, so
+    a row's tool arguments or schema come back with every other row's keys set to None; a JSON
+    null cannot be told from such a key, so both go (a JSON string keeps nulls).
+    """
+    if isinstance(value, Mapping):
+        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_drop_nones(v) for v in value]
+    return value
+
+
+def template_tools(tools) -> list[dict] | None:
+    """A row's or a trainer's `tools` as the JSON-schema list a chat template gets; None when empty.
+
+    tools: None, a list of JSON schemas and/or Python functions (sync or async, with type hints
+    and a Google-style docstring: transformers' `get_json_schema` reads them), or a JSON string
+    of a schema list (the form that keeps varied schemas intact in a `datasets.Dataset`).
+    """
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        tools = json.loads(tools)
+    if not tools:
+        return None
+    from transformers.utils import get_json_schema
+
+    return [get_json_schema(t) if callable(t) else _drop_nones(t) for t in tools]
+
+
+def _clean_message(message: Mapping) -> dict:
+    message = dict(message)
+    if message.get("tool_calls") is None:
+        message.pop("tool_calls", None)  # the Arrow-filled None of a message that calls no tool
+    else:
+        message["tool_calls"] = [_drop_nones(call) for call in message["tool_calls"]]
+    return message
+
+
+def template_inputs(messages, tools=None) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) ready for `tokenizer.apply_chat_template(messages, tools=tools)`.
+
+    Tool calls lose the None-valued keys Arrow adds (see `_drop_nones`); messages without tool
+    calls are passed on as they are, so conversations without tools render as before.
+    """
+    messages = [_clean_message(m) if "tool_calls" in m else m for m in messages]
+    return messages, template_tools(tools)

@@ -19,7 +19,13 @@ when one row becomes several. Extra columns with a meaning of their own are chec
 =============================  ==============================================================
 
 Every value is either *standard* (a string) or *conversational* (a list of ``{"role",
-"content"}`` messages); a dataset is one or the other throughout. A standard ``prompt`` may be
+"content"}`` messages); a dataset is one or the other throughout. Conversations may call tools
+in the OpenAI / transformers form: an assistant message with ``tool_calls`` (a list of
+``{"type": "function", "function": {"name", "arguments"}}``, arguments a dict or a JSON-object
+string; ``content`` then optional), answered by ``tool`` messages (``content``, optional
+``name`` / ``tool_call_id``). A ``tools`` column, when present, holds each row's tools for the
+chat template: JSON schemas, Python functions, or a JSON string of the schema list (see
+`posttrain.data.chat.template_tools`). A standard ``prompt`` may be
 the empty string (unconditional generation; the online trainers, which must start generating
 from some token, further need the tokenizer to give it one, e.g. a BOS: see
 `posttrain.data.tokenize.check_prompts`); completions, ``chosen`` and ``rejected`` may not be
@@ -35,6 +41,7 @@ Works on a ``datasets.Dataset`` (converted with ``Dataset.map``) or on a list of
 
 from __future__ import annotations
 
+import json
 import math
 import reprlib
 from collections import deque
@@ -101,11 +108,12 @@ class FormatInfo:
 
 
 def is_conversational(value: Any) -> bool:
-    """Whether ``value`` is a non-empty list of mappings that each have 'role' and 'content'."""
+    """Whether ``value`` is a non-empty list of mappings that each have 'role' and 'content'
+    (or, for an assistant calling tools, 'tool_calls')."""
     return (
         isinstance(value, (list, tuple))
         and len(value) > 0
-        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
+        and all(isinstance(m, Mapping) and "role" in m and ("content" in m or m.get("tool_calls")) for m in value)
     )
 
 
@@ -163,6 +171,7 @@ def _kind(value: Any) -> str | None:
 _MISSING = object()
 _TEXT_OR_MESSAGES = "a non-empty string or a list of {'role','content'} messages"
 _MESSAGE = "{'role': str, 'content': str}"
+_TOOL_CALL = "{'type': 'function', 'function': {'name': str, 'arguments': dict or JSON object string}}"
 
 
 class _Bad(Exception):
@@ -185,14 +194,74 @@ def _describe(value: Any) -> str:
 
 def _check_messages(messages: list) -> None:
     for j, m in enumerate(messages):
-        for key in ("role", "content"):
-            if key not in m:
-                raise _Bad(f"message {j}: {key!r} is missing; expected {_MESSAGE}")
+        if "role" not in m:
+            raise _Bad(f"message {j}: 'role' is missing; expected {_MESSAGE}")
         if not isinstance(m["role"], str) or not m["role"]:
             got = _describe(m["role"])
             raise _Bad(f"message {j}: 'role' must be a non-empty string, got {got}")
-        if not isinstance(m["content"], str):
+        # None, not only a missing key: Arrow gives every message of a column the keys any has
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise _Bad(f"message {j}: only assistant messages may hold 'tool_calls', this one is "
+                           f"{m['role']!r}")
+            _check_tool_calls(j, m["tool_calls"])
+            if m.get("content") is not None and not isinstance(m["content"], str):
+                got = _describe(m["content"])
+                raise _Bad(f"message {j}: 'content' must be a string or None beside 'tool_calls', got {got}")
+        elif "content" not in m:
+            raise _Bad(f"message {j}: 'content' is missing; expected {_MESSAGE} (or, for an assistant "
+                       f"calling tools, 'tool_calls': [{_TOOL_CALL}, ...])")
+        elif not isinstance(m["content"], str):
             raise _Bad(f"message {j}: 'content' must be a string, got {_describe(m['content'])}")
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise _Bad(f"message {j}: {key!r} must be a string, got {_describe(m[key])}")
+
+
+def _check_tool_calls(j: int, calls: Any) -> None:
+    if not isinstance(calls, (list, tuple)) or not calls:
+        raise _Bad(f"message {j}: 'tool_calls' must be a non-empty list of {_TOOL_CALL}, got {_describe(calls)}")
+    for k, call in enumerate(calls):
+        where = f"message {j}, tool call {k}"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise _Bad(f"{where}: expected {_TOOL_CALL}, got {_describe(call)}")
+        if call.get("type") not in (None, "function"):
+            raise _Bad(f"{where}: 'type' must be 'function', got {_describe(call['type'])}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise _Bad(f"{where}: the function 'name' must be a non-empty string, got "
+                       f"{_describe(function.get('name', _MISSING))}")
+        arguments = function.get("arguments", _MISSING)
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as err:
+                raise _Bad(f"{where}: 'arguments' is a string but not valid JSON ({err}); expected a dict "
+                           f"or a JSON object string") from None
+        if not isinstance(arguments, Mapping):
+            raise _Bad(f"{where}: 'arguments' must be a dict or a JSON object string, got {_describe(arguments)}")
+
+
+def _tools(value: Any) -> None:
+    """A row's ``tools``: None, or a list (or JSON string of a list) of schemas or functions."""
+    expected = ("a list of tools, each a JSON schema {'type': 'function', 'function': {'name': ...}} or a "
+                "Python function, or a JSON string of such a list")
+    if value is None:
+        return
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as err:
+            raise _Bad(f"is a string but not valid JSON ({err}); expected {expected}") from None
+    if not isinstance(value, (list, tuple)):
+        raise _Bad(f"expected {expected}, got {_describe(value)}")
+    for k, tool in enumerate(value):
+        if callable(tool):
+            continue
+        schema = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(schema, Mapping) or not isinstance(schema.get("name"), str) or not schema["name"]:
+            raise _Bad(f"tool {k}: expected a JSON schema with a function 'name' or a Python function, "
+                       f"got {_describe(tool)}")
 
 
 def _text_or_messages(value: Any, allow_empty: bool = False) -> str:
@@ -288,6 +357,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
 # Extra columns that mean something to a trainer, checked wherever they appear.
 _EXTRA_CHECKS: dict[str, Callable[[Any], None]] = {
     "margin": _finite_number,  # RewardTrainer: one NaN would make every weight NaN
+    "tools": _tools,  # given to the chat template beside the row's messages
 }
 
 
@@ -681,22 +751,27 @@ def conversational_to_text(data: Data, tokenizer: Any, **template_kwargs: Any) -
       render the prompt as a prefix of the conversation.
     * ``chosen`` / ``rejected`` without a prompt: each whole conversation.
 
-    A standard dataset is returned unchanged. ``template_kwargs`` go to every template call.
+    A standard dataset is returned unchanged. ``template_kwargs`` go to every template call; a
+    ``tools`` column gives each row's tools to its calls (and is kept).
     """
+    from posttrain.data.chat import template_inputs
+
     info = validate(data)
     if not info.conversational:
         return data
 
-    def render(messages: list, generation_prompt: bool = False) -> str:
+    def render(messages: list, tools: Any, generation_prompt: bool = False) -> str:
+        messages, tools = template_inputs(messages, tools)
+        kwargs = {"tools": tools, **template_kwargs} if tools else template_kwargs
         return tokenizer.apply_chat_template(
-            list(messages),
+            messages,
             tokenize=False,
             add_generation_prompt=generation_prompt,
-            **template_kwargs,
+            **kwargs,
         )
 
-    def continuation(i: int, column: str, prompt: list, rendered_prompt: str, completion: list):
-        full = render([*prompt, *completion])
+    def continuation(i: int, column: str, row: Mapping, rendered_prompt: str, completion: list):
+        full = render([*row["prompt"], *completion], row.get("tools"))
         if not full.startswith(rendered_prompt):
             raise FormatError(
                 f"row {i}, column {column!r}: the chat template renders prompt + {column} as "
@@ -708,20 +783,18 @@ def conversational_to_text(data: Data, tokenizer: Any, **template_kwargs: Any) -
         return full[len(rendered_prompt) :]
 
     def convert(i: int, row: Mapping) -> list[dict]:
+        tools = row.get("tools")
         if info.name == "language_modeling":
-            return [{"text": render(row["messages"])}]
+            return [{"text": render(row["messages"], tools)}]
         out = {c: row[c] for c in info.columns}
         if "prompt" not in out:  # implicit prompt: render each whole conversation
-            return [{**out, "chosen": render(row["chosen"]), "rejected": render(row["rejected"])}]
-        prompt = row["prompt"]
-        out["prompt"] = render(prompt, generation_prompt=True)
+            return [{**out, "chosen": render(row["chosen"], tools), "rejected": render(row["rejected"], tools)}]
+        out["prompt"] = render(row["prompt"], tools, generation_prompt=True)
         for column in ("completion", "chosen", "rejected"):
             if column in out:
-                out[column] = continuation(i, column, prompt, out["prompt"], row[column])
+                out[column] = continuation(i, column, row, out["prompt"], row[column])
         if "responses" in out:
-            out["responses"] = [
-                continuation(i, "responses", prompt, out["prompt"], r) for r in row["responses"]
-            ]
+            out["responses"] = [continuation(i, "responses", row, out["prompt"], r) for r in row["responses"]]
         return [out]
 
     new_columns = tuple("text" if c == "messages" else c for c in info.columns)

@@ -7,6 +7,8 @@ live in one place:
   model has one), the completion without, followed by EOS;
 * conversational rows: the chat template renders prompt (with the generation prompt) and
   prompt + completion; the completion is what the second adds to the first;
+* a row's tools (its `tools` column: schemas, functions or a JSON string) go to the chat
+  template as transformers' `tools=` argument, and need conversational rows;
 * a prompt that leaves no room for a completion under `max_length` is an error that names the
   row; a long completion is cut to fit (and the caller is told, so it can report how many).
 """
@@ -14,6 +16,7 @@ live in one place:
 from __future__ import annotations
 
 from posttrain.data import formats
+from posttrain.data.chat import template_inputs
 from posttrain.models.loading import require_chat_template
 
 
@@ -25,16 +28,26 @@ def _is_messages(value) -> bool:
     return isinstance(value, list) and (not value or isinstance(value[0], dict))
 
 
-def _chat_ids(tokenizer, messages, **kwargs) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
-    return list(out["input_ids"])
+def _chat(tokenizer, messages, tools=None, **kwargs) -> dict:
+    messages, tools = template_inputs(messages, tools)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True, **kwargs)
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt, a string or a list of messages (rendered with the generation prompt)."""
+def _no_tools_for_text(tools) -> None:
+    if tools:
+        raise TokenizeError("tools need conversational rows (lists of messages): a chat template is what "
+                            "shows the tools to the model; drop the 'tools' column or use message lists")
+
+
+def encode_prompt(tokenizer, prompt, tools=None) -> list[int]:
+    """Token ids of a prompt, a string or a list of messages (rendered with the generation prompt).
+
+    tools: the row's tools for the chat template (see `posttrain.data.chat.template_tools`).
+    """
     if _is_messages(prompt):
         require_chat_template(tokenizer)
-        return _chat_ids(tokenizer, prompt, add_generation_prompt=True)
+        return list(_chat(tokenizer, prompt, tools, add_generation_prompt=True)["input_ids"])
+    _no_tools_for_text(tools)
     return list(tokenizer(prompt)["input_ids"])
 
 
@@ -65,14 +78,15 @@ def check_prompts(dataset, tokenizer, what: str = "train_dataset") -> None:
 
 
 def encode_prompt_completion(tokenizer, prompt, completion, max_length: int | None = None,
-                             row: int | None = None) -> dict:
+                             row: int | None = None, tools=None) -> dict:
     """{"prompt_ids", "completion_ids", "truncated"} for one row; EOS ends a standard completion.
 
+    A conversational completion may hold several turns (tool calls, `tool` results, the answer).
     Raises TokenizeError naming the row when the prompt alone reaches `max_length`.
     """
-    prompt_ids = encode_prompt(tokenizer, prompt)
+    prompt_ids = encode_prompt(tokenizer, prompt, tools)
     if _is_messages(prompt) or _is_messages(completion):
-        full = _chat_ids(tokenizer, list(prompt) + list(completion))
+        full = list(_chat(tokenizer, list(prompt) + list(completion), tools)["input_ids"])
         if full[: len(prompt_ids)] != prompt_ids:
             raise TokenizeError(
                 f"row {row}: the chat template does not render the prompt as a prefix of prompt + completion, "
@@ -94,16 +108,15 @@ def encode_prompt_completion(tokenizer, prompt, completion, max_length: int | No
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "truncated": truncated}
 
 
-def encode_text(tokenizer, text, assistant_only: bool = False) -> dict:
+def encode_text(tokenizer, text, assistant_only: bool = False, tools=None) -> dict:
     """{"input_ids", "loss_mask"} for language-modeling rows: a string (+ EOS) or a conversation.
 
     With `assistant_only`, the loss mask covers only what assistant turns say, read from the
-    chat template's {% generation %} markers.
+    chat template's {% generation %} markers: their text and tool calls, never a `tool` result.
     """
     if _is_messages(text):
         require_chat_template(tokenizer)
-        out = tokenizer.apply_chat_template(text, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=assistant_only)
+        out = _chat(tokenizer, text, tools, return_assistant_tokens_mask=assistant_only)
         ids = list(out["input_ids"])
         if assistant_only:
             mask = list(out["assistant_masks"])
@@ -116,6 +129,7 @@ def encode_text(tokenizer, text, assistant_only: bool = False) -> dict:
         return {"input_ids": ids, "loss_mask": [1] * len(ids)}
     if assistant_only:
         raise TokenizeError("assistant_only_loss needs conversational data (a 'messages' column)")
+    _no_tools_for_text(tools)
     ids = list(tokenizer(text)["input_ids"])
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)

@@ -159,7 +159,8 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
         for c in extras:
             out[c] = []
         for k, row in enumerate(indices):
-            encoded = [encode_prompt_completion(tokenizer, batch["prompt"][k], batch[col][k], None, row)
+            tools = batch["tools"][k] if "tools" in batch else None
+            encoded = [encode_prompt_completion(tokenizer, batch["prompt"][k], batch[col][k], None, row, tools=tools)
                        for col in text_cols]
             fitted = _fit(encoded[0]["prompt_ids"], [e["completion_ids"] for e in encoded], *limits)
             if fitted is None:

@@ -174,14 +174,16 @@ class SFTTrainer(BaseTrainer):
             try:
                 if info.name == "language_modeling":
                     out = encode_text(tokenizer, row["messages"] if info.conversational else row["text"],
-                                      assistant_only=assistant_only)
+                                      assistant_only=assistant_only, tools=row.get("tools"))
                     return {"input_ids": out["input_ids"], "loss_mask": out["loss_mask"]}
-                out = encode_prompt_completion(tokenizer, row["prompt"], row["completion"], max_length, row=i)
+                out = encode_prompt_completion(tokenizer, row["prompt"], row["completion"], max_length, row=i,
+                                               tools=row.get("tools"))
                 n_prompt, n_completion = len(out["prompt_ids"]), len(out["completion_ids"])
                 ids = out["prompt_ids"] + out["completion_ids"]
                 mask = [0] * n_prompt + [1] * n_completion if completion_only else [1] * len(ids)
                 if assistant_only:
-                    full = encode_text(tokenizer, list(row["prompt"]) + list(row["completion"]), assistant_only=True)
+                    full = encode_text(tokenizer, list(row["prompt"]) + list(row["completion"]), assistant_only=True,
+                                       tools=row.get("tools"))
                     mask = [m & a for m, a in zip(mask, full["loss_mask"])]
                 return {"input_ids": ids, "loss_mask": mask}
             except TokenizeError as err:
