@@ -1,0 +1,198 @@
+"""Tool calls in sampled text: schemas from Python functions, parsing, and running the calls.
+
+Pure functions for multi-turn rollouts, no trainer state. A tool is a Python function (sync or
+async) with type hints and a Google-style docstring, as transformers' `get_json_schema` reads
+it; the model calls it by writing, inside its turn, Hermes/Qwen-style blocks
+
+    <tool_call>{"name": "calculate", "arguments": {"expression": "12 * 34"}}</tool_call>
+
+which is what the built-in chat template renders for an assistant message's `tool_calls`. A call
+never raises: a malformed block, an unknown tool, arguments the function refuses, an exception
+inside it or a timeout become an error text that goes back to the model as the `tool` message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from posttrain.models.tiny import TOOL_CALL_END, TOOL_CALL_START
+
+__all__ = ["assistant_turn", "parse_tool_calls", "run_tool_call", "run_tool_calls", "tool_schemas",
+           "tools_by_name"]
+
+_BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+
+
+def tool_schemas(tools: Sequence[Callable | Mapping]) -> list[dict]:
+    """The JSON schema of each tool, in order: functions (sync or async, bound methods too) through
+    `transformers.utils.get_json_schema`, which needs type hints and a docstring describing every
+    argument; schemas (dicts) pass through unchanged."""
+    from transformers.utils import get_json_schema
+
+    return [dict(t) if isinstance(t, Mapping) else get_json_schema(t) for t in tools]
+
+
+def tools_by_name(tools: Sequence[Callable]) -> dict[str, Callable]:
+    """{function name: function}; two tools with one name are an error (a call could not choose)."""
+    out: dict[str, Callable] = {}
+    for tool in tools:
+        name = getattr(tool, "__name__", None)
+        if not callable(tool) or not name:
+            raise TypeError(f"a tool must be a named Python function, got {tool!r}")
+        if name in out:
+            raise ValueError(f"two tools are named {name!r}; tool names must be unique")
+        out[name] = tool
+    return out
+
+
+def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
+    """(calls, errors) of the `<tool_call>{json}</tool_call>` blocks in `text`, in order.
+
+    calls: `{"type": "function", "function": {"name": str, "arguments": dict}}`, the form of an
+    assistant message's `tool_calls`; a JSON-string "arguments" is decoded, a missing one is {}.
+    errors: one text per malformed block (not JSON, not an object, no name, arguments not an
+    object, a block never closed), written for the model to read.
+    """
+    calls, errors = [], []
+    for k, match in enumerate(_BLOCK.finditer(text)):
+        body = match.group(1).strip()
+        try:
+            value = json.loads(body)
+        except ValueError as err:
+            errors.append(f"tool call {k} is not valid JSON ({err}): {body!r}")
+            continue
+        if not isinstance(value, dict):
+            errors.append(f"tool call {k} must be a JSON object {{\"name\": ..., \"arguments\": {{...}}}}, "
+                          f"got {body!r}")
+            continue
+        name, arguments = value.get("name"), value.get("arguments", {})
+        if not isinstance(name, str) or not name:
+            errors.append(f"tool call {k} has no \"name\" (a non-empty string): {body!r}")
+            continue
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass  # reported below as not an object
+        if not isinstance(arguments, dict):
+            errors.append(f"tool call {k} ({name}): \"arguments\" must be a JSON object, got {body!r}")
+            continue
+        calls.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+    tail = text[text.rfind(TOOL_CALL_END) + len(TOOL_CALL_END):] if TOOL_CALL_END in text else text
+    if TOOL_CALL_START in tail:
+        errors.append(f"a {TOOL_CALL_START} block is never closed with {TOOL_CALL_END}")
+    return calls, errors
+
+
+def assistant_turn(text: str) -> dict:
+    """The assistant message of a sampled turn: its text outside the tool-call blocks as `content`,
+    and its well-formed calls as `tool_calls` (absent when there are none)."""
+    calls, _ = parse_tool_calls(text)
+    message: dict[str, Any] = {"role": "assistant", "content": _BLOCK.sub("", text).strip()}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _start(fn: Callable, arguments: dict, timeout: float) -> tuple[threading.Thread, dict]:
+    """Run `fn(**arguments)` in a daemon thread; the returned dict gets "value" or "error"."""
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            value = fn(**arguments)
+            if inspect.isawaitable(value):  # async tool: its own event loop, cancelled at the timeout
+                value = asyncio.run(asyncio.wait_for(_awaited(value), timeout))
+            box["value"] = value
+        except BaseException as err:  # noqa: BLE001 -- every failure is reported to the model
+            box["error"] = err
+
+    # A daemon thread: a sync tool that hangs cannot be killed, but it must not keep the process alive.
+    thread = threading.Thread(target=target, daemon=True, name=f"tool-{getattr(fn, '__name__', 'call')}")
+    thread.start()
+    return thread, box
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _prepare(call: Mapping, tools: Mapping[str, Callable]) -> tuple[str, Callable | None, dict | None, str | None]:
+    """(name, function, arguments, error) of a call in `parse_tool_calls` form (or flat {"name", "arguments"})."""
+    function = call.get("function", call) if isinstance(call, Mapping) else {}
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str) or not name:
+        return "", None, None, f"Error: the tool call has no name: {call!r}"
+    if name not in tools:
+        available = ", ".join(sorted(tools)) or "none"
+        return name, None, None, f"Error: unknown tool {name!r}; the tools are: {available}"
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as err:
+            return name, None, None, f"Error: the arguments of {name} are not valid JSON ({err})"
+    if not isinstance(arguments, Mapping):
+        return name, None, None, f"Error: the arguments of {name} must be a JSON object, got {arguments!r}"
+    return name, tools[name], dict(arguments), None
+
+
+def _finish(name: str, thread: threading.Thread, box: dict, timeout: float) -> tuple[dict, str | None]:
+    if thread.is_alive():
+        error = f"Error: {name} did not return within {timeout:g} s"
+    elif "error" in box:
+        err = box["error"]
+        kind = "timed out" if isinstance(err, (asyncio.TimeoutError, TimeoutError)) else "failed"
+        error = f"Error: {name} {kind}: {type(err).__name__}: {err}"
+    else:
+        error = None
+    content = error if error is not None else _as_text(box.get("value"))
+    return {"role": "tool", "name": name, "content": content}, error
+
+
+def run_tool_call(call: Mapping, tools: Mapping[str, Callable], timeout: float = 10.0) -> tuple[dict, str | None]:
+    """Run one call; return (the `tool` message, the error text or None).
+
+    call: a `parse_tool_calls` call (or a flat {"name", "arguments"}); arguments a dict or a JSON
+    string. tools: `tools_by_name(...)`. The message is `{"role": "tool", "name", "content"}`:
+    the function's result (a string as it is, anything else as JSON, else `str`), or, when the
+    call fails, the same error text that is returned beside it (for failure counts). A sync
+    function still running at the timeout is left to finish in its daemon thread.
+    """
+    return run_tool_calls([call], tools, timeout)[0]
+
+
+def run_tool_calls(calls: Sequence[Mapping], tools: Mapping[str, Callable],
+                   timeout: float = 10.0) -> list[tuple[dict, str | None]]:
+    """`run_tool_call` for several calls at once (e.g. every row of a rollout step): each runs in
+    its own thread from the same start, so slow or async tools overlap; results in call order."""
+    started = []
+    for call in calls:
+        name, fn, arguments, error = _prepare(call, tools)
+        started.append((name, error) if fn is None else (name, _start(fn, arguments, timeout)))
+    deadline = time.monotonic() + timeout
+    results = []
+    for name, job in started:
+        if isinstance(job, str) or job is None:  # refused before running
+            results.append(({"role": "tool", "name": name, "content": job}, job))
+            continue
+        thread, box = job
+        thread.join(max(0.0, deadline - time.monotonic()))
+        results.append(_finish(name, thread, box, timeout))
+    return results
