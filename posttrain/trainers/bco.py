@@ -65,13 +65,14 @@ class BCOTrainer(PreferenceTrainer):
 
     def __init__(self, model, ref_model=None, args: BCOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, data_collator=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, embedding_func=None, embedding_tokenizer=None):
+                 optimizers=(None, None), peft_config=None, embedding_func=None, embedding_tokenizer=None,
+                 compute_metrics=None):
         args = args or BCOConfig()
         if embedding_func is not None and embedding_tokenizer is None:
             raise ValueError("embedding_func needs its tokenizer: pass embedding_tokenizer=")
         super().__init__(model, ref_model, args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
-                         callbacks=callbacks, optimizers=optimizers)
+                         callbacks=callbacks, optimizers=optimizers, compute_metrics=compute_metrics)
         self.density_classifier = None
         if embedding_func is not None:
             self._match_distributions(embedding_func, embedding_tokenizer)

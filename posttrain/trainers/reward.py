@@ -58,12 +58,12 @@ class RewardTrainer(PreferenceTrainer):
 
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, peft_config=None, callbacks=None,
-                 optimizers=(None, None)):
+                 optimizers=(None, None), compute_metrics=None):
         args = args or RewardConfig()
         super().__init__(model, None, args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          peft_config=_seq_cls_peft(peft_config), callbacks=callbacks, optimizers=optimizers,
-                         needs_reference=False, model_kind="seq-cls")
+                         needs_reference=False, model_kind="seq-cls", compute_metrics=compute_metrics)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = self.mode()

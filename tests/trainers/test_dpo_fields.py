@@ -156,6 +156,30 @@ def test_compute_metrics_receives_pair_rewards(tmp_path):
     assert "eval_loss" in result
 
 
+def test_reward_compute_metrics_receives_the_pair_scores(tmp_path):
+    from posttrain.trainers.reward import RewardConfig, RewardTrainer
+
+    seen = []
+
+    def compute_metrics(prediction):  # TRL's reward accuracy: argmax over [chosen, rejected] == label 0
+        seen.append(prediction)
+        return {"argmax_accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+    data = zen("preference")
+    trainer = RewardTrainer(TINY, args=RewardConfig(**config_kwargs(tmp_path, per_device_eval_batch_size=4)),
+                            train_dataset=data, eval_dataset=data.select(range(6)), compute_metrics=compute_metrics)
+    result = trainer.evaluate()
+    predictions, labels = seen[0].predictions, seen[0].label_ids
+    assert predictions.shape == (6, 2) and labels.tolist() == [0] * 6
+    trainer.model.eval()
+    batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(6)])
+    with torch.no_grad():
+        scores = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    torch.testing.assert_close(torch.as_tensor(predictions), torch.stack([scores[:6], scores[6:]], -1),
+                               rtol=1e-4, atol=1e-5)
+    assert result["eval_argmax_accuracy"] == pytest.approx(float((scores[:6] > scores[6:]).float().mean()))
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(label_smoothing=-0.1), r"label_smoothing must be in \[0, 0.5\]"),
     (dict(label_smoothing=0.6), r"label_smoothing must be in \[0, 0.5\]"),

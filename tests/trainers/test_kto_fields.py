@@ -8,6 +8,7 @@ from preference_helpers import TINY, config_kwargs
 
 from posttrain.data.builtin import zen
 from posttrain.trainers.base import SyncRefModelCallback
+from posttrain.trainers.bco import BCOConfig, BCOTrainer
 from posttrain.trainers.kto import KTOConfig, KTOTrainer
 
 
@@ -97,7 +98,8 @@ def test_sync_ref_model_refuses_a_peft_reference(tmp_path):
                    train_dataset=zen("unpaired_preference"), peft_config=lora)
 
 
-def test_compute_metrics_receives_row_rewards_and_labels(tmp_path):
+@pytest.mark.parametrize("trainer_class, config_class", [(KTOTrainer, KTOConfig), (BCOTrainer, BCOConfig)])
+def test_compute_metrics_receives_row_rewards_and_labels(tmp_path, trainer_class, config_class):
     seen = []
 
     def compute_metrics(prediction):
@@ -105,8 +107,8 @@ def test_compute_metrics_receives_row_rewards_and_labels(tmp_path):
         return {"rows": float(len(prediction.label_ids))}
 
     data = zen("unpaired_preference")
-    trainer = KTOTrainer(TINY, args=KTOConfig(**config_kwargs(tmp_path, per_device_eval_batch_size=4)),
-                         train_dataset=data, eval_dataset=data.select(range(6)), compute_metrics=compute_metrics)
+    trainer = trainer_class(TINY, args=config_class(**config_kwargs(tmp_path, per_device_eval_batch_size=4)),
+                            train_dataset=data, eval_dataset=data.select(range(6)), compute_metrics=compute_metrics)
     nudge(trainer.model)
     result = trainer.evaluate()
     predictions, labels = seen[0].predictions, seen[0].label_ids
