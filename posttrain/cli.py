@@ -521,8 +521,6 @@ def _config_class(fn):
 
 def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     """(script_args, config) for command `name` from its flags and optional --config YAML file."""
-    from transformers.trainer_utils import get_last_checkpoint
-
     fn = COMMANDS[name]
     classes = [c for c in (fn.script_args_class, _config_class(fn)) if c is not None]
     flags = [_flags(c) for c in classes]
@@ -560,13 +558,29 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     for spec in getattr(script_args, "reward_funcs", None) or []:
         if problem := _reward_spec_problem(spec):
             parser.error(f"--reward_funcs: {problem}")
-    resume = _resume_arg(getattr(config, "resume_from_checkpoint", None))
-    if resume is True and not (os.path.isdir(config.output_dir) and get_last_checkpoint(config.output_dir)):
-        parser.error(f"--resume_from_checkpoint: true asks for the latest checkpoint in --output_dir "
-                     f"{config.output_dir!r}, which holds none")
-    if isinstance(resume, str) and not os.path.isdir(resume):
-        parser.error(f"--resume_from_checkpoint: {resume!r} is not a checkpoint folder")
+    if config is not None and hasattr(config, "resume_from_checkpoint"):
+        _check_resume(parser, config)
     return script_args, config
+
+
+def _check_resume(parser: argparse.ArgumentParser, config):
+    """The checks `BaseTrainer.train` makes on resuming and on earlier checkpoints, made before the model
+    loads so that a mistyped rerun costs a usage line, not a model load and a traceback."""
+    from posttrain.trainers.base import TRAINER_STATE, checkpoint_folders
+
+    resume, folder = _resume_arg(config.resume_from_checkpoint), config.output_dir
+    found = checkpoint_folders(folder)
+    if resume is True and not any(complete for _, _, complete in found):
+        parser.error(f"--resume_from_checkpoint: true asks for the latest checkpoint in --output_dir {folder!r}, "
+                     "which holds no complete checkpoint-N folder")
+    if isinstance(resume, str) and not os.path.isfile(os.path.join(resume, TRAINER_STATE)):
+        what = f"holds no {TRAINER_STATE} (a checkpoint cut short?)" if os.path.isdir(resume) else "does not exist"
+        parser.error(f"--resume_from_checkpoint: {resume!r} is not a checkpoint folder: it {what}")
+    if resume is None and found and not getattr(config, "overwrite_output_dir", False):
+        names = [os.path.basename(path) for _, path, _ in found]
+        parser.error(f"--output_dir {folder!r} holds checkpoints of an earlier run ({', '.join(names)}): add "
+                     "--resume_from_checkpoint true to continue it, --overwrite_output_dir true to delete them "
+                     "and start afresh, or choose another --output_dir")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -145,16 +145,32 @@ def test_reward_funcs_help_says_module_code_runs(capsys):
     assert "executes that module's code" in " ".join(capsys.readouterr().out.split())
 
 
-def test_resume_from_checkpoint_is_checked_before_the_model_loads(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        cli.parse("sft", [*TINY, "--dataset_name", "zen", "--output_dir", str(tmp_path),
-                          "--resume_from_checkpoint", "true"])
-    assert f"latest checkpoint in --output_dir '{tmp_path}', which holds none" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.parse("sft", [*TINY, "--dataset_name", "zen", "--output_dir", str(tmp_path),
-                          "--resume_from_checkpoint", str(tmp_path / "checkpoint-9")])
-    assert "checkpoint-9' is not a checkpoint folder" in capsys.readouterr().err
-    assert cli._resume_arg("True") is True and cli._resume_arg("false") is None and cli._resume_arg(None) is None
+def test_resume_and_earlier_checkpoints_are_checked_before_the_model_loads(tmp_path, capsys):
+    def error(*argv):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.parse("sft", [*TINY, "--dataset_name", "zen", "--output_dir", str(tmp_path), *argv])
+        assert exit_info.value.code == 2
+        return capsys.readouterr().err
+
+    assert f"latest checkpoint in --output_dir '{tmp_path}', which holds no complete checkpoint-N folder" in \
+        error("--resume_from_checkpoint", "true")
+    assert "checkpoint-9' is not a checkpoint folder: it does not exist" in \
+        error("--resume_from_checkpoint", str(tmp_path / "checkpoint-9"))
+    (tmp_path / "checkpoint-4").mkdir()  # cut short: no trainer_state.json
+    assert "which holds no complete checkpoint-N folder" in error("--resume_from_checkpoint", "true")
+    assert "checkpoint-4' is not a checkpoint folder: it holds no trainer_state.json" in \
+        error("--resume_from_checkpoint", str(tmp_path / "checkpoint-4"))
+    assert (f"--output_dir '{tmp_path}' holds checkpoints of an earlier run (checkpoint-4): add "
+            "--resume_from_checkpoint true to continue it, --overwrite_output_dir true") in error()
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    _, config = cli.parse("sft", [*TINY, "--dataset_name", "zen", "--output_dir", str(tmp_path),
+                                  "--resume_from_checkpoint", "true"])
+    assert cli._resume_arg(config.resume_from_checkpoint) is True
+    _, config = cli.parse("sft", [*TINY, "--dataset_name", "zen", "--output_dir", str(tmp_path),
+                                  "--overwrite_output_dir", "true"])
+    assert config.overwrite_output_dir and cli._resume_arg(config.resume_from_checkpoint) is None
+    assert cli._resume_arg("True") is True and cli._resume_arg("false") is None
 
 
 def test_usage_error_is_one_line_of_usage_and_the_error(capsys):
