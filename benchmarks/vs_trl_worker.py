@@ -1,0 +1,142 @@
+"""One benchmark run of one workload by one library: TRL or posttrain. Started by vs_trl.py.
+
+    python benchmarks/vs_trl_worker.py SPEC.json      # writes the result JSON to SPEC["out"]
+
+The same script serves both sides so that both run the same configuration, data, seed, reward
+function and step clock; only the library the trainer classes come from differs. The TRL side
+runs in the benchmark environment (.bench-venv-trl, see setup_trl_env.sh), which has no posttrain,
+and imports nothing but trl, transformers, torch and datasets; the posttrain side runs in the
+main .venv and never imports trl. Each side checks the other library stayed out of its process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import resource
+import sys
+import time
+
+# Trainer classes by workload: the module under trl / posttrain.trainers and the class names.
+TRAINERS = {
+    "sft": ("sft", "SFTConfig", "SFTTrainer"),
+    "dpo": ("dpo", "DPOConfig", "DPOTrainer"),
+    "reward": ("reward", "RewardConfig", "RewardTrainer"),
+    "grpo": ("grpo", "GRPOConfig", "GRPOTrainer"),
+    "rloo": ("rloo", "RLOOConfig", "RLOOTrainer"),
+}
+
+
+def trainer_classes(side: str, kind: str):
+    module, config, trainer = TRAINERS[kind]
+    lib = importlib.import_module("trl" if side == "trl" else f"posttrain.trainers.{module}")
+    return getattr(lib, config), getattr(lib, trainer)
+
+
+def make_step_clock():
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        """Wall-clock times of train begin, each step's begin and end, and every log dict."""
+
+        def __init__(self):
+            self.train_begin, self.begin, self.end, self.logs = None, [], [], []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.train_begin = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.end.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append({k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
+
+    return StepClock()
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(spec["seed"])
+    from datasets import Dataset
+
+    side, kind, cfg = spec["side"], spec["trainer"], spec["config"]
+    Config, Trainer = trainer_classes(side, kind)
+    rows = json.load(open(spec["data"]))
+    data = Dataset.from_list(rows)
+    common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
+                  save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False,
+                  use_cpu=True)
+    args = Config(**common, **cfg)
+
+    counts: list[int] = []  # SFT: real tokens of each batch, in the order the trainer asks for them
+    samples: list[int] = []  # GRPO/RLOO: completions scored per reward call
+    completion_tokens: list[int] = []  # GRPO/RLOO: their lengths, where the library passes completion_ids
+
+    def length_reward(completions, completion_ids=None, **kwargs):
+        """Characters / 100 of the completion text (the last message's, for conversational data)."""
+        samples.append(len(completions))
+        if completion_ids is not None:
+            completion_tokens.extend(len(c) for c in completion_ids)
+        return [len(c[-1]["content"] if isinstance(c, list) else c) / 100 for c in completions]
+
+    if kind in ("grpo", "rloo"):
+        trainer = Trainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+        trainer = Trainer(model=spec["model"], args=args, train_dataset=data, processing_class=tokenizer)
+    if kind == "sft":
+        inner = trainer.data_collator
+
+        def collate(batch):
+            counts.append(sum(len(r["input_ids"]) for r in batch))
+            return inner(batch)
+
+        trainer.data_collator = collate
+    clock = make_step_clock()
+    trainer.add_callback(clock)
+
+    rss_before = rss_mib()
+    start = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - start
+    other = "posttrain" if side == "trl" else "trl"
+    leaked = sorted(m for m in sys.modules if m == other or m.startswith(other + "."))
+    if leaked:
+        raise SystemExit(f"the {side} side imported {other}: {leaked[:5]}")
+    versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "datasets")}
+    versions[side] = importlib.import_module(side).__version__ if side == "trl" else _posttrain_version()
+    result = {
+        "side": side, "workload": spec["workload"], "versions": versions,
+        "train_begin": clock.train_begin - start if clock.train_begin else None,
+        "step_begin": [t - start for t in clock.begin], "step_end": [t - start for t in clock.end],
+        "train_seconds": train_seconds, "sft_tokens": counts, "samples": samples,
+        "completion_tokens": completion_tokens, "logs": clock.logs,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_train_mib": rss_before,
+        "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
+        "dtype": str(next(trainer.model.parameters()).dtype),
+    }
+    with open(spec["out"], "w") as f:
+        json.dump(result, f)
+
+
+def _posttrain_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("posttrain")
+
+
+if __name__ == "__main__":
+    main()

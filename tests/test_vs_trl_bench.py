@@ -1,0 +1,64 @@
+"""The TRL comparison harness (benchmarks/vs_trl.py): its step arithmetic, same-work check and FLOP count.
+
+Runs no benchmark and needs no TRL: it checks the numbers the table is made of."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.models.loading import load_causal_lm, resolve
+
+_spec = importlib.util.spec_from_file_location("vs_trl", Path(__file__).parents[1] / "benchmarks" / "vs_trl.py")
+vs_trl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vs_trl)
+
+
+def _run(step_end, items, train_seconds, losses=(2.0,), unit_key="sft_tokens"):
+    raw = {"train_begin": 1.0, "step_end": step_end, "train_seconds": train_seconds, "batch_size": 4,
+           "sft_tokens": [], "samples": [], "logs": [{"loss": x} for x in losses], "peak_rss_mib": 100.0,
+           "versions": {}, "dtype": "torch.float32", "threads": 2}
+    raw[unit_key] = items
+    return raw
+
+
+def test_steps_are_end_to_end_and_steady_is_the_median_after_the_first():
+    # steps end at 11, 13, 17, 18 s after a train begin at 1 s: times 10, 2, 4, 1
+    s = vs_trl.summarise(_run([11.0, 13.0, 17.0, 18.0], [100, 100, 200, 50], train_seconds=20.0), "tokens")
+    assert s["times"] == [10.0, 2.0, 4.0, 1.0]
+    assert s["steady"] == 50.0  # median of 100/2, 200/4, 50/1
+    assert s["whole"] == 450 / 20.0
+    assert s["first_step_s"] == 10.0 and s["first_loss"] == 2.0
+
+
+def test_same_work_needs_equal_first_loss_and_tokens_per_step():
+    a = vs_trl.summarise(_run([2.0, 3.0], [100, 100], 3.0, losses=(2.5,)), "tokens")
+    b = vs_trl.summarise(_run([2.0, 3.0], [100, 100], 3.0, losses=(2.5005,)), "tokens")
+    c = vs_trl.summarise(_run([2.0, 3.0], [100, 100], 3.0, losses=(2.6,)), "tokens")
+    d = vs_trl.summarise(_run([2.0, 3.0], [100, 90], 3.0, losses=(2.5,)), "tokens")
+    assert vs_trl.same_work("sft", a, b)[0]
+    assert not vs_trl.same_work("sft", a, c)[0]
+    assert not vs_trl.same_work("sft", a, d)[0]
+    g = vs_trl.summarise(_run([2.0, 3.0], [8, 8], 3.0, unit_key="samples"), "samples")
+    h = vs_trl.summarise(_run([2.0, 3.0], [8, 4], 3.0, unit_key="samples"), "samples")
+    assert vs_trl.same_work("grpo", g, g)[0] and not vs_trl.same_work("grpo", g, h)[0]
+
+
+@pytest.mark.parametrize("name", ["posttrain/tiny-qwen2", "posttrain/tiny-llama"])
+def test_weights_in_matrix_products_match_the_models_linear_layers(name):
+    model = load_causal_lm(name)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    n, output, layers, d_attn = vs_trl.linear_params(resolve(name))
+    assert n == linear
+    assert output == model.lm_head.weight.numel() and layers == model.config.num_hidden_layers
+
+
+def test_sft_flops_are_three_forwards_of_two_n_plus_attention():
+    model = (1000, 100, 2, 8)
+    lengths = {"docs-256/context": 5.0}
+    assert vs_trl.flops_per_item("sft", lengths, model, 0.0) == 3 * (2 * 1000 + 4 * 2 * 8 * 5.0)
+    # RLOO is GRPO plus one reference forward per token
+    lengths = {"prompt/tokens": 3.0}
+    grpo, rloo = (vs_trl.flops_per_item(w, lengths, model, 5.0) for w in ("grpo", "rloo"))
+    assert rloo / grpo == pytest.approx(5 / 4)
