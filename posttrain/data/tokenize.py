@@ -108,6 +108,35 @@ def encode_prompt_completion(tokenizer, prompt, completion, max_length: int | No
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "truncated": truncated}
 
 
+def continuation_ids(tokenizer, messages, new_messages, tools=None) -> list[int]:
+    """Token ids to append after a sampled assistant turn when `new_messages` (tool results) follow.
+
+    messages: the conversation so far, ending with the sampled assistant turn (as a message, e.g.
+    `posttrain.rollout.tools.assistant_turn`); its tokens end with the EOS the sampler stopped at.
+    The ids are the chat template's rendering of `messages + new_messages` with the generation
+    prompt, from just after that turn's last EOS token: what closes the turn (ChatML's newline),
+    the new turns, and the next assistant header. Appending them to a row's cache continues the
+    conversation without rendering and prefilling it again; they are context, not trained on.
+    Raises TokenizeError when the template does not render `messages` as a prefix of the longer
+    conversation, or writes no EOS token in it.
+    """
+    require_chat_template(tokenizer)
+    messages, tools = template_inputs(list(messages), tools)
+    new_messages, _ = template_inputs(list(new_messages))
+    kwargs = {"tools": tools} if tools else {}
+    before = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    after = tokenizer.apply_chat_template(messages + new_messages, tokenize=False, add_generation_prompt=True,
+                                          **kwargs)
+    eos = tokenizer.eos_token
+    if not after.startswith(before) or not eos or eos not in before:
+        raise TokenizeError(
+            f"the chat template does not render the conversation as a prefix of the conversation with the new "
+            f"messages, ending the assistant turn with the EOS token {eos!r}; a multi-turn rollout cannot "
+            f"append the new turns to the sampled tokens")
+    cut = before.rindex(eos) + len(eos)
+    return list(tokenizer(after[cut:], add_special_tokens=False)["input_ids"])
+
+
 def encode_text(tokenizer, text, assistant_only: bool = False, tools=None) -> dict:
     """{"input_ids", "loss_mask"} for language-modeling rows: a string (+ EOS) or a conversation.
 

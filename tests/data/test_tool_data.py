@@ -271,3 +271,26 @@ def test_sft_and_dpo_train_on_tool_traces(tmp_path):
     dpo.train()
     losses = [r["loss"] for r in dpo.state.log_history if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def test_continuation_ids_append_tool_turns_like_a_full_rendering(tok):
+    """prompt ids + sampled turn (ending at EOS) + continuation ids == the whole conversation rendered
+    at once, turn after turn: a multi-turn rollout can grow one row's tokens without re-rendering."""
+    from posttrain.data.tokenize import continuation_ids
+
+    guess = [call("guess", {"n": 8}), call("guess", {"n": 4})]
+    turns = [({"role": "assistant", "content": "", "tool_calls": [guess[0]]}, [{"role": "tool", "content": "lower"}]),
+             ({"role": "assistant", "content": "Two at once.", "tool_calls": [guess[1], guess[1]]},
+              [{"role": "tool", "content": "higher"}, {"role": "tool", "content": "higher"}])]
+    tools = [CALC_SCHEMA]
+    conversation = [{"role": "system", "content": "Play."}, {"role": "user", "content": "Find my number."}]
+    ids = encode_prompt(tok, conversation, tools)
+    for turn, results in turns:
+        sampled = encode_prompt_completion(tok, conversation, [turn], tools=tools)["completion_ids"]
+        sampled = sampled[: sampled.index(tok.eos_token_id) + 1]  # the sampler stops at EOS
+        added = continuation_ids(tok, conversation + [turn], results, tools)
+        assert tok.decode(added).startswith("\n<|im_start|>tool\n") and tok.decode(added).endswith(
+            "<|im_start|>assistant\n")
+        ids += sampled + added
+        conversation += [turn, *results]
+        assert ids == encode_prompt(tok, conversation, tools)
