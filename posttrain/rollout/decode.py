@@ -80,8 +80,10 @@ def lean_decoder(model) -> LeanDecoder | None:
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return None
     linears = [model.lm_head] + [m for layer in layer_linears(model) for m in layer]
-    if not all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-               for m in linears):
+    if not all(type(m) is torch.nn.Linear for m in linears):
+        return None
+    # the step reads weights outside any forward: sharded ones (FSDP, ZeRO-3) are never whole there
+    if not all(few_rows.whole(p) for p in model.parameters()):
         return None
     if any(_hooked(m) for m in model.modules()):
         return None
@@ -147,13 +149,17 @@ class LeanDecoder:
         eps = {self.final_norm[1]} | {layer[k][1] for layer in self.layers for k in ("norm1", "norm2")}
         buffers = [(layer._keys, layer._values) for layer in cache.layers]
         A, cap = buffers[0][0].shape[0], buffers[0][0].shape[-2]
-        if fn is None or len(eps) != 1 or self.head_dim > 256 or self.head_dim % 8 or A > few_rows.MAX_ROWS or not all(
-                k.is_contiguous() and v.is_contiguous() and k.shape[-2] == cap for k, v in buffers):
+        if fn is None or len(eps) != 1 or self.head_dim > 256 or self.head_dim % 8 or A > few_rows.MAX_ROWS:
+            return
+        if self.embed.dim() != 2 or self.embed.shape[0] < self.head[0].shape[0]:  # a sampled id must have its row
+            return
+        cache_shape = (A, self.kv_heads, cap, self.head_dim)
+        if not all(few_rows.whole(k, cache_shape) and few_rows.whole(v, cache_shape) for k, v in buffers):
             return
         tensors = [self.embed, self.final_norm[0], *self.head] + [
             w for layer in self.layers for w in (layer["norm1"][0], layer["qkv"], layer["qkv_bias"], *layer["o"],
                                                  layer["norm2"][0], *layer["gate"], *layer["up"], *layer["down"])]
-        if not all(w is None or (w.is_contiguous() and w.dtype == torch.float32) for w in tensors):
+        if not all(w is None or few_rows.whole(w, shape) for w, shape in zip(tensors, self._shapes())):
             return
         ptr = lambda w: None if w is None else w.data_ptr()  # noqa: E731
         layers = (_CLayer * len(self.layers))()
@@ -171,6 +177,14 @@ class LeanDecoder:
                         head=ptr(self.head[0]), head_bias=ptr(self.head[1]))
         work = torch.empty(A * (3 * D + (Hq + 2 * Hk) * hd + Hq * hd + 2 * I) + A * Hq * cap)
         self._c = (fn, model, layers, work)
+
+    def _shapes(self) -> list[tuple[int, ...]]:
+        """The shape `lean_decode_step` reads behind each pointer of `bind`'s tensor list (same order)."""
+        D, V = self.embed.shape[1], self.head[0].shape[0]
+        I, Hq, Hk, hd = self.layers[0]["gate"][0].shape[0], self.q_heads, self.kv_heads, self.head_dim
+        qkv = (Hq + 2 * Hk) * hd
+        per_layer = [(D,), (qkv, D), (qkv,), (D, Hq * hd), (D,), (D,), (I, D), (I,), (I, D), (I,), (D, I), (D,)]
+        return [tuple(self.embed.shape), (D,), (V, D), (V,)] + per_layer * len(self.layers)
 
     @staticmethod
     def _rms_norm(x: Tensor, weight_eps) -> Tensor:  # the ops of LlamaRMSNorm in float32

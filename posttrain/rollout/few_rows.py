@@ -98,31 +98,51 @@ def available() -> bool:
     return _library() is not None
 
 
-def _usable(x: Tensor, weight: Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.is_contiguous() and x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1]
+def whole(t: Tensor | None, shape: tuple[int, ...] | None = None) -> bool:
+    """Whether a kernel may read `t` through its raw pointer: a plain tensor (not a DTensor, an FSDP flat
+    parameter or a ZeRO-3 partitioned one), CPU, float32, strided and contiguous, of `shape` when given,
+    whose storage holds every element. A sharded parameter keeps its full shape but holds a slice of the
+    data, and FSDP frees a gathered weight's storage after each forward: a pointer taken from either reads
+    memory the process does not own."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or hasattr(t, "ds_id"):  # ds_id: DeepSpeed ZeRO-3
+        return False
+    if t.device.type != "cpu" or t.dtype != torch.float32 or t.layout != torch.strided or not t.is_contiguous():
+        return False
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        return False
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def _usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    if type(x) is not torch.Tensor or weight.dim() != 2 or x.dim() < 1:
+        return False
+    N, K = weight.shape[0], x.shape[-1]
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and whole(weight, (N, K))
+            and (bias is None or whole(bias, (N,))) and x.numel() <= MAX_ROWS * K
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
 def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)`, through the kernel when x has at most MAX_ROWS rows (float32, CPU,
-    no autograd) and the kernel is available; otherwise through `F.linear`."""
+    no autograd), the weight and bias are `whole` and of x's width, and the kernel is available;
+    otherwise through `F.linear`."""
     fn = _library()
-    if fn is None or not _usable(x, weight) or (bias is not None and bias.dtype != torch.float32):
+    if fn is None or not _usable(x, weight, bias):
         return torch.nn.functional.linear(x, weight, bias)
     K, N = x.shape[-1], weight.shape[0]
     flat = x.reshape(-1, K)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    bias = None if bias is None else bias.contiguous()
     out = torch.empty(flat.shape[0], N, dtype=torch.float32)
     fn(flat.data_ptr(), flat.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
        N, flat.shape[0], N, K, torch.get_num_threads())
     return out.view(*x.shape[:-1], N)
 
 
-def _forward(weight: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:
-    return few_rows_linear(x, weight, bias)
+def _forward(module: torch.nn.Linear, x: Tensor) -> Tensor:
+    # the weight is looked up on each call: FSDP puts the gathered weight on the module only for the
+    # duration of a forward, and the sharded one back after it
+    return few_rows_linear(x, module.weight, module.bias)
 
 
 @contextlib.contextmanager
@@ -130,7 +150,8 @@ def few_rows_linears(model):
     """Within the block, every CPU float32 `nn.Linear` of `model` (the output layer included) computes
     through `few_rows_linear`: the kernel for inputs of at most MAX_ROWS rows, `F.linear` otherwise.
     Yields whether the kernel is in use. For no-grad decoding (the products keep no autograd graph);
-    a module whose forward is already replaced is left alone, and forward hooks still run."""
+    a module whose forward is already replaced is left alone, and forward hooks still run. A weight that
+    is not `whole` when the layer runs (sharded, non-contiguous, of another shape) goes through `F.linear`."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
     if not linears or not available() or torch.is_autocast_enabled("cpu"):
@@ -138,7 +159,7 @@ def few_rows_linears(model):
         return
     try:
         for m in linears:
-            m.forward = functools.partial(_forward, m.weight, m.bias)
+            m.forward = functools.partial(_forward, m)
         yield True
     finally:
         for m in linears:

@@ -7,7 +7,9 @@ mask because prompts are left-padded. We do not call `model.generate`: the train
 log-prob of every sampled token under the sampling distribution (before any filtering), the
 exact stop mask, and a sampler whose randomness depends only on the seed and the row.
 Rows that have stopped are dropped from the decoding batch (and their KV cache) once they are a
-quarter of it, so long-tail samples do not keep the whole group computing.
+quarter of it, so long-tail samples do not keep the whole group computing. With sharded weights
+(FSDP, ZeRO-3) every forward is a collective, so the processes decode in lock-step until all have
+stopped (`_decodes_in_lockstep`); a rollout is the same as without it.
 
 On CPU in float32, a one-token step of a few rows is bound by streaming the weights from memory,
 and PyTorch's GEMM does that poorly for a few rows (it repacks each weight on every call). During
@@ -238,7 +240,10 @@ def _stop_string_hits(tokenizer, rows: list[list[int]], stop_strings: tuple[str,
     return [any(s in text for s in stop_strings) for text in texts]
 
 
-def _head_forward(weight: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:
+def _head_forward(head: torch.nn.Linear, x: Tensor) -> Tensor:
+    weight, bias = head.weight, head.bias  # looked up per call: FSDP gathers the weight only within a forward
+    if not few_rows.whole(weight, (weight.shape[0], x.shape[-1])):
+        return torch.nn.functional.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     out = torch.mm(weight, flat.t()).t().contiguous()  # (W x^T)^T: MKL splits the vocabulary rows over threads
     if bias is not None:
@@ -259,10 +264,48 @@ def transposed_head(model):
         yield False
         return
     try:
-        head.forward = functools.partial(_head_forward, head.weight, head.bias)
+        head.forward = functools.partial(_head_forward, head)
         yield True
     finally:
         head.__dict__.pop("forward", None)
+
+
+def _decodes_in_lockstep(model) -> bool:
+    """Whether the processes must decode in lock-step: under torch.distributed with sharded parameters
+    (FSDP, FSDP2, ZeRO-3, tensor parallel), every forward is a collective that gathers weights from all
+    processes, so each must run as many forwards as the others. Lock-step rather than gathering the whole
+    policy for generation: the weights stay sharded (a model that needs sharding to train may not fit
+    whole on one device), at the cost of one all-reduce of a flag per step and of the discarded forwards
+    of a process whose rows have all stopped (`_keep_pace`)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return (any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+            or any(type(p) not in (torch.Tensor, torch.nn.Parameter) or hasattr(p, "ds_id")
+                   for p in model.parameters()))
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """`flag` or-ed over the processes (one all-reduce)."""
+    value = torch.tensor([int(flag)], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _keep_pace(net, tokens: Tensor, attention: Tensor, positions: Tensor, cache, t: int, max_new: int,
+               device: torch.device) -> None:
+    """Lock-step decoding once this process's rows have all stopped at step t: the one-token forwards the
+    other processes still run, with their outputs discarded, until every process has stopped (the flag
+    each step, as in the decoding loop) or the length limit is reached. tokens (A, 1) the last ones fed."""
+    P = attention.shape[1] - max_new
+    while True:
+        cache = net(input_ids=tokens, attention_mask=attention[:, : P + t + 1], position_ids=positions + t,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+        t += 1
+        if t == max_new - 1 or not _any_rank(False, device):
+            return
 
 
 def _model_device(model) -> torch.device:
@@ -317,7 +360,9 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         linears = few_rows.few_rows_linears(net)  # every linear, the output layer included
     elif device.type == "cpu":
         linears = transposed_head(net)
-    lean = lean_decoder(net) if device.type == "cpu" else None  # the lean decoding step, where it can run
+    lockstep = _decodes_in_lockstep(net)
+    # the lean decoding step, where it can run; it calls no forward, so it cannot keep pace with sharded ranks
+    lean = lean_decoder(net) if device.type == "cpu" and not lockstep else None
     record = None
     hooks = []
     try:
@@ -373,7 +418,10 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
                         stopped[hit_rows] = True
                 finished = finished | (stopped & alive)
                 num_finished = int(finished.sum())  # the loop's one host sync per step
-                if t == max_new - 1 or num_finished == N:
+                if t == max_new - 1 or not (_any_rank(num_finished < N, device) if lockstep else num_finished < N):
+                    break
+                if num_finished == N:  # lock-step: stopped here, not everywhere
+                    _keep_pace(net, token[rows, None], attention, next_position, cache, t, max_new, device)
                     break
                 # Stop computing finished rows once they are a quarter of the batch (the copy of the
                 # cache this costs is then paid back within a few steps).

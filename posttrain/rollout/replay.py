@@ -32,6 +32,8 @@ import functools
 import torch
 from torch import Tensor
 
+from posttrain.rollout import few_rows
+
 
 class LinearRecord:
     """What the sampler's linear layers returned. modules[l][j] is layer l's j-th recorded module (the same
@@ -114,7 +116,12 @@ def _known_forward(record: LinearRecord, kind: int, layer: int, layout: Tensor, 
     if x.shape[:-1] != layout.shape:
         raise RuntimeError(f"replayed linear layer got input {tuple(x.shape)}, but the record is laid out for "
                            f"{tuple(layout.shape)} positions: the forward does not match the record's layout")
-    return _KnownLinear.apply(x, module.weight, module.bias, record.output(kind, layer, layout))
+    width, weight, bias = record.outputs[kind].shape[-1], module.weight, module.bias
+    if not (few_rows.whole(weight, (width, x.shape[-1])) and (bias is None or few_rows.whole(bias, (width,)))):
+        # a sharded, non-contiguous or resized weight: its gradient would not be the plain product
+        # _KnownLinear computes, so compute the layer as usual
+        return torch.nn.functional.linear(x, weight, bias)
+    return _KnownLinear.apply(x, weight, bias, record.output(kind, layer, layout))
 
 
 @contextlib.contextmanager
