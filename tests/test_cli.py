@@ -247,3 +247,15 @@ def test_unreadable_or_non_mapping_yaml_is_a_usage_error(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             cli.parse("sft", ["--config", *argv, *TINY, "--dataset_name", "zen"])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model_name_or_path", "posttrain/tiny-qwen2", "--dataset_name", "missing.jsonl"],
+     "posttrain: error: dataset 'missing.jsonl' is not a built-in dataset"),
+    (["--model_name_or_path", "no-such-model", "--dataset_name", "reverse"],
+     "posttrain: error: could not load 'no-such-model': it is not a local folder"),
+])
+def test_main_reports_what_cannot_be_loaded_in_one_line_and_returns_1(tmp_path, capsys, argv, message):
+    assert cli.main(["sft", *argv, "--output_dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
