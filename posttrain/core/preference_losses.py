@@ -115,6 +115,7 @@ class DPOLoss:
     reference_free: bool = False  # reads no reference log-probs: no reference model is loaded for it alone
     max_label_smoothing: float | None = None  # label_smoothing ε allowed in [0, this]; None: no smoothed form
     max_included: bool = True  # False: ε must stay below max_label_smoothing
+    per_quantile: bool = False  # the (B,) losses belong to sorted batch quantiles, not to the pairs (AOT)
 
     @property
     def options(self) -> set[str]:
@@ -138,10 +139,10 @@ def check_label_smoothing(loss_types: Sequence[str], label_smoothing: float) -> 
     if not 0.0 <= label_smoothing <= 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5] (the probability that a label is flipped), "
                          f"got {label_smoothing}")
+    if not label_smoothing:
+        return
     for name in loss_types:
         spec = DPO_LOSSES[name]
-        if not label_smoothing:
-            continue
         if spec.max_label_smoothing is None:
             smoothable = sorted(n for n, s in DPO_LOSSES.items() if s.max_label_smoothing is not None)
             raise ValueError(f"the {name!r} loss has no label-smoothed form; set label_smoothing=0 "
@@ -197,7 +198,7 @@ def discopop_loss(inp: PreferenceInput, *, beta: float, discopop_tau: float = 0.
     return (1 - mix) * -F.logsigmoid(z) + mix * torch.exp(-z)
 
 
-@_register("aot", max_label_smoothing=0.5)
+@_register("aot", max_label_smoothing=0.5, per_quantile=True)
 def aot_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0) -> Tensor:
     """The policy's margins logp_w - logp_l should dominate the reference's in distribution over the
     batch: sort both and apply the (smoothed) logistic loss to the quantile differences. The (B,)
@@ -209,7 +210,7 @@ def aot_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0)
     return _smoothed_logistic(z, label_smoothing)
 
 
-@_register("aot_unpaired", max_label_smoothing=0.5)
+@_register("aot_unpaired", max_label_smoothing=0.5, per_quantile=True)
 def aot_unpaired_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0) -> Tensor:
     """The chosen log-ratios should dominate the rejected ones in distribution, whatever the pairing:
     sort each over the batch and apply the (smoothed) logistic loss to the quantile differences."""

@@ -108,6 +108,9 @@ class DPOConfig(PreferenceConfig):
             raise ValueError(f"f_alpha_divergence_coef must be > 0, got {self.f_alpha_divergence_coef}")
         if self.discopop_tau <= 0:
             raise ValueError(f"discopop_tau must be > 0, got {self.discopop_tau}")
+        if self.use_weighting and any(DPO_LOSSES[t].per_quantile for t in types):
+            raise ValueError(f"use_weighting weights each pair's loss, but loss_type {types} has losses of sorted "
+                             "batch quantiles (aot, aot_unpaired), which belong to no pair; unset use_weighting")
         if self.ld_alpha is not None and not 0 <= self.ld_alpha <= 1:
             raise ValueError(f"ld_alpha must be in [0, 1] (or None for plain log-probs), got {self.ld_alpha}")
         if all(DPO_LOSSES[t].reference_free for t in types) and (self.sync_ref_model or self.precompute_ref_log_probs):

@@ -85,6 +85,7 @@ def test_registry_holds_every_loss_and_its_facts():
     assert {n for n, s in DPO_LOSSES.items() if s.reference_free} == {"simpo", "sft"}
     smoothable = {n for n, s in DPO_LOSSES.items() if s.max_label_smoothing is not None}
     assert smoothable == {"sigmoid", "robust", "exo_pair", "aot", "aot_unpaired", "sigmoid_norm", "simpo"}
+    assert {n for n, s in DPO_LOSSES.items() if s.per_quantile} == set(BATCH_LEVEL)
 
 
 @pytest.mark.parametrize("name", PAIRED)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from preference_helpers import TINY, config_kwargs
+from preference_helpers import TINY, assert_all_changed, assert_finite_metrics, config_kwargs, snapshot
 
 from posttrain.core.preference_losses import PreferenceInput, dpo_loss
 from posttrain.data.builtin import zen
@@ -194,6 +194,7 @@ def test_reward_compute_metrics_receives_the_pair_scores(tmp_path):
     (dict(loss_type="bco_pair", f_divergence_type="forward_kl"), "has none of them"),
     (dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.0), "f_alpha_divergence_coef"),
     (dict(ld_alpha=1.5), "ld_alpha"),
+    (dict(loss_type=["sigmoid", "aot"], use_weighting=True), "use_weighting"),
     (dict(loss_type="discopop", discopop_tau=0.0), "discopop_tau"),
     (dict(loss_type=["sft", "simpo"], sync_ref_model=True), "no reference"),
     (dict(ref_model_mixup_alpha=1.5), "ref_model_mixup_alpha"),
@@ -222,3 +223,14 @@ def test_sft_alone_is_reference_free_and_trains(tmp_path):
     assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(expected.item(), rel=1e-5)
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+def test_tiny_run_with_the_new_fields_changes_every_parameter(tmp_path):
+    args = DPOConfig(**config_kwargs(tmp_path, loss_type=["exo_pair", "sft"], loss_weights=[1.0, 0.1],
+                                     f_divergence_type="js_divergence", ld_alpha=0.5, use_weighting=True,
+                                     truncation_mode="keep_end", max_length=64))
+    trainer = DPOTrainer(TINY, args=args, train_dataset=zen("preference"))
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert_all_changed(before, trainer.model)
+    assert_finite_metrics(trainer, ["loss", "rewards/chosen", "rewards/margins", "logps/chosen", "logits/chosen"])
