@@ -90,7 +90,8 @@ class DPOConfig(PreferenceConfig):
             raise ValueError("loss_type is empty; give a loss name or a list of loss names")
         unknown = [t for t in types if t not in DPO_LOSSES]
         if unknown:
-            raise ValueError(f"unknown loss_type {unknown}; choose from {sorted(DPO_LOSSES)}")
+            hint = "; older TRL's 'aot_pair' is 'aot_unpaired'" if "aot_pair" in unknown else ""
+            raise ValueError(f"unknown loss_type {unknown}; choose from {sorted(DPO_LOSSES)}{hint}")
         if self.loss_weights is not None and len(self.loss_weights) != len(types):
             raise ValueError(f"loss_weights has {len(self.loss_weights)} entries but loss_type has {len(types)} "
                              f"({types}); give one weight per loss type")

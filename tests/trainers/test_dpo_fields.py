@@ -194,6 +194,7 @@ def test_reward_compute_metrics_receives_the_pair_scores(tmp_path):
     (dict(loss_type="bco_pair", f_divergence_type="forward_kl"), "has none of them"),
     (dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.0), "f_alpha_divergence_coef"),
     (dict(ld_alpha=1.5), "ld_alpha"),
+    (dict(loss_type="aot_pair"), "'aot_pair' is 'aot_unpaired'"),
     (dict(loss_type=["sigmoid", "aot"], use_weighting=True), "use_weighting"),
     (dict(loss_type="discopop", discopop_tau=0.0), "discopop_tau"),
     (dict(loss_type=["sft", "simpo"], sync_ref_model=True), "no reference"),
