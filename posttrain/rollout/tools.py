@@ -178,18 +178,25 @@ def run_tool_call(call: Mapping, tools: Mapping[str, Callable], timeout: float =
     return run_tool_calls([call], tools, timeout)[0]
 
 
-def run_tool_calls(calls: Sequence[Mapping], tools: Mapping[str, Callable],
+def run_tool_calls(calls: Sequence[Mapping], tools: Mapping[str, Callable] | Sequence[Mapping[str, Callable]],
                    timeout: float = 10.0) -> list[tuple[dict, str | None]]:
     """`run_tool_call` for several calls at once (e.g. every row of a rollout step): each runs in
-    its own thread from the same start, so slow or async tools overlap; results in call order."""
+    its own thread from the same start, so slow or async tools overlap; results in call order.
+
+    tools: one `tools_by_name` mapping for every call, or one per call (each rollout's own
+    environment instance).
+    """
+    per_call = [tools] * len(calls) if isinstance(tools, Mapping) else list(tools)
+    if len(per_call) != len(calls):
+        raise ValueError(f"got {len(per_call)} tool mappings for {len(calls)} calls; give one per call or one for all")
     started = []
-    for call in calls:
-        name, fn, arguments, error = _prepare(call, tools)
-        started.append((name, error) if fn is None else (name, _start(fn, arguments, timeout)))
+    for call, available in zip(calls, per_call):
+        name, fn, arguments, error = _prepare(call, available)
+        started.append((name, error if fn is None else _start(fn, arguments, timeout)))
     deadline = time.monotonic() + timeout
     results = []
     for name, job in started:
-        if isinstance(job, str) or job is None:  # refused before running
+        if isinstance(job, str):  # refused before running: the error text
             results.append(({"role": "tool", "name": name, "content": job}, job))
             continue
         thread, box = job

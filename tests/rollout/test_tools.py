@@ -4,6 +4,8 @@ calls whose failures (unknown tool, bad JSON arguments, exceptions, timeouts) be
 import asyncio
 import threading
 
+import pytest
+
 from posttrain.rollout.tools import (assistant_turn, parse_tool_calls, run_tool_call, run_tool_calls, tool_schemas,
                                      tools_by_name)
 
@@ -148,3 +150,21 @@ def test_several_calls_keep_their_order():
     assert [m["content"] for m, _ in results] == ["A", "Error: unknown tool 'nope'; the tools are: broken, hang, "
                                                        "multiply, shout, slow", "9"]
     assert [e is None for _, e in results] == [True, False, True]
+
+
+def test_each_call_can_have_its_own_tools():
+    """One environment instance per rollout: each call runs against its own mapping."""
+    class Counter:
+        def __init__(self, n: int):
+            self.n = n
+
+        def bump(self) -> int:
+            """Add one."""
+            self.n += 1
+            return self.n
+
+    a, b = Counter(10), Counter(20)
+    results = run_tool_calls([call("bump", {}), call("bump", {})], [tools_by_name([a.bump]), tools_by_name([b.bump])])
+    assert [m["content"] for m, _ in results] == ["11", "21"] and (a.n, b.n) == (11, 21)
+    with pytest.raises(ValueError, match="one per call"):
+        run_tool_calls([call("bump", {})], [])
