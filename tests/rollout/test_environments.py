@@ -76,7 +76,8 @@ def test_calculator_reward_reads_the_assistants_last_words():
     wrong = [call, result, {"role": "assistant", "content": "418"}]
     unfinished = [call, result]  # the answer sits in the tool result only
     text = '<tool_call>{"name": "calculate", "arguments": {"expression": "12 * 34"}}</tool_call> 408'
-    assert calculator_reward([right, wrong, unfinished, text, "408", "no"], ["408"] * 6) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    rewards = calculator_reward([right, wrong, unfinished, text, "408", "no"], ["408"] * 6)
+    assert rewards == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
 
 
 def test_calculator_traces_replay_through_the_environment():
