@@ -1,0 +1,67 @@
+"""GRPO and RLOO with the policy sharded by FSDP2 (`fully_shard`) on 2 CPU processes (gloo).
+
+accelerate 1.15 runs no FSDP on the CPU (with `use_cpu=True` an FSDP launch becomes DDP), so the script
+(`fsdp_grpo.py`) is launched by torchrun and shards the policy itself, as accelerate's FSDP2 path does.
+Under FSDP2 every forward gathers weights from both processes: generation must run the same number of
+forwards on each (lock-step decoding), and the CPU kernels must not read the sharded weights.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_grpo.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd, tmp_path, **env):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]), **env}
+    # a collective that one rank never joins hangs: the timeout turns that into a failure
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _two_processes(tmp_path, out, *args, **env):
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+          "--master_port", str(_free_port()), SCRIPT, out, *args], tmp_path, **env)
+    return [json.load(open(f"{out}.{rank}")) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_match_one(tmp_path):
+    pytest.importorskip("accelerate")
+    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+    # 1 plain process x 8 completions (2 prompts) vs 2 FSDP2 processes x 4 completions (1 prompt each)
+    _run([sys.executable, SCRIPT, one, "8", "even", "grpo"], tmp_path)
+    ranks = _two_processes(tmp_path, two, "4", "even", "grpo")
+    a, b = (json.load(open(p)) for p in (one, two))
+    assert (a["processes"], b["processes"]) == (1, 2)
+    assert all(r["sharded"] for r in ranks)
+    assert ranks[0]["forwards"] == ranks[1]["forwards"] > 0
+    assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same completions were sampled
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    # FSDP2 reduce-scatters the gradients (another summation order than one process): equal up to rounding
+    for name, value in a["weights"].items():
+        assert b["weights"][name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm,kernels", [("grpo", "kernels"), ("rloo", "torch ops")])
+def test_ranks_that_stop_decoding_at_different_steps_keep_pace(tmp_path, algorithm, kernels):
+    pytest.importorskip("accelerate")
+    env = {"POSTTRAIN_NO_KERNELS": "1"} if kernels == "torch ops" else {}  # the decoding path without C kernels
+    ranks = _two_processes(tmp_path, str(tmp_path / "uneven.json"), "4", "uneven", algorithm, **env)
+    # rank 0's completions stop at their first token, rank 1's run to max_completion_length (6) ...
+    assert [r["widths"] for r in ranks] == [[1], [6]]
+    # ... and both ran the prefill and 5 one-token forwards, rank 0 discarding its last 5
+    assert ranks[0]["forwards"] == ranks[1]["forwards"] == 6
