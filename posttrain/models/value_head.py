@@ -14,7 +14,7 @@ with `use_cache=True` (generation) the critic is skipped and `value` is None.
 `value[:, t]` is V of the prefix ending at token t, i.e. it sits at the same position as the
 logits that predict token t+1, so a caller slices values exactly as it slices logits.
 Both save the policy as an ordinary checkpoint (loadable with AutoModelForCausalLM) and the
-critic next to it.
+critic next to it; `load_critic` reads the critic back in place (resuming from a checkpoint).
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ class _PolicyWrapper(nn.Module):
             # A PEFT policy makes the wrapper count as a PEFT model, so the adapter-disabled
             # policy can serve as the reference (BaseTrainer.make_reference/reference_context).
             if name in ("disable_adapter", "peft_config"):
+                return getattr(super().__getattr__("policy"), name)
+            # transformers.Trainer reads these from the model it trains after loading a checkpoint into the policy
+            if name in ("_keys_to_ignore_on_save", "tie_weights"):
                 return getattr(super().__getattr__("policy"), name)
             raise
 
@@ -90,15 +93,22 @@ class CausalLMWithValueHead(_PolicyWrapper):
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> "CausalLMWithValueHead":
         """The policy from `path` and the head saved with it (a fresh zero head if there is none)."""
-        from safetensors.torch import load_file
-
         from posttrain.models.loading import load_causal_lm
 
         model = cls(load_causal_lm(path, **kwargs))
-        head = os.path.join(path, VALUE_HEAD_FILE)
-        if os.path.isfile(head):
-            model.v_head.load_state_dict(load_file(head))
+        if os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)):
+            model.load_critic(path)
         return model
+
+    def load_critic(self, path: str):
+        """In place: the value head that `save_pretrained` wrote to `path` (a checkpoint being resumed)."""
+        from safetensors.torch import load_file
+
+        head = os.path.join(path, VALUE_HEAD_FILE)
+        if not os.path.isfile(head):
+            raise FileNotFoundError(f"{path} has no {VALUE_HEAD_FILE}: it was not saved from a policy with a value "
+                                    "head (CausalLMWithValueHead.save_pretrained)")
+        self.v_head.load_state_dict(load_file(head))
 
 
 def _backbone_and_head(value_model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -136,3 +146,13 @@ class PolicyWithCritic(_PolicyWrapper):
     def save_pretrained(self, save_directory: str, **kwargs):
         self.policy.save_pretrained(save_directory, **kwargs)
         self.value_model.save_pretrained(os.path.join(save_directory, CRITIC_FOLDER), **kwargs)
+
+    def load_critic(self, path: str):
+        """In place: the critic that `save_pretrained` wrote to `path`/value_model (a checkpoint being resumed)."""
+        folder = os.path.join(path, CRITIC_FOLDER)
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"{path} has no {CRITIC_FOLDER}/ folder: it was not saved from a policy with a "
+                                    "separate critic (PolicyWithCritic.save_pretrained)")
+        # from_pretrained reads any layout save_pretrained writes (sharded or not); the weights are then copied
+        saved = type(self.value_model).from_pretrained(folder, dtype=self.value_model.dtype)
+        self.value_model.load_state_dict(saved.state_dict())

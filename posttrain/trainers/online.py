@@ -28,11 +28,18 @@ Reductions are global: rewards, normalisation and advantages are computed on the
 gathered from every process (each group stays on its process, prompt-major), and loss
 denominators count the tokens/sequences of the whole optimizer step over all processes, so the
 update does not depend on how a batch is split across micro-batches or processes.
+
+Resuming (`train(resume_from_checkpoint=...)`) is bit-identical to never stopping: the prompt order
+is a function of (seed, epoch), so transformers skips the micro-batches already trained on, and each
+checkpoint also holds, per process, the sampler's and the shuffle's generators, the episode count and
+the generation batch's micro-batches not yet trained on (`checkpointed`); with a critic, the critic
+is saved next to the policy and read back by `load_critic`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -69,31 +76,62 @@ def build_for_cli(trainer_class, script_args, config):
                          train_dataset=train, eval_dataset=evaluation)
 
 
-class PromptBatches:
-    """The training "dataloader": this process's share of each global batch of prompts, yielded once for
-    every micro-batch it feeds (`repeat`), tagged with `micro_index`. Incomplete global batches are dropped."""
+class _PromptOrder(torch.utils.data.Sampler):
+    """The batch sampler of `PromptBatches`: for each global batch of prompts, this process's dataset indices,
+    once per micro-batch they feed, as (index, micro_index) pairs. A pure function of (seed, epoch), so that
+    transformers can skip the batches a resumed run already trained on (`skip_first_batches`)."""
 
-    def __init__(self, dataset, collate, prompts_per_process: int, num_processes: int, process_index: int,
-                 repeat: int, shuffle: bool, seed: int):
-        self.dataset, self.collate, self.repeat, self.shuffle, self.seed = dataset, collate, repeat, shuffle, seed
-        self.per_process, self.num_processes, self.rank = prompts_per_process, num_processes, process_index
-        self.epoch = 0
+    def __init__(self, n: int, per_process: int, num_processes: int, rank: int, repeat: int, shuffle: bool,
+                 seed: int):
+        self.n, self.per_process, self.num_processes, self.rank = n, per_process, num_processes, rank
+        self.repeat, self.shuffle, self.seed, self.epoch = repeat, shuffle, seed, 0
 
     def set_epoch(self, epoch: int):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.dataset) // (self.per_process * self.num_processes) * self.repeat
+        return self.n // (self.per_process * self.num_processes) * self.repeat
 
     def __iter__(self):
-        n, size = len(self.dataset), self.per_process * self.num_processes
+        n, size = self.n, self.per_process * self.num_processes
         order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
                  if self.shuffle else list(range(n)))
         for start in range(0, n - size + 1, size):
             mine = order[start + self.rank * self.per_process: start + (self.rank + 1) * self.per_process]
-            batch = self.collate([self.dataset[i] for i in mine])
             for r in range(self.repeat):
-                yield {**batch, "micro_index": r}
+                yield [(i, r) for i in mine]
+
+
+class _Tagged(torch.utils.data.Dataset):
+    """The dataset read at (index, micro_index) keys: each row comes with the micro-batch it feeds."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, micro_index = key
+        return self.dataset[index], micro_index
+
+
+class PromptBatches(torch.utils.data.DataLoader):
+    """The training dataloader: this process's share of each global batch of prompts, yielded once for
+    every micro-batch it feeds (`repeat`), tagged with `micro_index`. Incomplete global batches are dropped.
+    A plain DataLoader over a batch sampler, so that a resumed run skips what it trained on as any other."""
+
+    def __init__(self, dataset, collate, prompts_per_process: int, num_processes: int, process_index: int,
+                 repeat: int, shuffle: bool, seed: int):
+        order = _PromptOrder(len(dataset), prompts_per_process, num_processes, process_index, repeat, shuffle, seed)
+        super().__init__(_Tagged(dataset), batch_sampler=order, collate_fn=functools.partial(_collate_tagged, collate))
+
+    def set_epoch(self, epoch: int):
+        self.batch_sampler.set_epoch(epoch)
+
+
+def _collate_tagged(collate, items: list[tuple[dict, int]]) -> dict:
+    return {**collate([row for row, _ in items]), "micro_index": items[0][1]}
 
 
 class OnlineTrainer(BaseTrainer):
@@ -162,7 +200,8 @@ class OnlineTrainer(BaseTrainer):
                         CRITIC_ESTIMATORS and not (args.bf16 or args.fp16 or args.torch_compile
                                                    or args.gradient_checkpointing) and _no_dropout(policy))
         self._replay = None  # the current generation batch's LinearRecord while its micro-batches train
-        self._buffer: list[dict] = []
+        self._buffer: list[dict] = []  # the current generation batch's micro-batches, in training order
+        self._next_micro = 0  # index in `_buffer` of the next micro-batch to train on
         self._episodes, self._start_time, self._samples, self._last_sample_step = 0, None, None, -1
         from posttrain.callbacks import CompletionsTable
 
@@ -390,7 +429,9 @@ class OnlineTrainer(BaseTrainer):
         if index == 0 or not self._buffer:
             self._replay = None  # the last batch's record goes before sampling the next
             self._buffer = self.make_experience(inputs)
-        return super().training_step(model, self._buffer[index], num_items_in_batch)
+        loss = super().training_step(model, self._buffer[index], num_items_in_batch)
+        self._next_micro = index + 1
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
@@ -517,6 +558,45 @@ class OnlineTrainer(BaseTrainer):
                 self.processing_class.save_pretrained(output_dir)
             return
         super().save_model(output_dir, _internal_call)
+
+    # ------------------------------------------------------------------ checkpoints
+    # Besides transformers' checkpoint (weights, optimizer, scheduler, global RNGs, trainer state and the data
+    # position) and BaseTrainer's, a step depends on the sampler's and the micro-batch shuffle's generators,
+    # the episode count and the generation batch in progress: BaseTrainer saves these attributes with each
+    # checkpoint, per process. The critic is saved with the policy (`save_model`).
+    checkpointed = BaseTrainer.checkpointed + ("generator", "_shuffle", "_episodes", "_last_sample_step",
+                                               "_generation_in_progress")
+
+    @property
+    def _generation_in_progress(self) -> dict:
+        """What a checkpoint taken inside a generation batch (several optimizer steps per batch:
+        steps_per_generation > gradient_accumulation_steps, or num_iterations > 1) needs to go on: the
+        micro-batches not yet trained on and the batch's samples; also metrics not yet logged and the
+        sampling time so far (for `eps`). Between generation batches, nothing of the batch is kept."""
+        pending = self._next_micro < len(self._buffer)
+        return {"buffer": self._buffer if pending else [], "next_micro": self._next_micro if pending else 0,
+                "samples": self._samples if pending else None,
+                "elapsed": None if self._start_time is None else time.time() - self._start_time,
+                "metrics": {mode: dict(values) for mode, values in self._metrics.items()}}
+
+    @_generation_in_progress.setter
+    def _generation_in_progress(self, state: dict):
+        self._buffer, self._next_micro, self._samples = state["buffer"], state["next_micro"], state["samples"]
+        self._replay = None  # kept only within one optimizer step (old == current), never across a checkpoint
+        self._start_time = None if state["elapsed"] is None else time.time() - state["elapsed"]
+        for mode, values in state["metrics"].items():
+            self._metrics[mode].clear()
+            self._metrics[mode].update(values)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
+        # transformers' private loader, overridden because it cannot read policy + critic (the policy is saved
+        # as an ordinary causal-LM checkpoint, the critic next to it) and no public hook loads the weights
+        unwrapped = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if isinstance(unwrapped, (CausalLMWithValueHead, PolicyWithCritic)):
+            super()._load_from_checkpoint(resume_from_checkpoint, unwrapped.policy)
+            unwrapped.load_critic(resume_from_checkpoint)
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
 
 def _no_dropout(model) -> bool:

@@ -33,6 +33,7 @@ import torch
 
 from posttrain.data.collate import pad
 from posttrain.rollout.generate import Rollout
+from posttrain.rollout.rewards import RewardError, check_scores
 from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.rloo import ClassicOnlineConfig
 
@@ -115,14 +116,18 @@ class PPOTrainer(OnlineTrainer):
 
     def step(self, queries, responses, scores) -> dict[str, float]:
         """One PPO update (num_ppo_epochs x num_mini_batches optimizer steps) on given prompts, responses and
-        scalar rewards; returns the averaged stats."""
+        scalar rewards; returns the averaged stats. Scores are checked as the trainer's own rewards are
+        (finite, not beyond `rewards.REWARD_LIMIT`): ValueError naming the first bad one, before any update."""
         if not (len(queries) == len(responses) == len(scores)):
             raise ValueError(f"step() got {len(queries)} queries, {len(responses)} responses and {len(scores)} scores; "
                              "give one of each per sample")
         if self.args.num_generations != 1:
             raise ValueError("step() takes one response per query: use num_generations=1")
+        try:  # the checks of the trainer's own rewards: one bad score would poison every weight
+            scores = check_scores(scores, "step() scores")
+        except RewardError as err:
+            raise ValueError(f"PPOTrainer.{err}; give one finite float (or one-element tensor) per response") from err
         rollout = self._rollout_from(self._ids(queries), self._ids(responses))
-        scores = torch.stack([torch.as_tensor(s, dtype=torch.float32).reshape(()) for s in scores])
         model = self.model_wrapped if self.model_wrapped is not None else self.model
         if self.optimizer is None:
             steps = self.args.max_steps if self.args.max_steps > 0 else \
