@@ -229,9 +229,12 @@ def _check_tool_calls(j: int, calls: Any) -> None:
         if call.get("type") not in (None, "function"):
             raise _Bad(f"{where}: 'type' must be 'function', got {_describe(call['type'])}")
         if not isinstance(function.get("name"), str) or not function["name"]:
-            raise _Bad(f"{where}: the function 'name' must be a non-empty string, got "
-                       f"{_describe(function.get('name', _MISSING))}")
-        arguments = function.get("arguments", _MISSING)
+            got = _describe(function["name"]) if "name" in function else "nothing"
+            raise _Bad(f"{where}: the function 'name' must be a non-empty string, got {got}")
+        if "arguments" not in function:
+            raise _Bad(f"{where}: the function 'arguments' are missing; expected a dict or a JSON object string "
+                       f"(an empty dict for none)")
+        arguments = function["arguments"]
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)

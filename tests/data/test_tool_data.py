@@ -131,6 +131,8 @@ def test_tool_rows_validate_in_every_layout():
      r"message 1, tool call 0: 'arguments' must be a dict or a JSON object string"),
     ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": {}}}]},
      r"message 1, tool call 0: the function 'name' must be a non-empty string, got nothing"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "calculate"}}]},
+     r"message 1, tool call 0: the function 'arguments' are missing"),
     ({"role": "assistant", "tool_calls": [{"name": "calculate", "arguments": {}}]},
      r"message 1, tool call 0: expected \{'type': 'function', 'function'"),
     ({"role": "assistant", "tool_calls": [{"type": "web", "function": {"name": "f", "arguments": {}}}]},
