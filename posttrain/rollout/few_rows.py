@@ -106,9 +106,9 @@ def whole(t: Tensor | None, shape: tuple[int, ...] | None = None) -> bool:
     memory the process does not own."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or hasattr(t, "ds_id"):  # ds_id: DeepSpeed ZeRO-3
         return False
-    if t.device.type != "cpu" or t.dtype != torch.float32 or t.layout != torch.strided or not t.is_contiguous():
+    if not t.is_cpu or t.dtype != torch.float32 or t.layout != torch.strided or not t.is_contiguous():
         return False
-    if shape is not None and tuple(t.shape) != tuple(shape):
+    if shape is not None and t.shape != shape:
         return False
     return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
 
