@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import enum
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -38,12 +39,45 @@ from typing import Any
 
 
 @dataclass
-class ScriptArguments:
-    """What to train on: the model and the dataset (shared by every training command)."""
+class ModelArguments:
+    """Which model to train and how to load it; `--use_peft` trains a LoRA adapter instead of every weight
+    (the model flags of TRL's `ModelConfig`). They feed the trainer's `model_init_kwargs` and `peft_config`."""
 
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Model to train: a built-in name (posttrain/tiny-qwen2, "
                                         "posttrain/smollm2-135m-instruct, ...) or a local folder."})
+    dtype: typing.Literal["auto", "float32", "bfloat16", "float16"] | None = field(
+        default=None, metadata={"help": "Weights' dtype when loading ('auto': as saved in the checkpoint). "
+                                        "Default: float32. Goes into model_init_kwargs."})
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "Attention kernel of transformers ('eager', 'sdpa', 'flash_attention_2', "
+                                        "...). Default: transformers' choice. Goes into model_init_kwargs."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the modelling code a model folder ships (auto_map). Off by default: "
+                                         "that code runs in this process with your permissions."})
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (needs `pip install peft`); "
+                                                            "the output folder then holds the adapter."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (the update is scaled by "
+                                                          "lora_alpha / lora_r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Module names to adapt (e.g. q_proj v_proj, or all-linear). Default: "
+                                        "peft's choice for the architecture."})
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules trained in full and saved with the adapter (e.g. lm_head)."})
+    lora_task_type: str | None = field(
+        default=None, metadata={"help": "peft task type. Default: SEQ_CLS for `posttrain reward` (so the score "
+                                        "head is trained), CAUSAL_LM otherwise."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale by "
+                                                              "lora_alpha / sqrt(lora_r)."})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA."})
+
+
+@dataclass
+class ScriptArguments(ModelArguments):
+    """What to train on: the model flags and the dataset (shared by every training command)."""
+
     dataset_name: str | None = field(
         default=None, metadata={"help": "A built-in dataset (zen, zen-chat/preference, reverse, add-chat, ...), "
                                         "a local .json/.jsonl/.csv/.parquet file, or a local dataset folder."})
@@ -51,7 +85,41 @@ class ScriptArguments:
         default=None, metadata={"help": "Configuration name for a dataset folder with several configurations."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(
-        default="test", metadata={"help": "Split to evaluate on (used when eval_strategy is not 'no')."})
+        default="test", metadata={"help": "Split to evaluate on (read only when eval_strategy is not 'no')."})
+
+
+def peft_config(script_args: ModelArguments, task_type: str = "CAUSAL_LM"):
+    """The `peft.LoraConfig` the LoRA flags describe, or None without --use_peft."""
+    if not script_args.use_peft:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError as err:
+        raise ImportError("--use_peft needs the peft package: pip install 'posttrain[peft]'") from err
+    target = script_args.lora_target_modules
+    return LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha, lora_dropout=script_args.lora_dropout,
+                      target_modules=target[0] if target == ["all-linear"] else target,
+                      modules_to_save=script_args.lora_modules_to_save,
+                      task_type=script_args.lora_task_type or task_type, use_rslora=script_args.use_rslora,
+                      use_dora=script_args.use_dora)
+
+
+_LOAD_FLAGS = ("dtype", "attn_implementation", "trust_remote_code")  # model flags that go into model_init_kwargs
+
+
+def _merge_model_init_kwargs(parser: argparse.ArgumentParser, script_args: ModelArguments, config):
+    """Put --dtype, --attn_implementation and --trust_remote_code into `config.model_init_kwargs`; a flag that
+    contradicts a key the config's model_init_kwargs already holds is a usage error."""
+    kwargs = dict(config.model_init_kwargs or {})
+    for name in _LOAD_FLAGS:
+        value = getattr(script_args, name)
+        if value is None or value is False:
+            continue
+        if name in kwargs and kwargs[name] != value:
+            parser.error(f"--{name} {value} contradicts model_init_kwargs {{{name!r}: {kwargs[name]!r}}}; "
+                         "give one of them")
+        kwargs[name] = value
+    config.model_init_kwargs = kwargs or config.model_init_kwargs
 
 
 # ---------------------------------------------------------------------------- command registry
@@ -204,12 +272,40 @@ def run_sft(script_args: ScriptArguments, config):
     from posttrain.trainers.sft import SFTTrainer
 
     train, evaluation = load_datasets(script_args, config)
-    return SFTTrainer(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation)
+    return SFTTrainer(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
+                      peft_config=peft_config(script_args))
 
 
-@command(config=None, script_args=None, help="Print the versions and hardware posttrain sees.")
-def run_env(script_args=None, config=None):
+OPTIONAL_ENGINES = ("deepspeed", "peft", "liger-kernel", "vllm", "bitsandbytes", "wandb", "trackio")
+
+
+def _version(package: str) -> str:
     import importlib.metadata as metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _accelerate_default_config() -> str:
+    """The config `accelerate config` saved (which `accelerate launch` uses by default): its path and
+    distributed_type, or "none"."""
+    from accelerate.commands.config import config_args
+
+    path = config_args.default_config_file  # read now, so that a test can point it elsewhere
+    if not os.path.isfile(path):
+        return "none"
+    try:
+        kind = config_args.load_config_from_file(path).distributed_type
+    except Exception as err:  # a file accelerate itself would refuse: say so rather than fail `env`
+        return f"{path} (unreadable: {type(err).__name__}: {err})"
+    return f"{path} (distributed_type: {str(kind).split('.')[-1]})"
+
+
+@command(config=None, script_args=None, help="Print the versions, accelerate config, optional engines and "
+                                             "hardware posttrain sees.")
+def run_env(script_args=None, config=None):
     import platform
 
     import torch
@@ -218,11 +314,11 @@ def run_env(script_args=None, config=None):
 
     rows = [("posttrain", posttrain.__version__), ("python", platform.python_version()),
             ("platform", platform.platform())]
-    for package in ("torch", "transformers", "datasets", "accelerate", "peft"):
-        try:
-            rows.append((package, metadata.version(package)))
-        except metadata.PackageNotFoundError:
-            rows.append((package, "not installed"))
+    for package in ("torch", "transformers", "datasets", "accelerate"):
+        rows.append((package, _version(package)))
+    rows.append(("accelerate config", _accelerate_default_config()))
+    for package in OPTIONAL_ENGINES:
+        rows.append((package, _version(package)))
     rows.append(("CPU count", str(os.cpu_count())))
     try:
         pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
@@ -257,31 +353,41 @@ class OnlineScriptArguments(ScriptArguments):
                                         "so name only your own or trusted modules."})
 
 
+def build_online(trainer_class, script_args, config):
+    """A trainer for `posttrain grpo|rloo|ppo`: rewards from --reward_funcs plus --reward_model_path. With the
+    classic --sft_model_path (rloo, ppo) the policy starts from it and the tokenizer comes from
+    --model_name_or_path, as the classic TRL scripts loaded them."""
+    train, evaluation = load_datasets(script_args, config)
+    rewards = list(script_args.reward_funcs or []) + ([config.reward_model_path] if config.reward_model_path else [])
+    model, tokenizer = script_args.model_name_or_path, None
+    if sft_path := getattr(config, "sft_model_path", None):
+        model, tokenizer = sft_path, script_args.model_name_or_path
+    return trainer_class(model=model, reward_funcs=rewards, args=config, train_dataset=train,
+                         eval_dataset=evaluation, processing_class=tokenizer, peft_config=peft_config(script_args))
+
+
 @command(config="posttrain.trainers.grpo:GRPOConfig", script_args=OnlineScriptArguments,
          help="GRPO: online RL with group-relative advantages.")
 def run_grpo(script_args, config):
     from posttrain.trainers.grpo import GRPOTrainer
-    from posttrain.trainers.online import build_for_cli
 
-    return build_for_cli(GRPOTrainer, script_args, config)
+    return build_online(GRPOTrainer, script_args, config)
 
 
 @command(config="posttrain.trainers.rloo:RLOOConfig", script_args=OnlineScriptArguments,
          help="RLOO: REINFORCE with a leave-one-out baseline.")
 def run_rloo(script_args, config):
-    from posttrain.trainers.online import build_for_cli
     from posttrain.trainers.rloo import RLOOTrainer
 
-    return build_for_cli(RLOOTrainer, script_args, config)
+    return build_online(RLOOTrainer, script_args, config)
 
 
 @command(config="posttrain.trainers.ppo:PPOConfig", script_args=OnlineScriptArguments,
          help="PPO with a critic (value head or separate value model).")
 def run_ppo(script_args, config):
-    from posttrain.trainers.online import build_for_cli
     from posttrain.trainers.ppo import PPOTrainer
 
-    return build_for_cli(PPOTrainer, script_args, config)
+    return build_online(PPOTrainer, script_args, config)
 
 
 COMMANDS.update({"grpo": run_grpo, "rloo": run_rloo, "ppo": run_ppo})
@@ -289,36 +395,39 @@ COMMANDS.update({"grpo": run_grpo, "rloo": run_rloo, "ppo": run_ppo})
 
 # ---- offline preference commands (reward model, DPO, BCO, KTO): preference or unpaired datasets
 
+def build_preference(trainer_class, script_args, config, task_type: str = "CAUSAL_LM"):
+    """A trainer for `posttrain reward|dpo|bco|kto`: model and datasets from the script arguments."""
+    train, evaluation = load_datasets(script_args, config)
+    return trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
+                         peft_config=peft_config(script_args, task_type))
+
+
 @command(config="posttrain.trainers.reward:RewardConfig", help="Reward model (Bradley-Terry) on preference pairs.")
 def run_reward(script_args, config):
-    from posttrain.trainers.preference_base import build_for_cli
     from posttrain.trainers.reward import RewardTrainer
 
-    return build_for_cli(RewardTrainer, script_args, config)
+    return build_preference(RewardTrainer, script_args, config, task_type="SEQ_CLS")
 
 
 @command(config="posttrain.trainers.dpo:DPOConfig", help="DPO and its pairwise variants on preference pairs.")
 def run_dpo(script_args, config):
     from posttrain.trainers.dpo import DPOTrainer
-    from posttrain.trainers.preference_base import build_for_cli
 
-    return build_for_cli(DPOTrainer, script_args, config)
+    return build_preference(DPOTrainer, script_args, config)
 
 
 @command(config="posttrain.trainers.bco:BCOConfig", help="BCO on unpaired (or paired) feedback.")
 def run_bco(script_args, config):
     from posttrain.trainers.bco import BCOTrainer
-    from posttrain.trainers.preference_base import build_for_cli
 
-    return build_for_cli(BCOTrainer, script_args, config)
+    return build_preference(BCOTrainer, script_args, config)
 
 
 @command(config="posttrain.trainers.kto:KTOConfig", help="KTO on unpaired (or paired) feedback.")
 def run_kto(script_args, config):
     from posttrain.trainers.kto import KTOTrainer
-    from posttrain.trainers.preference_base import build_for_cli
 
-    return build_for_cli(KTOTrainer, script_args, config)
+    return build_preference(KTOTrainer, script_args, config)
 
 
 COMMANDS.update({"reward": run_reward, "dpo": run_dpo, "bco": run_bco, "kto": run_kto})
@@ -524,11 +633,31 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     fn = COMMANDS[name]
     classes = [c for c in (fn.script_args_class, _config_class(fn)) if c is not None]
     flags = [_flags(c) for c in classes]
+    for earlier in flags[:-1]:  # a field of both (a model flag the config also has): the config's flag sets it
+        for key in set(earlier) & set(flags[-1]):
+            del earlier[key]
     parser = _Parser(prog=f"posttrain {name}", description=fn.help)
     parser.add_argument("--config", help="YAML file of `field: value` pairs; command-line flags override it.")
+    if fn.config_path is not None:
+        parser.add_argument("--accelerate_config", default=argparse.SUPPRESS, help="Run under `accelerate launch` with this config: a file, "
+                            f"or a name of the shipped ones ({', '.join(accelerate_config_names())}). "
+                            "Launcher flags: " + " ".join(f"--{f} N" for f in LAUNCH_FLAGS) + ".")
+        for launch_flag in LAUNCH_FLAGS:
+            parser.add_argument(f"--{launch_flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for cls, cls_flags in zip(classes, flags):
+        if issubclass(cls, ModelArguments) and cls is not ModelArguments:  # the model flags in a group of their own
+            model_fields = {f.name for f in dataclasses.fields(ModelArguments)}
+            _add_flags(parser, ModelArguments, {k: v for k, v in cls_flags.items() if k in model_fields},
+                       ModelArguments.__name__)
+            cls_flags = {k: v for k, v in cls_flags.items() if k not in model_fields}
         _add_flags(parser, cls, cls_flags, cls.__name__)
     given = vars(parser.parse_args(argv))
+    launch = {key: given.pop(key) for key in ("accelerate_config", *LAUNCH_FLAGS) if key in given}
+    if launch:  # run() launches before parsing; here they are only checked, and mean nothing without the config
+        if "accelerate_config" not in launch:
+            parser.error(f"{', '.join('--' + k for k in launch)} is a launcher flag: it needs --accelerate_config "
+                         "(e.g. --accelerate_config multi_gpu --num_processes 2)")
+        _accelerate_config_path(parser, launch["accelerate_config"])
     values: list[dict] = [{} for _ in classes]
     if path := given.pop("config", None):
         for key, value in _load_yaml(path, parser).items():
@@ -552,12 +681,20 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     script_args = built[0] if fn.script_args_class is not None else None
     config = built[-1] if fn.config_path is not None else None
     if isinstance(script_args, ScriptArguments) and config is not None:
-        missing = [f"--{k}" for k in ("model_name_or_path", "dataset_name") if getattr(script_args, k) is None]
+        required = ["dataset_name"] + ([] if getattr(config, "sft_model_path", None) else ["model_name_or_path"])
+        missing = [f"--{k}" for k in required if getattr(script_args, k) is None]
         if missing:
             parser.error(f"the following arguments are required: {', '.join(missing)}")
-    for spec in getattr(script_args, "reward_funcs", None) or []:
-        if problem := _reward_spec_problem(spec):
-            parser.error(f"--reward_funcs: {problem}")
+        _merge_model_init_kwargs(parser, script_args, config)
+        if script_args.use_peft and importlib.util.find_spec("peft") is None:
+            parser.error("--use_peft needs the peft package: pip install 'posttrain[peft]'")
+    if isinstance(script_args, OnlineScriptArguments):
+        if not script_args.reward_funcs and not getattr(config, "reward_model_path", None):
+            parser.error("no reward: give --reward_funcs (built-in names such as digit_match, module:function "
+                         "paths, or reward-model paths) and/or --reward_model_path")
+        for spec in script_args.reward_funcs or []:
+            if problem := _reward_spec_problem(spec):
+                parser.error(f"--reward_funcs: {problem}")
     if config is not None and hasattr(config, "resume_from_checkpoint"):
         _check_resume(parser, config)
     return script_args, config
@@ -615,6 +752,50 @@ def _resume_arg(value: str | None) -> str | bool | None:
     return True if value.lower() in _TRUE else os.path.expanduser(value)
 
 
+# ---------------------------------------------------------------------------- --accelerate_config
+
+ACCELERATE_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_configs")
+# TRL's names for the same setups
+_ACCELERATE_ALIASES = {"zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3", "single_gpu": "single_process"}
+LAUNCH_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port")
+
+
+def accelerate_config_names() -> list[str]:
+    """Names of the accelerate config files shipped in posttrain/accelerate_configs/."""
+    return sorted(name[: -len(".yaml")] for name in os.listdir(ACCELERATE_CONFIGS) if name.endswith(".yaml"))
+
+
+def _accelerate_config_path(parser: argparse.ArgumentParser, name: str) -> str:
+    """The file --accelerate_config names: a path, else a shipped config (by name or TRL's alias)."""
+    if os.path.isfile(path := os.path.expanduser(name)):
+        return path
+    if os.path.isfile(shipped := os.path.join(ACCELERATE_CONFIGS, _ACCELERATE_ALIASES.get(name, name) + ".yaml")):
+        return shipped
+    parser.error(f"--accelerate_config {name!r} is neither a file nor a shipped config; shipped: "
+                 f"{', '.join(accelerate_config_names())}")
+
+
+def launch_command(name: str, argv: list[str]) -> list[str] | None:
+    """The `accelerate launch` command line that `posttrain NAME ARGV` re-executes itself as when ARGV holds
+    --accelerate_config (None otherwise): the config file and launcher flags go to accelerate, the rest to
+    `python -m posttrain.cli NAME` in each process. ARGV is taken as already checked by `parse`."""
+    rest, launch = [], {}
+    words = iter(argv)
+    for word in words:
+        key, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
+        key = key.replace("-", "_")
+        if key not in ("accelerate_config", *LAUNCH_FLAGS):
+            rest.append(word)
+            continue
+        launch[key] = value if eq else next(words)
+    if "accelerate_config" not in launch:
+        return None
+    config_file = _accelerate_config_path(_Parser(prog=f"posttrain {name}"), launch.pop("accelerate_config"))
+    flags = [word for key, value in launch.items() for word in (f"--{key}", value)]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file, *flags,
+            "-m", "posttrain.cli", name, *rest]
+
+
 def run_demo(script_args=None, config=None):
     """Placeholder entry: `run` hands `posttrain demo ...` to posttrain.demo.main with its own flags."""
 
@@ -625,7 +806,9 @@ COMMANDS["demo"] = run_demo
 
 def run(argv: list[str]):
     """Run `posttrain <command> ...` in this process; returns the trainer of a training command
-    (for tests and notebooks), None for the others."""
+    (for tests and notebooks), None for the others. With --accelerate_config the command runs again under
+    `accelerate launch` (see `launch_command`) and this returns None once it succeeds; its failure exits
+    with its status."""
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {n:<8} {getattr(fn, 'help', '')}" for n, fn in COMMANDS.items()]
@@ -642,6 +825,13 @@ def run(argv: list[str]):
         demo.main(argv[1:])
         return None
     script_args, config = parse(name, argv[1:])
+    if launched := launch_command(name, argv[1:]):
+        import subprocess
+
+        status = subprocess.run(launched).returncode
+        if status:
+            raise SystemExit(status)
+        return None  # the trainer lived in the launched processes
     trainer = COMMANDS[name](script_args, config)
     if trainer is None:
         return None

@@ -86,8 +86,16 @@ class ClassicOnlineConfig(OnlineConfig):
     num_sample_generations: int = field(default=10, metadata={"help": "Completion tables at this many evenly "
                                         "spaced steps."})
     learning_rate: float = field(default=3e-6, metadata={"help": "Initial AdamW learning rate."})
+    sft_model_path: str | None = field(default=None, metadata={"help": "Classic name of the policy to start from, "
+                                       "read by `posttrain rloo|ppo`: as in the classic TRL scripts, the policy "
+                                       "loads from it (winning over --model_name_or_path, which then names only the "
+                                       "tokenizer). The trainers themselves take the policy as `model`/`policy`."})
+    exp_name: str | None = field(default=None, metadata={"help": "Classic experiment name: the run_name when "
+                                 "run_name is not given."})
 
     def _check(self):
+        if self.exp_name and self.run_name is None:
+            self.run_name = self.exp_name
         resolve_aliases(self, self._aliases)
         if self.steps_per_generation is None and self.generation_batch_size is None:
             self.steps_per_generation = self.gradient_accumulation_steps * self.num_mini_batches
