@@ -104,6 +104,19 @@ def peft_config(script_args: ModelArguments, task_type: str = "CAUSAL_LM"):
                       use_dora=script_args.use_dora)
 
 
+def tokenizer(script_args: ModelArguments, name: str | None = None):
+    """The tokenizer to pass as `processing_class`: `name` (default: the model's) as the trainer loads it;
+    loaded here only with --trust_remote_code, which a tokenizer that ships its own code needs as well."""
+    name = name or script_args.model_name_or_path
+    if not script_args.trust_remote_code or name is None:
+        return name
+    from transformers import AutoTokenizer
+
+    from posttrain.models import loading
+
+    return loading.ensure_pad_token(AutoTokenizer.from_pretrained(loading.resolve(name), trust_remote_code=True))
+
+
 _LOAD_FLAGS = ("dtype", "attn_implementation", "trust_remote_code")  # model flags that go into model_init_kwargs
 
 
@@ -273,7 +286,7 @@ def run_sft(script_args: ScriptArguments, config):
 
     train, evaluation = load_datasets(script_args, config)
     return SFTTrainer(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
-                      peft_config=peft_config(script_args))
+                      processing_class=tokenizer(script_args), peft_config=peft_config(script_args))
 
 
 OPTIONAL_ENGINES = ("deepspeed", "peft", "liger-kernel", "vllm", "bitsandbytes", "wandb", "trackio")
@@ -359,11 +372,11 @@ def build_online(trainer_class, script_args, config):
     --model_name_or_path, as the classic TRL scripts loaded them."""
     train, evaluation = load_datasets(script_args, config)
     rewards = list(script_args.reward_funcs or []) + ([config.reward_model_path] if config.reward_model_path else [])
-    model, tokenizer = script_args.model_name_or_path, None
-    if sft_path := getattr(config, "sft_model_path", None):
-        model, tokenizer = sft_path, script_args.model_name_or_path
+    model = getattr(config, "sft_model_path", None) or script_args.model_name_or_path
     return trainer_class(model=model, reward_funcs=rewards, args=config, train_dataset=train,
-                         eval_dataset=evaluation, processing_class=tokenizer, peft_config=peft_config(script_args))
+                         eval_dataset=evaluation, processing_class=tokenizer(script_args, script_args.model_name_or_path
+                                                                             or model),
+                         peft_config=peft_config(script_args))
 
 
 @command(config="posttrain.trainers.grpo:GRPOConfig", script_args=OnlineScriptArguments,
@@ -399,7 +412,7 @@ def build_preference(trainer_class, script_args, config, task_type: str = "CAUSA
     """A trainer for `posttrain reward|dpo|bco|kto`: model and datasets from the script arguments."""
     train, evaluation = load_datasets(script_args, config)
     return trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
-                         peft_config=peft_config(script_args, task_type))
+                         processing_class=tokenizer(script_args), peft_config=peft_config(script_args, task_type))
 
 
 @command(config="posttrain.trainers.reward:RewardConfig", help="Reward model (Bradley-Terry) on preference pairs.")

@@ -54,6 +54,28 @@ def test_model_flags_go_into_model_init_kwargs():
     assert cli.peft_config(script_args) is None
 
 
+def test_trust_remote_code_runs_the_model_folders_own_classes_only_when_given(tmp_path):
+    import shutil
+
+    from posttrain.models.loading import resolve
+
+    folder = tmp_path / "remote_model"
+    shutil.copytree(resolve("posttrain/tiny-qwen2"), folder)
+    (folder / "custom.py").write_text("from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM\n\n\n"
+                                      "class RemoteLM(Qwen2ForCausalLM):\n    pass\n\n\n"
+                                      "class RemoteTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    for name, auto_map in (("config.json", {"AutoModelForCausalLM": "custom.RemoteLM"}),
+                           ("tokenizer_config.json", {"AutoTokenizer": [None, "custom.RemoteTokenizer"]})):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "auto_map": auto_map}))
+    argv = ["--model_name_or_path", str(folder), "--dataset_name", "zen", "--output_dir", str(tmp_path / "out")]
+    trainer = cli.run_sft(*cli.parse("sft", argv))  # off by default: transformers' own Qwen2 classes
+    assert type(trainer.model).__name__ == "Qwen2ForCausalLM"
+    assert type(trainer.processing_class).__name__ != "RemoteTokenizer"
+    trainer = cli.run_sft(*cli.parse("sft", [*argv, "--trust_remote_code"]))
+    assert (type(trainer.model).__name__, type(trainer.processing_class).__name__) == ("RemoteLM", "RemoteTokenizer")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "float64"], "argument --dtype: invalid"),
     (["--dtype", "float16", "--model_init_kwargs", '{"dtype": "bfloat16"}'],
@@ -216,7 +238,7 @@ def test_sft_model_path_is_the_policy_and_model_name_the_tokenizer(tmp_path, mon
     assert seen["model"] == "sft-folder" and seen["processing_class"] == "posttrain/tiny-qwen2"
     script_args, config = cli.parse("rloo", [*base, "--sft_model_path", "sft-folder"])  # no model name needed
     cli.run_rloo(script_args, config)
-    assert seen["model"] == "sft-folder" and seen["processing_class"] is None
+    assert seen["model"] == "sft-folder" and seen["processing_class"] == "sft-folder"
     _, config = cli.parse("rloo", [*base, *TINY, "--exp_name", "pythia-rloo"])
     assert config.run_name == "pythia-rloo"
 
