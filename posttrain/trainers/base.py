@@ -346,6 +346,8 @@ class BaseTrainer(Trainer):
         from safetensors.torch import load_model
 
         path = self._state_file(folder)
+        if not os.path.exists(path):  # saved by a run with another number of processes
+            path = os.path.join(folder, STATE_FILE)
         state = torch.load(path, weights_only=True) if os.path.exists(path) else {}
         for name, value in state.items():
             current = getattr(self, name, None)
