@@ -67,12 +67,12 @@ def main(out_path: str, per_device_batch: int, uneven: bool, algorithm: str):
     # no replay of the sampler's linear outputs: it needs the lean decoding step, which sharded weights turn
     # off, and the reference must compute the training forward the same way. Plain SGD: the update is the
     # gradient itself (Adam's first step, about lr * sign(gradient), would hide a wrongly scaled gradient)
-    args = config(replay_linear_outputs=False, output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch,
-                  num_generations=4, max_completion_length=6, optim="sgd", learning_rate=1.0, max_steps=1,
-                  logging_steps=1, beta=0.1, shuffle_dataset=False, report_to="none", disable_tqdm=True,
-                  use_cpu=True, ddp_backend="gloo" if world > 1 else None, save_strategy="no")
-    trainer = _counting(trainer_class)("posttrain/tiny-qwen2", first_token_reward, args=args,
-                                       train_dataset=task_dataset("reverse", "train", size=16).remove_columns("completion"))
+    args = config(replay_linear_outputs=False, output_dir=out_path + ".run", num_generations=4,
+                  per_device_train_batch_size=per_device_batch, max_completion_length=6, optim="sgd",
+                  learning_rate=1.0, max_steps=1, logging_steps=1, beta=0.1, shuffle_dataset=False, report_to="none",
+                  disable_tqdm=True, use_cpu=True, ddp_backend="gloo" if world > 1 else None, save_strategy="no")
+    prompts = task_dataset("reverse", "train", size=16).remove_columns("completion")
+    trainer = _counting(trainer_class)("posttrain/tiny-qwen2", first_token_reward, args=args, train_dataset=prompts)
     rank = trainer.accelerator.process_index
     start = {name: p.detach().double().sum().item() for name, p in trainer.policy.named_parameters()}
     if uneven and rank == 0:
