@@ -4,10 +4,12 @@ Each command is one entry of `COMMANDS`, a function `run_x(script_args, config)`
 and returns a trainer (or does its work itself and returns None); `run` parses the flags,
 trains (resuming from `--resume_from_checkpoint` when given), saves the model to `output_dir`
 and returns the trainer; `main`, the console script, returns the exit status instead. The
-flags come from two dataclasses named by the `@command` decorator: the script arguments (model,
+flags come from two dataclasses named by the `@command` decorator: the script arguments (the
+model flags of `ModelArguments`, which feed `model_init_kwargs` and `peft_config`, and the
 dataset) and the trainer's config, every field of which is a flag. Values come from, lowest to
 highest: the dataclass defaults, the YAML file given with `--config` (flat `field: value` pairs,
-type-checked against the fields), the command line.
+type-checked against the fields), the command line. With `--accelerate_config` the command runs
+again under `accelerate launch` (`launch_command`).
 
 To add a command:
 
@@ -16,7 +18,8 @@ To add a command:
         from posttrain.trainers.dpo import DPOTrainer
         train, evaluation = load_datasets(script_args, config)
         return DPOTrainer(script_args.model_name_or_path, args=config, train_dataset=train,
-                          eval_dataset=evaluation)
+                          eval_dataset=evaluation, processing_class=tokenizer(script_args),
+                          peft_config=peft_config(script_args))
 
     COMMANDS["dpo"] = run_dpo
 """
