@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from posttrain.models.tiny import CHATML_TEMPLATE, IM_END, IM_START, TOOL_CALL_END, TOOL_CALL_START
 
 __all__ = ["CHATML_TEMPLATE", "IM_START", "IM_END", "TOOL_CALL_START", "TOOL_CALL_END", "ensure_chat_template",
-           "template_inputs", "template_tools"]
+           "load_chat_template", "template_inputs", "template_tools", "template_variables"]
 
 
 def ensure_chat_template(tokenizer, template: str = CHATML_TEMPLATE):
@@ -78,3 +78,42 @@ def template_inputs(messages, tools=None) -> tuple[list[dict], list[dict] | None
     """
     messages = [_clean_message(m) if "tool_calls" in m else m for m in messages]
     return messages, template_tools(tools)
+
+
+def template_variables(*kwargs) -> dict:
+    """Extra chat-template variables merged from dicts given in order (a trainer's, then a row's), later ones
+    winning; None-valued keys go, since a `datasets.Dataset` fills a row's dict with every other row's keys."""
+    merged = {}
+    for extra in kwargs:
+        merged.update(_drop_nones(dict(extra or {})))
+    return merged
+
+
+def load_chat_template(tokenizer, path: str, model=None):
+    """Give `tokenizer` the chat template at `path`: a Jinja file, or a tokenizer folder whose template is used.
+
+    From a folder, the special tokens the template writes that `tokenizer` lacks are added to it (and
+    `model`'s embeddings grown to match), so the rendered markers are single tokens as in the source.
+    """
+    import os
+
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+        return tokenizer
+    if not os.path.isdir(path):
+        raise ValueError(f"chat_template_path={path!r} is neither a Jinja template file nor a tokenizer folder")
+    from transformers import AutoTokenizer
+
+    source = AutoTokenizer.from_pretrained(path)
+    template = getattr(source, "chat_template", None)
+    if not template:
+        raise ValueError(f"chat_template_path={path!r}: the tokenizer saved there has no chat template")
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in source.all_special_tokens if t in template and t not in vocab]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_additional_special_tokens=False)
+        if model is not None and model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+    tokenizer.chat_template = template
+    return tokenizer

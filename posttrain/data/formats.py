@@ -15,6 +15,7 @@ when one row becomes several. Extra columns with a meaning of their own are chec
 ``implicit_prompt_preference`` ``chosen``, ``rejected``; the prompt is their shared start
 ``prompt_completion``          ``prompt``, ``completion``
 ``language_modeling``          ``messages`` (conversational) or ``text``
+``sharegpt``                   ``conversations``: ShareGPT turns ``{"from", "value"}``
 ``prompt_only``                ``prompt``
 =============================  ==============================================================
 
@@ -33,7 +34,8 @@ empty.
 
 The canonical formats are ``language_modeling``, ``prompt_only``, ``prompt_completion``,
 ``preference`` and ``unpaired_preference``: ``to_canonical`` turns ``instruction`` into
-``prompt_completion`` and ``ranked`` / ``implicit_prompt_preference`` into ``preference``.
+``prompt_completion``, ``ranked`` / ``implicit_prompt_preference`` into ``preference`` and
+``sharegpt`` into conversational ``language_modeling`` (see `sharegpt_to_messages`).
 
 Works on a ``datasets.Dataset`` (converted with ``Dataset.map``) or on a list of row dicts
 (converted to a new list).
@@ -64,6 +66,7 @@ __all__ = [
     "is_conversational",
     "preference_to_unpaired",
     "ranked_to_preference",
+    "sharegpt_to_messages",
     "to_canonical",
     "validate",
 ]
@@ -79,6 +82,7 @@ FORMATS = (
     "unpaired_preference",
     "ranked",
     "instruction",
+    "sharegpt",
 )
 
 # (name, required columns, optional columns), tried in order.
@@ -92,6 +96,7 @@ _LAYOUTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("prompt_completion", ("prompt", "completion"), ()),
     ("language_modeling", ("messages",), ()),
     ("language_modeling", ("text",), ()),
+    ("sharegpt", ("conversations",), ()),
     ("prompt_only", ("prompt",), ()),
 )
 
@@ -339,6 +344,50 @@ def _responses(value: Any) -> str:
     return kinds.pop()
 
 
+# ShareGPT speaker ("from") -> chat role; a `function_call` turn becomes an assistant tool call.
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
+_SHAREGPT_TURN = "{'from': 'human' | 'gpt' | 'system' | ..., 'value': str}"
+
+
+def _sharegpt_message(j: int, turn: Any) -> dict:
+    """One ShareGPT turn as a chat message; raises _Bad saying which turn and what was expected."""
+    if not isinstance(turn, Mapping) or not isinstance(turn.get("from"), str) or "value" not in turn:
+        raise _Bad(f"turn {j}: expected {_SHAREGPT_TURN}, got {_describe(turn)}")
+    speaker, value = turn["from"], turn["value"]
+    if speaker not in SHAREGPT_ROLES:
+        raise _Bad(f"turn {j}: unknown speaker 'from': {speaker!r}; expected one of {sorted(SHAREGPT_ROLES)}")
+    if not isinstance(value, str):
+        raise _Bad(f"turn {j}: 'value' must be a string, got {_describe(value)}")
+    if speaker != "function_call":
+        return {"role": SHAREGPT_ROLES[speaker], "content": value}
+    try:  # the call is a JSON object {"name": ..., "arguments": {...}}
+        call = json.loads(value)
+    except ValueError:
+        call = None
+    if not isinstance(call, Mapping) or not isinstance(call.get("name"), str):
+        raise _Bad(f"turn {j}: a 'function_call' value must be a JSON object {{\"name\": str, \"arguments\": "
+                   f"{{...}}}}, got {_describe(value)}")
+    function = {"name": call["name"], "arguments": call.get("arguments", {})}
+    return {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": function}]}
+
+
+def _sharegpt(value: Any) -> str:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise _Bad(f"expected a non-empty list of ShareGPT turns {_SHAREGPT_TURN}, got {_describe(value)}")
+    _check_messages([_sharegpt_message(j, turn) for j, turn in enumerate(value)])
+    return "conversational"
+
+
 # Each check raises _Bad or returns the value's kind ('standard' / 'conversational' / None).
 _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "prompt": lambda v: _text_or_messages(v, allow_empty=True),
@@ -354,6 +403,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "instruction": _string,
     "output": _string,
     "input": _optional_string,
+    "conversations": _sharegpt,
 }
 
 
@@ -612,6 +662,26 @@ def preference_to_unpaired(data: Data) -> Data:
     return _convert(data, info, ("prompt", "completion", "label"), convert)
 
 
+def sharegpt_to_messages(data: Data) -> Data:
+    """ShareGPT ``conversations`` (turns ``{"from", "value"}``) -> ``messages``.
+
+    Speakers map to roles by `SHAREGPT_ROLES` (human -> user, gpt -> assistant, observation ->
+    tool, ...); a ``function_call`` turn, whose value is a JSON object ``{"name", "arguments"}``,
+    becomes an assistant message calling that tool. An unknown speaker raises FormatError
+    naming the row and the turn.
+    """
+    info = _expect(data, "sharegpt")
+
+    def convert(i: int, row: Mapping) -> list[dict]:
+        try:
+            _sharegpt(row["conversations"])
+        except _Bad as e:
+            raise FormatError(f"row {i}, column 'conversations': {e}") from None
+        return [{"messages": [_sharegpt_message(j, turn) for j, turn in enumerate(row["conversations"])]}]
+
+    return _convert(data, info, ("messages",), convert)
+
+
 def _chosen_as_completion(data: Data) -> Data:
     info = _expect(data, "preference")
 
@@ -675,11 +745,13 @@ _STEPS: dict[tuple[str, str], Callable[[Data], Data]] = {
     ("preference", "prompt_only"): _keep_prompt,
     ("unpaired_preference", "prompt_only"): _keep_prompt,
     ("ranked", "prompt_only"): _keep_prompt,
+    ("sharegpt", "language_modeling"): sharegpt_to_messages,
 }
 _CANONICAL = {
     "instruction": "prompt_completion",
     "ranked": "preference",
     "implicit_prompt_preference": "preference",
+    "sharegpt": "language_modeling",
 }
 _OUTPUT_COLUMNS = {
     "prompt_only": ("prompt",),

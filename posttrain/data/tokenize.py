@@ -9,6 +9,8 @@ live in one place:
   prompt + completion; the completion is what the second adds to the first;
 * a row's tools (its `tools` column: schemas, functions or a JSON string) go to the chat
   template as transformers' `tools=` argument, and need conversational rows;
+* `template_kwargs` (e.g. a row's `chat_template_kwargs` such as `{"enable_thinking": False}`)
+  go to every chat-template call for the row, as extra template variables;
 * a prompt that leaves no room for a completion under `max_length` is an error that names the
   row; a long completion is cut to fit (and the caller is told, so it can report how many).
 """
@@ -16,7 +18,7 @@ live in one place:
 from __future__ import annotations
 
 from posttrain.data import formats
-from posttrain.data.chat import template_inputs
+from posttrain.data.chat import template_inputs, template_variables
 from posttrain.models.loading import require_chat_template
 
 
@@ -28,9 +30,10 @@ def _is_messages(value) -> bool:
     return isinstance(value, list) and (not value or isinstance(value[0], dict))
 
 
-def _chat(tokenizer, messages, tools=None, **kwargs) -> dict:
+def _chat(tokenizer, messages, tools=None, template_kwargs=None, **kwargs) -> dict:
     messages, tools = template_inputs(messages, tools)
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True, **kwargs)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                         **template_variables(template_kwargs), **kwargs)
 
 
 def _no_tools_for_text(tools) -> None:
@@ -39,14 +42,15 @@ def _no_tools_for_text(tools) -> None:
                             "shows the tools to the model; drop the 'tools' column or use message lists")
 
 
-def encode_prompt(tokenizer, prompt, tools=None) -> list[int]:
+def encode_prompt(tokenizer, prompt, tools=None, template_kwargs=None) -> list[int]:
     """Token ids of a prompt, a string or a list of messages (rendered with the generation prompt).
 
-    tools: the row's tools for the chat template (see `posttrain.data.chat.template_tools`).
+    tools: the row's tools for the chat template (see `posttrain.data.chat.template_tools`);
+    template_kwargs: extra variables for the chat template.
     """
     if _is_messages(prompt):
         require_chat_template(tokenizer)
-        return list(_chat(tokenizer, prompt, tools, add_generation_prompt=True)["input_ids"])
+        return list(_chat(tokenizer, prompt, tools, template_kwargs, add_generation_prompt=True)["input_ids"])
     _no_tools_for_text(tools)
     return list(tokenizer(prompt)["input_ids"])
 
@@ -78,15 +82,15 @@ def check_prompts(dataset, tokenizer, what: str = "train_dataset") -> None:
 
 
 def encode_prompt_completion(tokenizer, prompt, completion, max_length: int | None = None,
-                             row: int | None = None, tools=None) -> dict:
+                             row: int | None = None, tools=None, template_kwargs=None) -> dict:
     """{"prompt_ids", "completion_ids", "truncated"} for one row; EOS ends a standard completion.
 
     A conversational completion may hold several turns (tool calls, `tool` results, the answer).
     Raises TokenizeError naming the row when the prompt alone reaches `max_length`.
     """
-    prompt_ids = encode_prompt(tokenizer, prompt, tools)
+    prompt_ids = encode_prompt(tokenizer, prompt, tools, template_kwargs)
     if _is_messages(prompt) or _is_messages(completion):
-        full = list(_chat(tokenizer, list(prompt) + list(completion), tools)["input_ids"])
+        full = list(_chat(tokenizer, list(prompt) + list(completion), tools, template_kwargs)["input_ids"])
         if full[: len(prompt_ids)] != prompt_ids:
             raise TokenizeError(
                 f"row {row}: the chat template does not render the prompt as a prefix of prompt + completion, "
@@ -137,7 +141,7 @@ def continuation_ids(tokenizer, messages, new_messages, tools=None) -> list[int]
     return list(tokenizer(after[cut:], add_special_tokens=False)["input_ids"])
 
 
-def encode_text(tokenizer, text, assistant_only: bool = False, tools=None) -> dict:
+def encode_text(tokenizer, text, assistant_only: bool = False, tools=None, template_kwargs=None) -> dict:
     """{"input_ids", "loss_mask"} for language-modeling rows: a string (+ EOS) or a conversation.
 
     With `assistant_only`, the loss mask covers only what assistant turns say, read from the
@@ -145,7 +149,7 @@ def encode_text(tokenizer, text, assistant_only: bool = False, tools=None) -> di
     """
     if _is_messages(text):
         require_chat_template(tokenizer)
-        out = _chat(tokenizer, text, tools, return_assistant_tokens_mask=assistant_only)
+        out = _chat(tokenizer, text, tools, template_kwargs, return_assistant_tokens_mask=assistant_only)
         ids = list(out["input_ids"])
         if assistant_only:
             mask = list(out["assistant_masks"])
