@@ -50,8 +50,9 @@ class ModelArguments:
         default=None, metadata={"help": "Model to train: a built-in name (posttrain/tiny-qwen2, "
                                         "posttrain/smollm2-135m-instruct, ...) or a local folder."})
     dtype: typing.Literal["auto", "float32", "bfloat16", "float16"] | None = field(
-        default=None, metadata={"help": "Weights' dtype when loading ('auto': as saved in the checkpoint). "
-                                        "Default: float32. Goes into model_init_kwargs."})
+        default=None, metadata={"help": "Weights' dtype when loading: auto (as saved in the checkpoint), "
+                                        "float32, bfloat16 or float16. Default: float32. Goes into "
+                                        "model_init_kwargs."})
     attn_implementation: str | None = field(
         default=None, metadata={"help": "Attention kernel of transformers ('eager', 'sdpa', 'flash_attention_2', "
                                         "...). Default: transformers' choice. Goes into model_init_kwargs."})
@@ -657,7 +658,7 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     if fn.config_path is not None:
         parser.add_argument("--accelerate_config", default=argparse.SUPPRESS, help="Run under `accelerate launch` with this config: a file, "
                             f"or a name of the shipped ones ({', '.join(accelerate_config_names())}). "
-                            "Launcher flags: " + " ".join(f"--{f} N" for f in LAUNCH_FLAGS) + ".")
+                            "Launcher flags, passed to accelerate: " + ", ".join(f"--{f}" for f in LAUNCH_FLAGS) + ".")
         for launch_flag in LAUNCH_FLAGS:
             parser.add_argument(f"--{launch_flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for cls, cls_flags in zip(classes, flags):
