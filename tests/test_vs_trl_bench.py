@@ -40,6 +40,8 @@ def test_same_work_needs_equal_first_loss_and_tokens_per_step():
     assert vs_trl.same_work("sft", a, b)[0]
     assert not vs_trl.same_work("sft", a, c)[0]
     assert not vs_trl.same_work("sft", a, d)[0]
+    # packed: each library's packer makes other bins, so only the tokens per step must agree
+    assert vs_trl.same_work("sft-packed", a, c)[0] and not vs_trl.same_work("sft-packed", a, d)[0]
     g = vs_trl.summarise(_run([2.0, 3.0], [8, 8], 3.0, unit_key="samples"), "samples")
     h = vs_trl.summarise(_run([2.0, 3.0], [8, 4], 3.0, unit_key="samples"), "samples")
     assert vs_trl.same_work("grpo", g, g)[0] and not vs_trl.same_work("grpo", g, h)[0]
