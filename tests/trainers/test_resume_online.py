@@ -58,6 +58,14 @@ def test_grpo_resumes_inside_a_generation_batch(tmp_path):
     assert not resumed.replays
 
 
+def test_grpo_with_synced_reference_resumes(tmp_path):
+    # the reference moves halfway to the policy after every step: it is part of the checkpoint
+    resumed = assert_resumes_identically(lambda **f: grpo(4, sync_ref_model=True, ref_model_sync_steps=1,
+                                                          ref_model_mixup_alpha=0.5, **f),
+                                         tmp_path, max_steps=3, stop_at=1)
+    assert any(k.startswith("ref_model.") for k in trained_state(resumed))
+
+
 def test_rloo_classic_defaults_resume_inside_a_generation_batch(tmp_path):
     # num_ppo_epochs = 4 by default: 4 optimizer steps on each batch of 4 prompts x 2, the micro-batches
     # reshuffled for each pass; stopped after step 3, in the middle of the first batch, step 5 on the second
