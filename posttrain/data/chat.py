@@ -110,9 +110,10 @@ def load_chat_template(tokenizer, path: str, model=None):
     if not template:
         raise ValueError(f"chat_template_path={path!r}: the tokenizer saved there has no chat template")
     vocab = tokenizer.get_vocab()
-    missing = [t for t in source.all_special_tokens if t in template and t not in vocab]
+    written = [t.content for t in source.added_tokens_decoder.values() if t.special and t.content in template]
+    missing = [t for t in written if t not in vocab]
     if missing:
-        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_additional_special_tokens=False)
+        tokenizer.add_tokens(missing, special_tokens=True)
         if model is not None and model.get_input_embeddings().weight.shape[0] < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     tokenizer.chat_template = template
