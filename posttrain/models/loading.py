@@ -93,13 +93,22 @@ def _dtype(dtype):
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def _init_dtype(dtype, kwargs: dict):
+    """`dtype`, or TRL's older `torch_dtype` key of model_init_kwargs (giving both is an error)."""
+    old = kwargs.pop("torch_dtype", None)
+    if old is not None and dtype is not None and old != dtype:
+        raise ValueError(f"model_init_kwargs gives dtype={dtype!r} and torch_dtype={old!r}; give one of them")
+    return _dtype(dtype if dtype is not None else old)
+
+
 def load_causal_lm(model, dtype=None, **kwargs):
-    """A causal LM from an object (returned as is) or a string."""
+    """A causal LM from an object (returned as is) or a string; `kwargs` (model_init_kwargs: trust_remote_code,
+    attn_implementation, ...) go to `from_pretrained`, dtype strings ("bfloat16", "auto") included."""
     if not isinstance(model, str):
         return model
     from transformers import AutoModelForCausalLM
 
-    return _from_pretrained(AutoModelForCausalLM, model, dtype=_dtype(dtype), **kwargs)
+    return _from_pretrained(AutoModelForCausalLM, model, dtype=_init_dtype(dtype, kwargs), **kwargs)
 
 
 class UntrainedHeadWarning(UserWarning):
@@ -107,21 +116,25 @@ class UntrainedHeadWarning(UserWarning):
 
 
 def load_sequence_classifier(model, num_labels: int = 1, dtype=None, *, warn_untrained_head: bool = False,
-                             **kwargs):
+                             convert_causal_lm: bool = False, **kwargs):
     """A sequence-classification model with `num_labels` outputs; a causal-LM checkpoint gets a fresh score head.
 
-    An object is checked (`check_num_labels`) and returned as is. warn_untrained_head: warn
-    (UntrainedHeadWarning, naming the path and the new parameters) when loading created
-    weights the checkpoint lacks -- right for a model whose scores are used as they are (a
-    reward function, a judge), noise for one about to be trained (RewardTrainer, a critic).
+    An object is checked (`check_num_labels`) and returned as is; with `convert_causal_lm` (a model
+    about to be trained as a scorer: RewardTrainer) a causal-LM object becomes a classifier with its
+    weights and a new score head (`causal_lm_as_classifier`, with an UntrainedHeadWarning) instead of
+    being refused. warn_untrained_head: warn (UntrainedHeadWarning, naming the path and the new
+    parameters) when loading created weights the checkpoint lacks -- right for a model whose scores are
+    used as they are (a reward function, a judge), noise for one about to be trained (RewardTrainer, a critic).
     """
     if not isinstance(model, str):
+        if convert_causal_lm and _is_causal_lm(model):
+            return causal_lm_as_classifier(model, num_labels)
         check_num_labels(model, num_labels)
         return model
     from transformers import AutoModelForSequenceClassification
 
-    loaded, info = _from_pretrained(AutoModelForSequenceClassification, model, _task="seq-cls",
-                                    num_labels=num_labels, dtype=_dtype(dtype), output_loading_info=True, **kwargs)
+    loaded, info = _from_pretrained(AutoModelForSequenceClassification, model, _task="seq-cls", num_labels=num_labels,
+                                    dtype=_init_dtype(dtype, kwargs), output_loading_info=True, **kwargs)
     missing = sorted(info.get("missing_keys", ()))
     if warn_untrained_head and missing:
         warnings.warn(f"posttrain: {model!r} has no trained score head: {missing} were newly initialised at random "
@@ -131,6 +144,39 @@ def load_sequence_classifier(model, num_labels: int = 1, dtype=None, *, warn_unt
     return loaded
 
 
+def _is_causal_lm(model) -> bool:
+    return "CausalLM" in type(model).__name__ or hasattr(model, "lm_head")
+
+
+def causal_lm_as_classifier(model, num_labels: int = 1):
+    """The causal LM object's transformer body under a new `num_labels`-output score head
+    (AutoModelForSequenceClassification of its architecture; the LM head is dropped), with an
+    UntrainedHeadWarning: the scores mean nothing until the head is trained."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(model.config)
+    config.num_labels = num_labels
+    name = getattr(config, "_name_or_path", "") or type(model).__name__
+    try:
+        scorer = AutoModelForSequenceClassification.from_config(config, dtype=model.dtype)
+    except ValueError as err:
+        raise ValueError(f"{name!r} is a causal language model ({type(model).__name__}) and its architecture has no "
+                         f"sequence-classification class to turn it into a scorer; pass a sequence classifier with "
+                         f"num_labels={num_labels}") from err
+    missing, unexpected = scorer.base_model.load_state_dict(model.base_model.state_dict(), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"cannot turn {name!r} ({type(model).__name__}) into a sequence classifier: its body's "
+                         f"weights do not match (missing {missing}, unexpected {unexpected}); pass a sequence "
+                         f"classifier with num_labels={num_labels}")
+    if getattr(model, "model_tags", None):
+        scorer.add_model_tags(model.model_tags)
+    new = sorted(n for n, _ in scorer.named_parameters() if not n.startswith(scorer.base_model_prefix + "."))
+    warnings.warn(f"posttrain: {name!r} was given as a causal language model ({type(model).__name__}); it is trained "
+                  f"as {type(scorer).__name__} with the same weights and a new, randomly initialised score head "
+                  f"{new} ({num_labels} output(s))", UntrainedHeadWarning, stacklevel=3)
+    return scorer.to(next(model.parameters()).device)
+
+
 def check_num_labels(model, num_labels: int = 1, what: str = "reward model"):
     """Refuse a model object whose config gives other than `num_labels` outputs (only logit 0 would be read)."""
     config = getattr(model, "config", None)
@@ -138,7 +184,7 @@ def check_num_labels(model, num_labels: int = 1, what: str = "reward model"):
     if found is None or found == num_labels:
         return
     name = getattr(config, "_name_or_path", "") or type(model).__name__
-    if "CausalLM" in type(model).__name__ or hasattr(model, "lm_head"):
+    if _is_causal_lm(model):
         raise ValueError(f"{what} {name!r} is a causal language model ({type(model).__name__}), not a sequence "
                          f"classifier with {num_labels} output(s); pass its path instead, to load it with a score head "
                          f"(untrained until you train it), or pass a trained reward model")
@@ -148,8 +194,9 @@ def check_num_labels(model, num_labels: int = 1, what: str = "reward model"):
                      f"pass a model trained with one output")
 
 
-def load_tokenizer(tokenizer_or_name, model=None):
-    """The tokenizer the user gave, or the one saved with the model; pad token checked."""
+def load_tokenizer(tokenizer_or_name, model=None, trust_remote_code: bool = False):
+    """The tokenizer the user gave, or the one saved with the model; pad token checked. trust_remote_code
+    (model_init_kwargs' key, off by default) lets a tokenizer that ships its own code load."""
     from transformers import AutoTokenizer
 
     tokenizer = tokenizer_or_name
@@ -159,7 +206,8 @@ def load_tokenizer(tokenizer_or_name, model=None):
             raise ValueError("no tokenizer given and none can be found from the model: pass processing_class=")
         tokenizer = source
     if isinstance(tokenizer, str):
-        tokenizer = _from_pretrained(AutoTokenizer, tokenizer)
+        trust = {"trust_remote_code": True} if trust_remote_code else {}
+        tokenizer = _from_pretrained(AutoTokenizer, tokenizer, **trust)
     return ensure_pad_token(tokenizer)
 
 

@@ -15,11 +15,15 @@ run refuses an output_dir that holds an earlier run's checkpoints unless `overwr
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import logging
 import os
 import re
 import shutil
+import warnings
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +94,121 @@ def check_train_dataset(dataset) -> None:
     """Refuse an empty train_dataset at construction, not at the first step."""
     if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
         raise ValueError("train_dataset is empty (0 rows): give a dataset with at least one training row")
+
+
+def classic_arguments(trainer: str, config_class, args, processing_class, kwargs: dict[str, Any]):
+    """(args, processing_class) from the older TRL calling conventions a trainer's `**kwargs` caught.
+
+    `tokenizer=` is the old name of `processing_class`. A config field given to the trainer
+    (classic `SFTTrainer(..., packing=True)`, `DPOTrainer(..., beta=0.1)`) is set on a copy of
+    `args` with a FutureWarning naming the field; any other keyword is a TypeError, as Python
+    would raise for an unknown argument.
+    """
+    kwargs = dict(kwargs)
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is not None:
+        if processing_class is not None and processing_class is not tokenizer:
+            raise ValueError(f"{trainer}: give processing_class= or its old name tokenizer=, not both")
+        processing_class = tokenizer
+    fields = {f.name for f in dataclasses.fields(config_class) if f.init}
+    if unknown := sorted(set(kwargs) - fields):
+        raise TypeError(f"{trainer}.__init__() got unexpected keyword argument(s) {unknown} (neither a trainer "
+                        f"argument nor a {config_class.__name__} field)")
+    args = args if args is not None else config_class()
+    if kwargs:
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        warnings.warn(f"passing {sorted(kwargs)} to {trainer} is deprecated: they are {config_class.__name__} "
+                      f"fields; set them there ({config_class.__name__}(..., {given})). Applied to a copy of args",
+                      FutureWarning, stacklevel=3)
+        args = dataclasses.replace(args, **kwargs)  # reruns __post_init__: the fields are checked as usual
+    return args, processing_class
+
+
+def _value_kind(value) -> str:
+    """The type of a row value as a dataset column stores it ('number' covers int and float)."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        inner = next((_value_kind(v) for v in value if v is not None), None)
+        return f"list of {inner}" if inner else "list"
+    if isinstance(value, Mapping):
+        return "dict"
+    return type(value).__name__
+
+
+def as_dataset(data, name: str = "train_dataset"):
+    """A plain Python list of row dicts -> `datasets.Dataset` (a dict of them for a dict of lists); other
+    data is returned as it is.
+
+    Rows are checked first, so that a column whose values change type names the rows instead of
+    failing inside pyarrow. Columns are the union of every row's keys (absent values are None).
+    """
+    from datasets import Dataset
+
+    if isinstance(data, Mapping) and any(isinstance(v, (list, tuple)) and v and isinstance(v[0], Mapping)
+                                         for v in data.values()):
+        return {k: as_dataset(v, f"{name}[{k!r}]") for k, v in data.items()}
+    if not isinstance(data, (list, tuple)):
+        return data
+    seen: dict[str, tuple[int, str]] = {}  # column -> (first row, kind) of its first non-None value
+    for i, row in enumerate(data):
+        if not isinstance(row, Mapping):
+            raise TypeError(f"{name} row {i} is a {type(row).__name__}; a list dataset holds one dict per row "
+                            "(column name -> value)")
+        for column, value in row.items():
+            if value is None:
+                continue
+            kind = _value_kind(value)
+            first = seen.setdefault(column, (i, kind))
+            if first[1] != kind and "list" not in (first[1], kind):  # "list": empty, type unknown
+                raise ValueError(f"{name}: column {column!r} is a {first[1]} in row {first[0]} but a {kind} in "
+                                 f"row {i}; give the column one type in every row")
+    columns = list(dict.fromkeys(c for row in data for c in row))
+    return Dataset.from_dict({c: [row.get(c) for row in data] for c in columns})
+
+
+def is_streamed(data) -> bool:
+    """Whether `data` (or any dataset of a dict of them) is a `datasets.IterableDataset`."""
+    from datasets import IterableDataset
+
+    values = data.values() if isinstance(data, Mapping) else [data]
+    return any(isinstance(v, IterableDataset) for v in values)
+
+
+def check_datasets(args: TrainingArguments, train_dataset, eval_dataset=None) -> None:
+    """Refuse at construction what TRL refuses: no train_dataset, a streamed one without max_steps,
+    and `with_transform()` datasets (posttrain tokenises rows once before training and would read them
+    without the transform)."""
+    if train_dataset is None:
+        raise ValueError("train_dataset is required (got None): pass the training rows, e.g. a datasets.Dataset, "
+                         "an IterableDataset or a list of dicts")
+    check_train_dataset(train_dataset)
+    if is_streamed(train_dataset) and args.max_steps <= 0:
+        raise ValueError("a streamed train_dataset (IterableDataset) has no length, so the number of steps is "
+                         "unknown: set max_steps in the config")
+    refuse_transforms(train_dataset, eval_dataset)
+
+
+def refuse_transforms(*datasets) -> None:
+    """Refuse `with_transform()` / `set_transform()` datasets (or dicts of them): see `check_datasets`."""
+    for data in datasets:
+        if isinstance(data, Mapping):
+            refuse_transforms(*data.values())
+        elif getattr(data, "format", None) and data.format.get("type") == "custom":
+            raise ValueError("a dataset with a with_transform()/set_transform() transform cannot be prepared: "
+                             "posttrain tokenises the rows once before training and would read them without the "
+                             "transform; apply it first with dataset.map(transform, batched=True)")
+
+
+def check_liger(args: TrainingArguments) -> None:
+    """`use_liger_kernel` needs the liger-kernel package; posttrain's own loss path already avoids full logits."""
+    if getattr(args, "use_liger_kernel", False) and importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError("use_liger_kernel=True, but liger-kernel is not installed (pip install liger-kernel). "
+                         "posttrain does not need it to save memory: its losses fuse the output layer into a "
+                         "chunked log-softmax, so the full (tokens x vocabulary) logits are never built. Unset "
+                         "use_liger_kernel, or install liger-kernel to have transformers patch the model's kernels")
 
 
 def checkpoint_folders(folder: str) -> list[tuple[int, str, bool]]:
@@ -201,6 +320,8 @@ class BaseTrainer(Trainer):
     """transformers.Trainer plus model-from-string loading, PEFT, reference models and a metric buffer."""
 
     _tag = "posttrain"
+    _name = "posttrain"  # the method as the model card names it ("DPO", "Reward modelling", ...)
+    _citation: str | None = None  # BibTeX of the method's paper, for the model card
     # attributes that the next steps depend on and transformers does not save: ints, floats, lists or dicts of
     # them, torch.Generators and objects with state_dict/load_state_dict; absent ones are skipped
     checkpointed: tuple[str, ...] = ("_num_tokens",)
@@ -208,7 +329,9 @@ class BaseTrainer(Trainer):
     def __init__(self, model, args: BaseConfig, *, processing_class=None, train_dataset=None,
                  eval_dataset=None, data_collator=None, peft_config=None, callbacks=None,
                  optimizers=(None, None), model_kind: str = "causal-lm", **trainer_kwargs):
+        train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset, "eval_dataset")
         check_train_dataset(train_dataset)
+        check_liger(args)
         seed_run(args)
         self._staging_dir = None  # set while a checkpoint is written (see _save_checkpoint)
         self._heap_kept = bool(args.keep_freed_memory and (args.use_cpu or not torch.cuda.is_available())
@@ -218,18 +341,26 @@ class BaseTrainer(Trainer):
         if model_kind == "causal-lm":
             model = loading.load_causal_lm(model, **init_kwargs)
         else:
-            model = loading.load_sequence_classifier(model, **init_kwargs)
-        self.processing_class_ = processing_class = loading.load_tokenizer(processing_class, model=model_name or model)
+            model = loading.load_sequence_classifier(model, convert_causal_lm=True, **init_kwargs)
+        self.processing_class_ = processing_class = loading.load_tokenizer(
+            processing_class, model=model_name or model, trust_remote_code=init_kwargs.get("trust_remote_code", False))
         if model_kind != "causal-lm" and getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = processing_class.pad_token_id  # sequence scores read the last non-pad token
         if args.gradient_checkpointing and hasattr(model, "config"):
             model.config.use_cache = False
+        self.tag_model(model)
         model = loading.apply_peft(model, peft_config)
         self.model_name = model_name
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
+
+    def tag_model(self, model) -> None:
+        """Tag the model `posttrain` and the trainer's own tag (`dpo`, `sft`, ...), as TRL tags its models, so that
+        `save_model`'s model card and `push_to_hub` carry them."""
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags([tag for tag in dict.fromkeys(("posttrain", self._tag))])
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
@@ -371,10 +502,17 @@ class BaseTrainer(Trainer):
         """The frozen reference policy: given, or a frozen copy; None when a PEFT model can disable its adapter."""
         if not needed:
             return None
-        if ref_model is None and loading.is_peft_model(self.model):
+        policy = self.accelerator.unwrap_model(self.model)
+        peft = loading.is_peft_model(policy)
+        if ref_model is not None and (ref_model is policy or (peft and ref_model is policy.get_base_model())):
+            # freezing the shared object would freeze the policy too: treat it as "no reference given"
+            logger.info("ref_model is the policy model itself: the reference is "
+                        + ("the policy with its adapter disabled" if peft else "a frozen copy of its initial weights"))
+            ref_model = None
+        if ref_model is None and peft:
             return None  # reference = the same weights with the adapter disabled: no second copy
         if ref_model is None:
-            ref_model = loading.frozen_copy(self.accelerator.unwrap_model(self.model))
+            ref_model = loading.frozen_copy(policy)
         else:
             ref_model = loading.load_causal_lm(ref_model, **(self.args.model_init_kwargs or {}))
             ref_model.requires_grad_(False).eval()
@@ -387,6 +525,76 @@ class BaseTrainer(Trainer):
         if ref_model is None and loading.is_peft_model(self.model):
             return self.accelerator.unwrap_model(self.model).disable_adapter()
         return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ evaluation data
+    def prepare_eval_dataset(self, dataset, name: str = "eval"):
+        """Turn a raw evaluation dataset into what the collator reads, as the trainer does at construction.
+
+        `evaluate(eval_dataset=...)` calls it for data given after construction; a dataset that is
+        already prepared must come back unchanged. The default returns the data as it is.
+        """
+        return dataset
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """transformers' evaluate, plus: a raw dataset (or a list of row dicts, or a dict of them: one
+        `eval_<name>_loss` each) given here is prepared as the eval data given at construction."""
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = as_dataset(eval_dataset, "eval_dataset")
+            refuse_transforms(eval_dataset)
+            if isinstance(eval_dataset, Mapping):  # as transformers does, but each dataset is prepared once
+                metrics = {}
+                for name, data in eval_dataset.items():
+                    metrics.update(super().evaluate(self.prepare_eval_dataset(data, f"eval[{name}]"), ignore_keys,
+                                                    f"{metric_key_prefix}_{name}"))
+                return metrics
+            eval_dataset = self.prepare_eval_dataset(eval_dataset)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    # ------------------------------------------------------------------ saving: model card
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """transformers' save_model, plus a model card (README.md) beside the weights, as TRL writes one."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            folder = output_dir or self.args.output_dir
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "README.md"), "w") as f:
+                f.write(self.model_card(os.path.basename(os.path.normpath(folder))))
+
+    def model_card(self, model_name: str) -> str:
+        """The model card's text: YAML metadata (base model, tags, dataset), the method, the hyperparameters
+        that shape the result, library versions and the method's citation."""
+        import datasets
+        import transformers
+        import yaml
+
+        import posttrain
+
+        model = self.accelerator.unwrap_model(self.model)
+        tags = list(dict.fromkeys(["generated_from_trainer", *(getattr(model, "model_tags", None) or []),
+                                   "posttrain", self._tag]))
+        dataset = getattr(getattr(self.train_dataset, "info", None), "dataset_name", None)
+        meta = {"base_model": self.model_name, "library_name": "transformers", "model_name": model_name,
+                "tags": tags, **({"datasets": [dataset]} if dataset else {})}
+        args = self.args
+        names = ("learning_rate", "lr_scheduler_type", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+                 "gradient_accumulation_steps", "seed", "beta", "loss_type", "max_length", "num_generations")
+        hyper = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        hyper["lr_scheduler_type"] = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+        base = f"[{self.model_name}](https://huggingface.co/{self.model_name})" if self.model_name else "a base model"
+        versions = {"posttrain": getattr(posttrain, "__version__", "unknown"), "transformers": transformers.__version__,
+                    "torch": torch.__version__, "datasets": datasets.__version__}
+        if importlib.util.find_spec("peft") is not None:
+            import peft
+
+            versions["peft"] = peft.__version__
+        lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", f"# Model Card for {model_name}", "",
+                 f"This model is a fine-tuned version of {base}" + (f" on the {dataset} dataset" if dataset else "")
+                 + f". It was trained with posttrain's `{type(self).__name__}` ({self._name}).", "",
+                 "## Training hyperparameters", "", *(f"- {k}: {v}" for k, v in hyper.items()), "",
+                 "## Framework versions", "", *(f"- {k}: {v}" for k, v in versions.items()), ""]
+        if self._citation:
+            lines += ["## Citations", "", f"Cite {self._name} as:", "", "```bibtex", self._citation.strip(), "```", ""]
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------ metrics
     def record(self, metrics: dict[str, Any], mode: str | None = None):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from posttrain.core.preference_losses import bco_loss
 from posttrain.models.embedding import DensityRatioClassifier, embed_texts
-from posttrain.trainers.base import BaseConfig
+from posttrain.trainers.base import BaseConfig, classic_arguments, is_streamed
 from posttrain.trainers.preference_base import PreferenceTrainer, check_beta_and_lengths, completion_logps
 
 
@@ -60,14 +60,25 @@ class BCOTrainer(PreferenceTrainer):
     """Unpaired (or paired, split) feedback -> a policy, by BCO's reward-shifted binary classification."""
 
     _tag = "bco"
+    _name = "BCO"
+    _citation = """@article{jung2024binary,
+    title   = {{Binary Classifier Optimization for Large Language Model Alignment}},
+    author  = {Seungjae Jung and Gunsoo Han and Daniel Wontae Nam and Kyoung-Woon On},
+    journal = {arXiv preprint arXiv:2404.04656},
+    year    = 2024
+}"""
     paired = False
     uses_reward_mean = True
 
     def __init__(self, model, ref_model=None, args: BCOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, data_collator=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, embedding_func=None, embedding_tokenizer=None,
-                 compute_metrics=None):
-        args = args or BCOConfig()
+                 compute_metrics=None, **kwargs):
+        # kwargs: TRL's older conventions (tokenizer=, BCOConfig fields such as beta=), see classic_arguments
+        args, processing_class = classic_arguments("BCOTrainer", BCOConfig, args, processing_class, kwargs)
+        if embedding_func is not None and is_streamed(train_dataset):
+            raise ValueError("embedding_func (UDM) fits its prompt classifier on the whole train_dataset, which a "
+                             "streamed dataset (IterableDataset) does not give; pass a datasets.Dataset")
         if embedding_func is not None and embedding_tokenizer is None:
             raise ValueError("embedding_func needs its tokenizer: pass embedding_tokenizer=")
         super().__init__(model, ref_model, args, data_collator=data_collator, train_dataset=train_dataset,
@@ -91,24 +102,35 @@ class BCOTrainer(PreferenceTrainer):
             texts = [decode(ids, skip_special_tokens=True) for ids in self.train_dataset.select(rows)["prompt_ids"]]
             classes.append(embed_texts(embedding_func, embedding_tokenizer, texts, device=self.accelerator.device))
         self.density_classifier = DensityRatioClassifier.fit(*classes)
-
-        def add_weights(dataset):
-            undesirable = {i: decode(ids, skip_special_tokens=True)
-                           for i, (ids, label) in enumerate(zip(dataset["prompt_ids"], dataset["label"])) if not label}
-            unique = sorted(set(undesirable.values()))
-            ratio = {}
-            if unique:
-                emb = embed_texts(embedding_func, embedding_tokenizer, unique, device=self.accelerator.device)
-                values = self.density_classifier.density_ratio(emb, args.min_density_ratio, args.max_density_ratio)
-                ratio = dict(zip(unique, values.tolist()))
-            weights = [ratio[undesirable[i]] if i in undesirable else 1.0 for i in range(len(dataset))]
-            return dataset.add_column("udm_weight", weights)
-
-        self.train_dataset = add_weights(self.train_dataset)
+        self._embedding = (embedding_func, embedding_tokenizer)
+        self.train_dataset = self.add_udm_weights(self.train_dataset)
         if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: add_weights(v) for k, v in self.eval_dataset.items()}
+            self.eval_dataset = {k: self.add_udm_weights(v) for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
-            self.eval_dataset = add_weights(self.eval_dataset)
+            self.eval_dataset = self.add_udm_weights(self.eval_dataset)
+
+    def add_udm_weights(self, dataset):
+        """The dataset plus `udm_weight`: the density ratio of each undesirable row's prompt, 1 for desirable rows
+        (a streamed eval dataset is left unweighted)."""
+        if is_streamed(dataset) or "udm_weight" in dataset.column_names:
+            return dataset
+        args, decode = self.args, self.processing_class.decode
+        undesirable = {i: decode(ids, skip_special_tokens=True)
+                       for i, (ids, label) in enumerate(zip(dataset["prompt_ids"], dataset["label"])) if not label}
+        unique = sorted(set(undesirable.values()))
+        ratio = {}
+        if unique:
+            emb = embed_texts(*self._embedding, unique, device=self.accelerator.device)
+            values = self.density_classifier.density_ratio(emb, args.min_density_ratio, args.max_density_ratio)
+            ratio = dict(zip(unique, values.tolist()))
+        weights = [ratio[undesirable[i]] if i in undesirable else 1.0 for i in range(len(dataset))]
+        return dataset.add_column("udm_weight", weights)
+
+    def prepare_eval_dataset(self, dataset, name: str = "eval"):
+        dataset = super().prepare_eval_dataset(dataset, name)
+        if getattr(self, "density_classifier", None) is None:  # None too while the trainer is being built
+            return dataset
+        return self.add_udm_weights(dataset)
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

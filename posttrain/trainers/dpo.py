@@ -33,6 +33,7 @@ import torch
 
 from posttrain.core.preference_losses import (DPO_LOSSES, F_DIVERGENCES, PreferenceInput, check_label_smoothing,
                                                dpo_loss, dpo_rewards, ld_token_weights, wpo_weights)
+from posttrain.trainers.base import classic_arguments
 from posttrain.trainers.preference_base import (PreferenceConfig, PreferenceTrainer, completion_logps,
                                                   completion_token_logps)
 
@@ -127,12 +128,22 @@ class DPOTrainer(PreferenceTrainer):
     """Preference pairs -> a policy that prefers the chosen completions (DPO and pairwise variants)."""
 
     _tag = "dpo"
+    _name = "DPO"
+    _citation = """@inproceedings{rafailov2023direct,
+    title     = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},
+    author    = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and Stefano Ermon
+                 and Chelsea Finn},
+    booktitle = {Advances in Neural Information Processing Systems 36 (NeurIPS 2023)},
+    year      = 2023,
+    eprint    = {arXiv:2305.18290}
+}"""
     paired = True
 
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, peft_config=None,
-                 callbacks=None, optimizers=(None, None), compute_metrics=None):
-        args = args or DPOConfig()
+                 callbacks=None, optimizers=(None, None), compute_metrics=None, **kwargs):
+        # kwargs: TRL's older conventions (tokenizer=, DPOConfig fields such as beta=), see classic_arguments
+        args, processing_class = classic_arguments("DPOTrainer", DPOConfig, args, processing_class, kwargs)
         types = args.loss_types
         self.reference_free = all(DPO_LOSSES[t].reference_free for t in types)
         if self.reference_free and ref_model is not None:

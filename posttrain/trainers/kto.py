@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.core.preference_losses import UNPAIRED_LOSSES
+from posttrain.trainers.base import classic_arguments
 from posttrain.trainers.preference_base import PreferenceConfig, PreferenceTrainer, completion_logps
 
 
@@ -61,12 +62,20 @@ class KTOTrainer(PreferenceTrainer):
     """Unpaired (or paired, split) feedback -> a policy, by KTO's prospect-theoretic loss."""
 
     _tag = "kto"
+    _name = "KTO"
+    _citation = """@article{ethayarajh2024kto,
+    title   = {{KTO: Model Alignment as Prospect Theoretic Optimization}},
+    author  = {Kawin Ethayarajh and Winnie Xu and Niklas Muennighoff and Dan Jurafsky and Douwe Kiela},
+    journal = {arXiv preprint arXiv:2402.01306},
+    year    = 2024
+}"""
     paired = False
 
     def __init__(self, model, ref_model=None, args: KTOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, data_collator=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, compute_metrics=None):
-        args = args or KTOConfig()
+                 optimizers=(None, None), peft_config=None, compute_metrics=None, **kwargs):
+        # kwargs: TRL's older conventions (tokenizer=, KTOConfig fields such as beta=), see classic_arguments
+        args, processing_class = classic_arguments("KTOTrainer", KTOConfig, args, processing_class, kwargs)
         self.loss = UNPAIRED_LOSSES[args.loss_type]
         self.kl_pairs = self.loss.uses_kl  # the collator appends the mismatched rows only when z is needed
         self.reference_columns = ("ref_logps", "ref_kl_logps") if self.kl_pairs else ("ref_logps",)

@@ -37,8 +37,8 @@ from posttrain.data import formats
 from posttrain.data.collate import pad
 from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.models import loading
-from posttrain.trainers.base import (BaseConfig, BaseTrainer, SyncRefModelCallback, check_train_dataset,
-                                     latest_checkpoint)
+from posttrain.trainers.base import (BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
+                                     is_streamed, latest_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -131,25 +131,52 @@ def _fit(prompt_ids: list[int], completions: list[list[int]], max_length, max_pr
     return prompt_ids, completions, truncated
 
 
+RANKED_RULE = "'scores' (higher is better) or 'ranks' (lower is better, 0 = best)"
+
+
+def ranked_columns(batch: dict[str, list], indices, name: str = "train") -> dict[str, list]:
+    """Ranked rows (`responses` with `scores` or `ranks`) as formats reads them: the classic `instruction`
+    key is their prompt, and rows that give `ranks` get them as `scores` (-rank) where rows of one dataset
+    mix the two. A row that gives both, or neither, is refused, naming it. Other batches pass unchanged."""
+    if "responses" not in batch:
+        return batch
+    batch = dict(batch)  # a new dict: datasets' map would drop the columns of the very batch it passed
+    if "instruction" in batch:
+        prompts = batch.get("prompt") or [None] * len(batch["instruction"])
+        batch["prompt"] = [p if p is not None else q for p, q in zip(prompts, batch.pop("instruction"))]
+    keys = [k for k in ("ranks", "scores") if k in batch]
+    if not keys:
+        raise ValueError(f"{name} data: rows with 'responses' need {RANKED_RULE}, one number per response")
+    for i, values in zip(indices, zip(*(batch[k] for k in keys))):
+        given = sum(v is not None for v in values)
+        if given != 1:
+            raise ValueError(f"{name} data, row {i} gives {'both' if given else 'neither'}: a row with 'responses' "
+                             f"gives one of {RANKED_RULE}")
+    if len(keys) == 2:
+        scores = [score if score is not None else [-r for r in rank]
+                  for rank, score in zip(batch["ranks"], batch["scores"])]
+        batch = {**{k: v for k, v in batch.items() if k != "ranks"}, "scores": scores}
+    return batch
+
+
 def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: int | None,
                                max_prompt_length: int | None = None, max_completion_length: int | None = None,
                                keep: tuple[str, ...] = (), name: str = "train", truncation_mode: str = "keep_start"):
     """Validate, convert and tokenise `dataset` for pairwise (`paired`) or unpaired training.
 
     Any layout formats accepts works (ranked rows expand to every ordered pair, implicit prompts
-    are split off; with `paired=False` pairs become a desirable and an undesirable row). Columns
-    in `keep` (e.g. "margin") are carried through. Long prompts lose their start, long completions
-    their end; with `truncation_mode="keep_start"` rows whose prompt alone reaches `max_length` are
-    dropped, with "keep_end" the prompt's start is cut first (see `_fit`).
+    are split off; with `paired=False` pairs become a desirable and an undesirable row), as does a
+    list of row dicts. Columns in `keep` (e.g. "margin") are carried through. Long prompts lose
+    their start, long completions their end; with `truncation_mode="keep_start"` rows whose prompt
+    alone reaches `max_length` are dropped, with "keep_end" the prompt's start is cut first (see
+    `_fit`). A streamed dataset (IterableDataset) is converted and tokenised lazily, batch by
+    batch, as rows are read (no count of dropped or truncated rows then).
     """
-    from datasets import Dataset
+    from datasets import IterableDataset
 
-    if isinstance(dataset, list):
-        dataset = Dataset.from_list(dataset)
+    dataset = as_dataset(dataset, name)
     target = "preference" if paired else "unpaired_preference"
-    dataset, _ = formats.to_canonical(dataset, target=target)  # validates every row first
     text_cols = ("chosen", "rejected") if paired else ("completion",)
-    extras = [c for c in keep if c in dataset.column_names]
     limits = (max_length, max_prompt_length, max_completion_length, truncation_mode)
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
@@ -175,6 +202,29 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
             for c in extras:
                 out[c].append(batch[c][k])
         return out
+
+    if isinstance(dataset, IterableDataset):
+        columns = dataset.column_names or list(next(iter(dataset)))
+        extras = [c for c in keep if c in columns]
+
+        def stream(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+            batch = ranked_columns(batch, indices, name)
+            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+            try:  # the batch's rows as a list: formats validates and converts them as such
+                rows, _ = formats.to_canonical(rows, target=target)
+            except formats.FormatError as err:
+                raise formats.FormatError(f"{name} data, in the batch from row {indices[0]} on: {err}") from None
+            canonical = {c: [r.get(c) for r in rows] for c in dict.fromkeys(k for r in rows for k in r)}
+            out = encode(canonical, list(range(indices[0], indices[0] + len(rows))))
+            del out["truncated"]
+            return out
+
+        return dataset.map(stream, batched=True, with_indices=True, remove_columns=columns)
+    if "responses" in dataset.column_names:
+        dataset = dataset.map(lambda batch, indices: ranked_columns(batch, indices, name), batched=True,
+                                  with_indices=True, remove_columns=dataset.column_names, desc="ranked rows")
+    dataset, _ = formats.to_canonical(dataset, target=target)  # validates every row first
+    extras = [c for c in keep if c in dataset.column_names]
 
     before = len(dataset)
     dataset = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
@@ -329,23 +379,28 @@ class PreferenceTrainer(BaseTrainer):
     def __init__(self, model, ref_model, args, *, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, callbacks=None, optimizers=(None, None),
                  needs_reference: bool = True, model_kind: str = "causal-lm", compute_metrics=None):
-        if train_dataset is None:
-            raise ValueError(f"{type(self).__name__} needs a train_dataset")
-        check_train_dataset(train_dataset)  # before tokenising, which would blame max_length
+        train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset, "eval_dataset")
+        check_datasets(args, train_dataset, eval_dataset)  # before tokenising, which would blame max_length
         sync = needs_reference and getattr(args, "sync_ref_model", False)
         if sync and ref_model is None and (peft_config is not None or loading.is_peft_model(model)):
             raise ValueError("sync_ref_model needs a separate reference model, but with a PEFT model the "
                              "reference is the adapter-disabled policy; pass ref_model= or unset sync_ref_model")
-        tokenizer = loading.load_tokenizer(processing_class, model=model)
-        prepare = dict(tokenizer=tokenizer, paired=self.paired, max_length=args.max_length,
-                       max_prompt_length=getattr(args, "max_prompt_length", None),
-                       max_completion_length=getattr(args, "max_completion_length", None),
-                       keep=self.keep_columns, truncation_mode=getattr(args, "truncation_mode", "keep_start"))
-        train_dataset = prepare_preference_dataset(train_dataset, **prepare)
+        if needs_reference and getattr(args, "precompute_ref_log_probs", False) \
+                and (is_streamed(train_dataset) or is_streamed(eval_dataset)):
+            raise ValueError("precompute_ref_log_probs stores reference log-probs as a column of the whole dataset, "
+                             "which a streamed dataset (IterableDataset) does not have; unset one of them")
+        trust = (args.model_init_kwargs or {}).get("trust_remote_code", False)
+        tokenizer = loading.load_tokenizer(processing_class, model=model, trust_remote_code=trust)
+        self._prepare = dict(tokenizer=tokenizer, paired=self.paired, max_length=args.max_length,
+                             max_prompt_length=getattr(args, "max_prompt_length", None),
+                             max_completion_length=getattr(args, "max_completion_length", None),
+                             keep=self.keep_columns, truncation_mode=getattr(args, "truncation_mode", "keep_start"))
+        self.ref_precomputed = False
+        train_dataset = prepare_preference_dataset(train_dataset, **self._prepare)
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: prepare_preference_dataset(v, name=f"eval[{k}]", **prepare) for k, v in eval_dataset.items()}
+            eval_dataset = {k: self.prepare_eval_dataset(v, f"eval[{k}]") for k, v in eval_dataset.items()}
         elif eval_dataset is not None:
-            eval_dataset = prepare_preference_dataset(eval_dataset, name="eval", **prepare)
+            eval_dataset = self.prepare_eval_dataset(eval_dataset)
         collator = data_collator or PreferenceCollator(tokenizer.pad_token_id, self.paired, self.kl_pairs, args.max_length)
         super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, data_collator=collator, peft_config=peft_config,
@@ -360,13 +415,22 @@ class PreferenceTrainer(BaseTrainer):
         self.ref_model = self.make_reference(ref_model, needs_reference)
         if sync:
             self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
-        self.ref_precomputed = False
         if needs_reference and getattr(args, "precompute_ref_log_probs", False):
             self.precompute_reference()
         self._num_tokens = {"train": 0, "eval": 0}
         self.reward_mean, self._pending_rewards = RunningMean(), []
         if self.uses_reward_mean:
             self.add_callback(_FoldRewards(self))
+
+    def prepare_eval_dataset(self, dataset, name: str = "eval"):
+        """Raw evaluation rows -> token ids, as the train data was prepared; prepared data comes back as is."""
+        if "prompt_ids" in (dataset.column_names or ()):
+            return dataset
+        if self.ref_precomputed:
+            raise ValueError("precompute_ref_log_probs freed the reference model once the data given at construction "
+                             "was scored, so new evaluation data cannot be scored; pass it as eval_dataset= to the "
+                             "trainer instead")
+        return prepare_preference_dataset(dataset, name=name, **self._prepare)
 
     # ------------------------------------------------------------------ log-probs
     def reference_logps(self, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> Tensor:

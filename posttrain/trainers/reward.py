@@ -13,10 +13,11 @@ along the batch); ranked data (several responses per prompt) expands to every or
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 from posttrain.core.preference_losses import pairwise_reward_loss
-from posttrain.trainers.base import BaseConfig
+from posttrain.trainers.base import BaseConfig, classic_arguments
 from posttrain.trainers.preference_base import PreferenceTrainer
 
 
@@ -53,13 +54,26 @@ class RewardTrainer(PreferenceTrainer):
     """Preference pairs -> a scalar reward model (sequence classifier with one output)."""
 
     _tag = "reward"
+    _name = "Reward modelling"
+    _citation = """@inproceedings{ouyang2022training,
+    title     = {{Training language models to follow instructions with human feedback}},
+    author    = {Long Ouyang and Jeff Wu and Xu Jiang and Diogo Almeida and Carroll L. Wainwright and Pamela Mishkin
+                 and Chong Zhang and Sandhini Agarwal and Katarina Slama and Alex Ray and others},
+    booktitle = {Advances in Neural Information Processing Systems 35 (NeurIPS 2022)},
+    year      = 2022,
+    eprint    = {arXiv:2203.02155}
+}"""
     paired = True
     keep_columns = ("margin",)
 
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, peft_config=None, callbacks=None,
-                 optimizers=(None, None), compute_metrics=None):
-        args = args or RewardConfig()
+                 optimizers=(None, None), compute_metrics=None, ref_model=None, **kwargs):
+        # kwargs: TRL's older conventions (tokenizer=, RewardConfig fields such as max_length=), see classic_arguments
+        args, processing_class = classic_arguments("RewardTrainer", RewardConfig, args, processing_class, kwargs)
+        if ref_model is not None:  # the classic examples pass one
+            warnings.warn("RewardTrainer: a reward model has no reference model; ref_model is ignored", UserWarning,
+                          stacklevel=2)
         super().__init__(model, None, args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          peft_config=_seq_cls_peft(peft_config), callbacks=callbacks, optimizers=optimizers,
