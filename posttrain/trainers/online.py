@@ -58,7 +58,7 @@ from posttrain.models import loading
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, completion_logprobs, generate
 from posttrain.rollout.rewards import RewardScorer
-from posttrain.trainers.base import BaseTrainer, SyncRefModelCallback
+from posttrain.trainers.base import BaseTrainer, SyncRefModelCallback, seed_run
 from posttrain.trainers.online_config import (_COUNT, CRITIC_ESTIMATORS, LOSS_TYPES, PER_TOKEN_ESTIMATORS,
                                               OnlineConfig)
 
@@ -145,6 +145,7 @@ class OnlineTrainer(BaseTrainer):
                  optimizers=(None, None), peft_config=None, ref_model=None, value_model=None):
         name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
         args = args or self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self._tag}")
+        seed_run(args)  # before any weights are made here (a LoRA adapter's, a critic's head), as BaseTrainer does
         init_kwargs = dict(args.model_init_kwargs or {})
         policy = loading.load_causal_lm(model, **init_kwargs)
         processing_class = loading.load_tokenizer(processing_class, model=model if isinstance(model, str) else policy)

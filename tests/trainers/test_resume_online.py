@@ -107,6 +107,25 @@ def test_ppo_with_separate_value_model_resumes(tmp_path):
     assert any(k.startswith("model.value_model.") for k in trained_state(resumed))
 
 
+@pytest.mark.parametrize("trainer", ["grpo", "ppo"])
+def test_lora_resumes(tmp_path, trainer):
+    # the adapter is made (randomly) when the trainer is built: seeded, so every run starts from the same one
+    from peft import LoraConfig
+
+    def make(**fields):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if trainer == "grpo":
+            args = GRPOConfig(**{**online_args(fields["output_dir"], num_generations=4, beta=0.1), **fields})
+            return GRPOTrainer("posttrain/tiny-qwen2", first_token_reward, args=args, train_dataset=prompts(4),
+                               peft_config=lora)
+        args = PPOConfig(**{**online_args(fields["output_dir"], num_ppo_epochs=1), **fields})
+        return PPOTrainer(args=args, model="posttrain/tiny-qwen2", reward_funcs=first_token_reward,
+                          train_dataset=prompts(8), peft_config=lora)
+
+    resumed = assert_resumes_identically(make, tmp_path, max_steps=3, stop_at=1)
+    assert any("lora_A" in k for k in trained_state(resumed))
+
+
 def test_reinforce_pp_resumes(tmp_path):
     def make(**fields):
         args = ReinforcePPConfig(**{**online_args(fields["output_dir"], num_generations=4), **fields})
