@@ -11,8 +11,15 @@ split does not change the update. Which tokens count:
   whole sequence.
 
 Any dataset ``posttrain.data.formats.to_canonical`` can turn into one of those is accepted
-(instruction rows, preference rows (their chosen completion), ...), as are datasets that are
-already tokenised (an ``input_ids`` column, optionally ``completion_mask`` / ``assistant_masks``).
+(instruction rows, ShareGPT ``conversations``, preference rows (their chosen completion), ...),
+as are datasets that are already tokenised (an ``input_ids`` column, optionally
+``completion_mask`` / ``assistant_masks``), and streamed ones (``IterableDataset``, tokenised as
+rows are read; ``max_steps`` required).
+
+``loss_type`` picks the per-token loss: ``nll`` (cross-entropy) or ``dft`` (Dynamic
+Fine-Tuning, Wu et al. 2025, https://arxiv.org/abs/2508.05629: each token's NLL weighted by its
+own probability, detached, -p(y_t) log p(y_t)). Mixture-of-experts models whose config sets
+``output_router_logits`` add ``router_aux_loss_coef`` times their load-balancing loss.
 
 Departures from the usual recipe, all for speed and none changing the objective:
 * logits are computed only at positions whose next token is a target (``logits_to_keep`` as a
@@ -31,18 +38,34 @@ Departures from the usual recipe, all for speed and none changing the objective:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from datasets import IterableDataset
+from transformers import TrainingArguments
 
 from posttrain.core.logprobs import linear_selective_log_softmax, plain_lm_head, selective_log_softmax_stats
 from posttrain.data import formats
+from posttrain.data.chat import load_chat_template, template_variables
 from posttrain.data.collate import IGNORE_INDEX, LanguageModelingCollator
-from posttrain.data.packing import STRATEGIES, pack_dataset
+from posttrain.data.packing import STRATEGIES, pack_dataset, pack_rows
 from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
 from posttrain.models import loading
-from posttrain.trainers.base import BaseConfig, BaseTrainer, check_train_dataset, seed_run
+from posttrain.trainers.base import (BaseConfig, BaseTrainer, as_dataset, check_datasets, classic_arguments,
+                                     seed_run)
+
+# loss_type -> per-token loss from the target tokens' log-probs (N,) -> (N,); summed, then divided by the
+# global number of target tokens
+LOSSES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "nll": lambda logps: -logps,
+    "dft": lambda logps: -logps * logps.detach().exp(),  # DFT: the NLL scaled by the token's probability
+}
+DATASET_KWARGS = ("skip_prepare_dataset",)  # the `dataset_kwargs` keys SFT reads
+STREAM_PACK_ROWS = 1000  # a streamed dataset is packed this many rows at a time (bins never see further)
 
 
 @dataclass
@@ -76,6 +99,21 @@ class SFTConfig(BaseConfig):
         default=None, metadata={"help": "Processes for tokenising the dataset (None: in this process)."})
     eval_packing: bool | None = field(
         default=None, metadata={"help": "Pack the eval dataset too. None: same as `packing`."})
+    loss_type: str = field(
+        default="nll", metadata={"help": "Per-token loss: 'nll' (cross-entropy) or 'dft' (Dynamic Fine-Tuning: "
+                                         "each token's NLL times its detached probability, arXiv:2508.05629)."})
+    chat_template_path: str | None = field(
+        default=None, metadata={"help": "Chat template to use instead of the tokenizer's: a Jinja file, or a "
+                                        "tokenizer folder whose template is taken (with the special tokens it "
+                                        "writes, added to the tokenizer and the model's embeddings)."})
+    chat_template_kwargs: dict[str, Any] | None = field(
+        default=None, metadata={"help": "Extra variables for every chat-template call (e.g. "
+                                        "{'enable_thinking': False}); a row's own `chat_template_kwargs` column "
+                                        "adds to them and wins."})
+    dataset_kwargs: dict[str, Any] | None = field(
+        default=None, metadata={"help": "TRL's dataset options. {'skip_prepare_dataset': True}: the datasets are "
+                                        "already tokenised (`input_ids`, optionally `loss_mask`) and are used as "
+                                        "they are."})
 
     def __post_init__(self):
         if self.eval_packing is None:
@@ -83,6 +121,11 @@ class SFTConfig(BaseConfig):
         super().__post_init__()
 
     def _check(self):
+        if self.loss_type not in LOSSES:
+            raise ValueError(f"loss_type={self.loss_type!r}: choose one of {sorted(LOSSES)}")
+        if unknown := sorted(set(self.dataset_kwargs or {}) - set(DATASET_KWARGS)):
+            raise ValueError(f"dataset_kwargs has unknown key(s) {unknown}; SFT reads {list(DATASET_KWARGS)} "
+                             "(e.g. {'skip_prepare_dataset': True} for datasets already tokenised)")
         if self.packing_strategy not in STRATEGIES:
             raise ValueError(f"packing_strategy={self.packing_strategy!r}: choose one of {STRATEGIES}")
         if (self.packing or self.eval_packing) and self.max_length is None:
@@ -91,26 +134,69 @@ class SFTConfig(BaseConfig):
             raise ValueError(f"max_length={self.max_length}: need at least 2 tokens (a context and a target)")
 
 
+def _column_names(dataset) -> list[str]:
+    """Column names; a streamed dataset whose features are unknown shows them in its first row."""
+    names = getattr(dataset, "column_names", None)
+    if names is None and isinstance(dataset, IterableDataset):
+        names = list(next(iter(dataset), {}))
+    return list(names or [])
+
+
+def _holds_images(feature) -> bool:
+    from datasets import Image
+
+    inner = getattr(feature, "feature", None)  # a list / sequence of images
+    return isinstance(feature, Image) or (inner is not None and _holds_images(inner))
+
+
+def _refuse_images(dataset, columns: list[str]) -> None:
+    """SFT here trains text-only models: an image column would otherwise be dropped without a word."""
+    features = getattr(dataset, "features", None) or {}
+    for column in columns:
+        if column in ("image", "images") or _holds_images(features.get(column)):
+            raise ValueError(f"column {column!r} holds images, but SFTTrainer trains text-only causal LMs and "
+                             "would ignore them; posttrain has no vision-language support: drop the column, or "
+                             "train the model with TRL's vision-language SFT")
+
+
+def as_sft_config(args: TrainingArguments) -> SFTConfig:
+    """A plain `transformers.TrainingArguments` as an SFTConfig keeping every field it sets (SFT's own fields
+    at their defaults), as TRL converts it; `remove_unused_columns` stays False (the collator reads
+    `loss_mask`, which the model's forward does not take)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
+    values["remove_unused_columns"] = False
+    return SFTConfig(**values)
+
+
 class SFTTrainer(BaseTrainer):
     """Supervised fine-tuning on demonstrations; see the module docstring."""
 
     _tag = "sft"
 
-    def __init__(self, model, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, peft_config=None, callbacks=None,
-                 optimizers=(None, None), formatting_func=None, **kwargs):
+    def __init__(self, model, args: SFTConfig | TrainingArguments | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, peft_config=None, callbacks=None,
+                 optimizers=(None, None), formatting_func=None, compute_metrics=None,
+                 preprocess_logits_for_metrics=None, **kwargs):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = SFTConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-SFT")
         elif not isinstance(args, SFTConfig):
-            raise TypeError(f"args must be an SFTConfig, got {type(args).__name__}")
-        check_train_dataset(train_dataset)
+            if not isinstance(args, TrainingArguments):
+                raise TypeError(f"args must be an SFTConfig (or a transformers.TrainingArguments), got "
+                                f"{type(args).__name__}")
+            args = as_sft_config(args)
+        # kwargs: TRL's older conventions (tokenizer=, SFTConfig fields such as packing=), see classic_arguments
+        args, processing_class = classic_arguments("SFTTrainer", SFTConfig, args, processing_class, kwargs)
+        train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset, "eval_dataset")
+        check_datasets(args, train_dataset, eval_dataset)
         seed_run(args)
         model = loading.load_causal_lm(model, **(args.model_init_kwargs or {}))
         tokenizer = loading.load_tokenizer(processing_class, model=model)
+        if args.chat_template_path is not None:
+            load_chat_template(tokenizer, args.chat_template_path, model)
+        self.formatting_func = formatting_func
         prepare = lambda data, pack: self.prepare_dataset(data, tokenizer, args, pack, formatting_func)  # noqa: E731
-        if train_dataset is not None:
-            train_dataset = prepare(train_dataset, args.packing)
+        train_dataset = prepare(train_dataset, args.packing)
         if isinstance(eval_dataset, dict):
             eval_dataset = {k: prepare(v, args.eval_packing) for k, v in eval_dataset.items()}
         elif eval_dataset is not None:
@@ -120,35 +206,73 @@ class SFTTrainer(BaseTrainer):
             args.padding_free = bool(args.packing and "flash" in attention)
         if data_collator is None:
             data_collator = LanguageModelingCollator(tokenizer.pad_token_id, padding_free=args.padding_free)
+        elif args.padding_free:  # the flattening is the collator's work: a custom one would silently skip it
+            raise ValueError("padding_free=True flattens batches in SFT's own collator, so it cannot be combined "
+                             "with a custom data_collator; drop one of them")
+        # mixture-of-experts: the model returns its router load-balancing loss, added to ours (as TRL does)
+        self.aux_loss_enabled = bool(getattr(model.config, "output_router_logits", False))
+        self.aux_loss_coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
         super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, data_collator=data_collator, peft_config=peft_config,
-                         callbacks=callbacks, optimizers=optimizers, **kwargs)
+                         callbacks=callbacks, optimizers=optimizers, compute_metrics=compute_metrics,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         # Our loss always divides by the global count of target tokens, which Trainer only counts
         # (as num_items_in_batch) when it believes the model takes loss kwargs.
         self.model_accepts_loss_kwargs = True
         self._num_tokens = 0
         base = self.model.get_base_model() if loading.is_peft_model(self.model) else self.model
-        self._logits_to_keep_mask = "logits_to_keep" in inspect.signature(base.forward).parameters
+        # PEFT prompt tuning / p-tuning put virtual tokens before the input: the logits are longer than the
+        # input, so the positions to keep are known only after the forward (prefix tuning adds none)
+        peft = self.model.active_peft_config if loading.is_peft_model(self.model) else None
+        self._prompt_learning = bool(peft is not None and peft.is_prompt_learning)
+        if self._prompt_learning and (args.packing or args.padding_free):
+            raise ValueError(f"PEFT {peft.peft_type.value} adds virtual tokens before each sequence, so it cannot "
+                             "train on packed or padding-free rows; set packing=False and padding_free=False")
+        self._logits_to_keep_mask = "logits_to_keep" in inspect.signature(base.forward).parameters \
+            and not self._prompt_learning
         self._fuse_head = self._logits_to_keep_mask  # fuse the output layer into the loss where it is plain
 
     # ------------------------------------------------------------------ data
+    def prepare_eval_dataset(self, dataset, name: str = "eval"):
+        """Data given to `evaluate` after construction, prepared as the eval data given at construction."""
+        columns = set(_column_names(dataset) or ())
+        if "input_ids" in columns and columns <= {"input_ids", "loss_mask", "seq_lengths"}:
+            return dataset  # already prepared
+        return self.prepare_dataset(dataset, self.processing_class, self.args, self.args.eval_packing,
+                                    self.formatting_func)
+
     @staticmethod
     def prepare_dataset(dataset, tokenizer, args: SFTConfig, packing: bool, formatting_func=None):
-        """Rows in any SFT format -> tokenised rows {input_ids, loss_mask} (packed when asked)."""
-        columns = dataset.column_names
+        """Rows in any SFT format -> tokenised rows {input_ids, loss_mask} (packed when asked).
+
+        A `datasets.IterableDataset` is prepared lazily, as its rows are read; with packing, bins
+        are filled from `STREAM_PACK_ROWS` rows at a time.
+        """
+        if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+            if "input_ids" not in (_column_names(dataset) or ()):
+                raise ValueError("dataset_kwargs={'skip_prepare_dataset': True} uses the dataset as it is, so it "
+                                 "must be tokenised already: it needs an 'input_ids' column (optionally "
+                                 f"'loss_mask'); its columns are {_column_names(dataset)}")
+            return dataset
+        streamed = isinstance(dataset, IterableDataset)
+        columns = _column_names(dataset)
+        _refuse_images(dataset, columns)
         if "input_ids" in columns:  # already tokenised
             mask_column = next((c for c in ("loss_mask", "completion_mask", "assistant_masks") if c in columns), None)
             dataset = dataset.map(lambda row: {"loss_mask": row[mask_column] if mask_column else
                                                [1] * len(row["input_ids"])},
-                                  remove_columns=[c for c in columns if c != "input_ids"])
+                                  remove_columns=[c for c in columns if c not in ("input_ids", "loss_mask")])
         else:
             if formatting_func is not None:
                 dataset = dataset.map(lambda row: {"text": formatting_func(row)}, remove_columns=columns)
             elif args.dataset_text_field != "text" and args.dataset_text_field in columns:
                 dataset = dataset.rename_column(args.dataset_text_field, "text")
-            dataset = SFTTrainer._tokenize(dataset, tokenizer, args, truncate=not (packing and
-                                                                                   args.packing_strategy == "wrapped"))
+            truncate = not (packing and args.packing_strategy == "wrapped")
+            dataset = SFTTrainer._tokenize(dataset, tokenizer, args, truncate=truncate)
         if packing:
+            if streamed:
+                return dataset.map(lambda batch: pack_rows(batch, args.max_length, args.packing_strategy),
+                                   batched=True, batch_size=STREAM_PACK_ROWS, remove_columns=["input_ids", "loss_mask"])
             return pack_dataset(dataset, args.max_length, args.packing_strategy)
         if args.max_length is not None:
             dataset = dataset.map(lambda row: {k: row[k][: args.max_length] for k in ("input_ids", "loss_mask")})
@@ -156,42 +280,64 @@ class SFTTrainer(BaseTrainer):
 
     @staticmethod
     def _tokenize(dataset, tokenizer, args: SFTConfig, truncate: bool):
-        info = formats.validate(dataset)
-        if info.name not in ("language_modeling", "prompt_completion"):
-            dataset, info = formats.to_canonical(dataset, target="prompt_completion")
-        if info.conversational:
-            loading.require_chat_template(tokenizer)
+        streamed = isinstance(dataset, IterableDataset)
         max_length = args.max_length if truncate else None
         completion_only = args.completion_only_loss is not False
         assistant_only = args.assistant_only_loss
-        if assistant_only and not info.conversational:
-            raise formats.FormatError(
-                "assistant_only_loss=True needs conversational data (message lists), but the dataset is made "
-                "of plain strings; set assistant_only_loss=False or use completion_only_loss with "
-                "prompt-completion rows")
 
-        def encode(row, i):
+        def canonical(data):
+            """`data` (a Dataset or a list of rows) in language-modeling or prompt-completion form."""
+            info = formats.validate(data)
+            if info.name == "sharegpt":  # -> messages
+                data, info = formats.to_canonical(data)
+            elif info.name not in ("language_modeling", "prompt_completion"):
+                data, info = formats.to_canonical(data, target="prompt_completion")
+            if info.conversational:
+                loading.require_chat_template(tokenizer)
+            if assistant_only and not info.conversational:
+                raise formats.FormatError(
+                    "assistant_only_loss=True needs conversational data (message lists), but the dataset is made "
+                    "of plain strings; set assistant_only_loss=False or use completion_only_loss with "
+                    "prompt-completion rows")
+            return data, info
+
+        def encode(row, i, info):
+            tools = row.get("tools")
+            variables = template_variables(args.chat_template_kwargs, row.get("chat_template_kwargs"))
             try:
                 if info.name == "language_modeling":
                     out = encode_text(tokenizer, row["messages"] if info.conversational else row["text"],
-                                      assistant_only=assistant_only, tools=row.get("tools"))
+                                      assistant_only=assistant_only, tools=tools, template_kwargs=variables)
                     return {"input_ids": out["input_ids"], "loss_mask": out["loss_mask"]}
                 out = encode_prompt_completion(tokenizer, row["prompt"], row["completion"], max_length, row=i,
-                                               tools=row.get("tools"))
+                                               tools=tools, template_kwargs=variables)
                 n_prompt, n_completion = len(out["prompt_ids"]), len(out["completion_ids"])
                 ids = out["prompt_ids"] + out["completion_ids"]
                 mask = [0] * n_prompt + [1] * n_completion if completion_only else [1] * len(ids)
                 if assistant_only:
                     full = encode_text(tokenizer, list(row["prompt"]) + list(row["completion"]), assistant_only=True,
-                                       tools=row.get("tools"))
+                                       tools=tools, template_kwargs=variables)
                     mask = [m & a for m, a in zip(mask, full["loss_mask"])]
                 return {"input_ids": ids, "loss_mask": mask}
             except TokenizeError as err:
                 message = str(err) if str(err).startswith("row ") else f"row {i}: {err}"
                 raise TokenizeError(message) from None
 
-        return dataset.map(encode, with_indices=True, remove_columns=dataset.column_names,
-                           num_proc=args.dataset_num_proc, desc="tokenizing")
+        if not streamed:
+            dataset, info = canonical(dataset)
+            return dataset.map(lambda row, i: encode(row, i, info), with_indices=True,
+                               remove_columns=dataset.column_names, num_proc=args.dataset_num_proc, desc="tokenizing")
+
+        def encode_batch(batch, indices):  # a streamed batch: checked, converted and tokenised as it is read
+            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+            try:
+                rows, info = canonical(rows)
+            except formats.FormatError as err:  # the batch's row numbers -> the stream's
+                raise formats.FormatError(f"streamed rows {indices[0]}-{indices[-1]}: {err}") from None
+            out = [encode(row, indices[0] + k, info) for k, row in enumerate(rows)]
+            return {"input_ids": [o["input_ids"] for o in out], "loss_mask": [o["loss_mask"] for o in out]}
+
+        return dataset.map(encode_batch, batched=True, with_indices=True, remove_columns=_column_names(dataset))
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -200,6 +346,8 @@ class SFTTrainer(BaseTrainer):
         targets[:, :-1] = labels[:, 1:]  # targets[:, t] is predicted by the logits at t
         keep = targets != IGNORE_INDEX  # (B, T)
         model_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        if self.aux_loss_enabled:
+            model_inputs["output_router_logits"] = True
         head = None
         if self._fuse_head and not return_outputs:
             head = plain_lm_head(self.accelerator.unwrap_model(model), inputs["input_ids"])
@@ -211,7 +359,8 @@ class SFTTrainer(BaseTrainer):
             logits = outputs.logits
         else:
             outputs = model(**model_inputs, use_cache=False)
-            logits = outputs.logits[keep]
+            virtual = outputs.logits.shape[1] - keep.shape[1]  # PEFT prompt tuning's virtual tokens come first
+            logits = outputs.logits[:, virtual:][keep]
         targets = targets[keep]  # (N,)
         if head is not None:  # (N,) each; one pass over the logits, a vocabulary block at a time
             logps, entropy, argmax = linear_selective_log_softmax(outputs.hidden_states[-1][keep], head.weight,
@@ -220,11 +369,17 @@ class SFTTrainer(BaseTrainer):
         else:
             logps, entropy, argmax = selective_log_softmax_stats(logits, targets)  # (N,) each; one pass over logits
         denominator = num_items_in_batch if num_items_in_batch is not None else keep.sum().clamp(min=1)
-        loss = -logps.sum() / denominator
+        loss = LOSSES[self.args.loss_type](logps).sum() / denominator
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
-
         mode = "train" if model.training else "eval"
+        if self.aux_loss_enabled:
+            aux = outputs.aux_loss
+            self.record({"aux_loss": aux}, mode)
+            if num_items_in_batch is not None:  # Trainer then leaves the mean over accumulated micro-batches to us
+                aux = aux / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+            loss = loss + self.aux_loss_coef * aux
+
         if mode == "train":  # tokens fed to the model (packed rows: including the few pads after the last bin)
             mask = inputs.get("attention_mask")
             self._num_tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
