@@ -130,6 +130,16 @@ def test_dataset_kwargs_skip_prepare_dataset_uses_tokenised_rows_as_they_are(tmp
         SFTConfig(output_dir=str(tmp_path), dataset_kwargs={"add_special_tokens": False})
 
 
+def test_the_fields_from_the_command_line():
+    from posttrain.cli import parse
+
+    _, args = parse("sft", ["--model_name_or_path", MODEL, "--dataset_name", "zen", "--output_dir", "x",
+                            "--loss_type", "dft", "--dataset_kwargs", '{"skip_prepare_dataset": true}',
+                            "--chat_template_kwargs", '{"enable_thinking": false}'])
+    assert (args.loss_type, args.dataset_kwargs) == ("dft", {"skip_prepare_dataset": True})
+    assert args.chat_template_kwargs == {"enable_thinking": False}
+
+
 # ------------------------------------------------------------------ TrainingArguments, images
 
 
