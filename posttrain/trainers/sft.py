@@ -190,8 +190,10 @@ class SFTTrainer(BaseTrainer):
         train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset, "eval_dataset")
         check_datasets(args, train_dataset, eval_dataset)
         seed_run(args)
-        model = loading.load_causal_lm(model, **(args.model_init_kwargs or {}))
-        tokenizer = loading.load_tokenizer(processing_class, model=model)
+        init_kwargs = args.model_init_kwargs or {}
+        model = loading.load_causal_lm(model, **init_kwargs)
+        tokenizer = loading.load_tokenizer(processing_class, model=model,
+                                           trust_remote_code=init_kwargs.get("trust_remote_code", False))
         if args.chat_template_path is not None:
             load_chat_template(tokenizer, args.chat_template_path, model)
         self.formatting_func = formatting_func
