@@ -560,6 +560,14 @@ class BaseTrainer(Trainer):
             with open(os.path.join(folder, "README.md"), "w") as f:
                 f.write(self.model_card(os.path.basename(os.path.normpath(folder))))
 
+    def create_model_card(self, model_name: str | None = None, **kwargs) -> None:
+        """What `push_to_hub` calls: posttrain's model card (see `model_card`) in output_dir, not transformers'."""
+        if self.is_world_process_zero():
+            folder = self.args.output_dir
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "README.md"), "w") as f:
+                f.write(self.model_card(model_name or os.path.basename(os.path.normpath(folder))))
+
     def model_card(self, model_name: str) -> str:
         """The model card's text: YAML metadata (base model, tags, dataset), the method, the hyperparameters
         that shape the result, library versions and the method's citation."""

@@ -138,3 +138,25 @@ def test_model_init_kwargs_as_trl_reads_them(tmp_path):
     args = DPOConfig(**config_kwargs(tmp_path, model_init_kwargs={"dtype": "float32", "torch_dtype": "bfloat16"}))
     with pytest.raises(ValueError, match="give one of them"):
         DPOTrainer(TINY, args=args, train_dataset=PAIRS)
+
+
+def test_trust_remote_code_in_model_init_kwargs_loads_the_folders_own_model_and_tokenizer(tmp_path):
+    import json
+    import shutil
+
+    from posttrain.models.loading import resolve
+
+    folder = tmp_path / "remote_model"
+    shutil.copytree(resolve(TINY), folder)
+    (folder / "custom.py").write_text("from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM\n\n\n"
+                                      "class RemoteLM(Qwen2ForCausalLM):\n    pass\n\n\n"
+                                      "class RemoteTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    for name, auto_map in (("config.json", {"AutoModelForCausalLM": "custom.RemoteLM"}),
+                           ("tokenizer_config.json", {"AutoTokenizer": [None, "custom.RemoteTokenizer"]})):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "auto_map": auto_map}))
+    trainer = DPOTrainer(str(folder), args=DPOConfig(**config_kwargs(tmp_path / "off")), train_dataset=PAIRS)
+    assert type(trainer.model).__name__ == "Qwen2ForCausalLM"  # off by default: transformers' own class
+    args = DPOConfig(**config_kwargs(tmp_path / "on", model_init_kwargs={"trust_remote_code": True}))
+    trainer = DPOTrainer(str(folder), args=args, train_dataset=PAIRS)
+    assert (type(trainer.model).__name__, type(trainer.processing_class).__name__) == ("RemoteLM", "RemoteTokenizer")

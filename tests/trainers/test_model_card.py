@@ -42,3 +42,10 @@ def test_the_card_names_the_dataset_and_each_method(tmp_path):
     meta, body = read_card(tmp_path / "kto")
     assert meta["datasets"] == ["my-pairs"] and "kto" in meta["tags"]
     assert "on the my-pairs dataset" in body and "@article{ethayarajh2024kto" in body
+
+
+def test_create_model_card_as_push_to_hub_calls_it_writes_posttrains_card(tmp_path):
+    trainer = DPOTrainer(TINY, args=DPOConfig(**config_kwargs(tmp_path)), train_dataset=PAIRS)
+    trainer.create_model_card(model_name="my-dpo-model")
+    meta, body = read_card(tmp_path)
+    assert meta["model_name"] == "my-dpo-model" and "@inproceedings{rafailov2023direct" in body
