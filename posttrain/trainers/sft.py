@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,9 @@ class SFTConfig(BaseConfig):
     max_length: int | None = field(
         default=1024, metadata={"help": "Sequences are cut to this many tokens (the bin size when packing). "
                                         "None: no truncation."})
+    max_seq_length: int | None = field(
+        default=None, metadata={"help": "Deprecated: the classic TRL name of `max_length`, copied into it with a "
+                                        "FutureWarning (both set to different values is an error)."})
     dataset_text_field: str = field(
         default="text", metadata={"help": "Column holding the text of language-modeling rows."})
     packing: bool = field(
@@ -118,6 +122,13 @@ class SFTConfig(BaseConfig):
     def __post_init__(self):
         if self.eval_packing is None:
             self.eval_packing = self.packing
+        if self.max_seq_length is not None:
+            if self.max_length not in (self.max_seq_length, SFTConfig.max_length):
+                raise ValueError(f"max_seq_length={self.max_seq_length} and max_length={self.max_length} disagree; "
+                                 "max_seq_length is the old name of max_length: set max_length only")
+            warnings.warn("max_seq_length is deprecated: it is the old name of max_length; set max_length instead",
+                          FutureWarning, stacklevel=3)
+            self.max_length = self.max_seq_length
         super().__post_init__()
 
     def _check(self):

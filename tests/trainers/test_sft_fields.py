@@ -182,6 +182,12 @@ def test_classic_documentation_call_runs_as_written(tmp_path):
     assert trainer.processing_class is tokenizer and (trainer.args.packing, trainer.args.max_length) == (True, 512)
     assert len(trainer.train_dataset) == 1  # the four short rows share one packed row
     assert trainer.model.model_tags[:2] == ["posttrain", "sft"]
+    # the classic docs' max_seq_length is the old name of max_length
+    with pytest.warns(FutureWarning, match="max_seq_length is deprecated"):
+        trainer = SFTTrainer(MODEL, args=config(tmp_path), train_dataset=rows, max_seq_length=12)
+    assert trainer.args.max_length == 12 and max(len(r["input_ids"]) for r in trainer.train_dataset) == 12
+    with pytest.raises(ValueError, match="disagree"):
+        SFTConfig(output_dir=str(tmp_path), max_length=64, max_seq_length=32)
     with pytest.raises(ValueError, match="train_dataset is required"):
         SFTTrainer(MODEL, args=config(tmp_path), train_dataset=None)
 
