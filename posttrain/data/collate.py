@@ -19,13 +19,15 @@ def pad(sequences: list[list[int]], value: int, side: str = "right", dtype=torch
 
 
 IGNORE_INDEX = -100  # label value that the loss skips
+MASK_COLUMNS = ("loss_mask", "completion_mask", "assistant_masks")  # the loss mask of a row, first present wins
 
 
 class LanguageModelingCollator:
     """Tokenised rows -> a causal-LM batch with `labels` (-100 where no loss is taken).
 
     A row has `input_ids`, optionally `loss_mask` (1 where the token is a training target; all
-    ones when absent) and `seq_lengths` (the sequences a packed row holds; one when absent).
+    ones when absent; TRL's `completion_mask` or `assistant_masks` of rows tokenised beforehand
+    serve when it is absent) and `seq_lengths` (the sequences a packed row holds; one when absent).
     The first token of every sequence is never a target, so a packed sequence is never
     predicted from the one before it.
 
@@ -47,7 +49,7 @@ class LanguageModelingCollator:
         ids, labels, positions = [], [], []
         for row in rows:
             seq = list(row["input_ids"])
-            mask = row.get("loss_mask")
+            mask = next((row[k] for k in MASK_COLUMNS if row.get(k) is not None), None)
             lab = [t if m else IGNORE_INDEX for t, m in zip(seq, mask)] if mask is not None else list(seq)
             pos, start = [], 0
             for n in row.get("seq_lengths") or [len(seq)]:

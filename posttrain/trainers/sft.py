@@ -52,7 +52,7 @@ from transformers import TrainingArguments
 from posttrain.core.logprobs import linear_selective_log_softmax, plain_lm_head, selective_log_softmax_stats
 from posttrain.data import formats
 from posttrain.data.chat import load_chat_template, template_variables
-from posttrain.data.collate import IGNORE_INDEX, LanguageModelingCollator
+from posttrain.data.collate import IGNORE_INDEX, MASK_COLUMNS, LanguageModelingCollator
 from posttrain.data.packing import STRATEGIES, pack_dataset, pack_rows
 from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
 from posttrain.models import loading
@@ -116,8 +116,8 @@ class SFTConfig(BaseConfig):
                                         "adds to them and wins."})
     dataset_kwargs: dict[str, Any] | None = field(
         default=None, metadata={"help": "TRL's dataset options. {'skip_prepare_dataset': True}: the datasets are "
-                                        "already tokenised (`input_ids`, optionally `loss_mask`) and are used as "
-                                        "they are."})
+                                        "already tokenised (`input_ids`, optionally `loss_mask`, `completion_mask` "
+                                        "or `assistant_masks`) and are used as they are."})
 
     def __post_init__(self):
         if self.eval_packing is None:
@@ -271,7 +271,7 @@ class SFTTrainer(BaseTrainer):
         columns = _column_names(dataset)
         _refuse_images(dataset, columns)
         if "input_ids" in columns:  # already tokenised
-            mask_column = next((c for c in ("loss_mask", "completion_mask", "assistant_masks") if c in columns), None)
+            mask_column = next((c for c in MASK_COLUMNS if c in columns), None)
             dataset = dataset.map(lambda row: {"loss_mask": row[mask_column] if mask_column else
                                                [1] * len(row["input_ids"])},
                                   remove_columns=[c for c in columns if c not in ("input_ids", "loss_mask")])

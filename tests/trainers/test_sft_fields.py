@@ -140,6 +140,11 @@ def test_dataset_kwargs_skip_prepare_dataset_uses_tokenised_rows_as_they_are(tmp
     batch = batch_of(trainer, 4)
     assert (batch["labels"] != IGNORE_INDEX).sum().item() == 4 * 3
     assert trainer.train().training_loss > 0
+    # TRL's own mask column of pre-tokenised rows serves too
+    trl_rows = Dataset.from_list([{"input_ids": r["input_ids"], "completion_mask": r["loss_mask"]} for r in rows])
+    trainer = SFTTrainer(MODEL, args=config(tmp_path, dataset_kwargs={"skip_prepare_dataset": True}),
+                         train_dataset=trl_rows)
+    assert (batch_of(trainer, 4)["labels"] != IGNORE_INDEX).sum().item() == 4 * 3
     with pytest.raises(ValueError, match="'input_ids' column"):
         SFTTrainer(MODEL, args=config(tmp_path, dataset_kwargs={"skip_prepare_dataset": True}), train_dataset=zen())
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['add_special_tokens'\]"):
