@@ -108,7 +108,8 @@ def test_chat_template_path_from_a_jinja_file_or_a_tokenizer_folder(tmp_path):
     trainer = SFTTrainer(MODEL, args=config(tmp_path, chat_template_path=str(tmp_path / "tok")), train_dataset=data,
                          processing_class=load_tokenizer(MODEL))
     tok, ids = trainer.processing_class, trainer.train_dataset[0]["input_ids"]
-    assert ids[0] == tok.convert_tokens_to_ids("<|think|>") == 1024 and tok.decode(ids[1:]).startswith("<|im_start|>USER")
+    assert ids[0] == tok.convert_tokens_to_ids("<|think|>") == 1024
+    assert tok.decode(ids[1:]).startswith("<|im_start|>USER")
     assert trainer.model.get_input_embeddings().weight.shape[0] == 1025
     assert trainer.train().global_step == 2
     with pytest.raises(ValueError, match="neither a Jinja template file nor a tokenizer folder"):
