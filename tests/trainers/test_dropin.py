@@ -95,7 +95,7 @@ def stream(rows):
     return IterableDataset.from_generator(lambda: iter(rows))
 
 
-@pytest.mark.parametrize("name", ["dpo", "kto"])
+@pytest.mark.parametrize("name", list(TRAINERS))
 def test_streamed_train_and_eval_data_are_tokenised_lazily(tmp_path, name):
     trainer_class, config_class = TRAINERS[name]
     args = config_class(**config_kwargs(tmp_path, max_steps=2, per_device_eval_batch_size=2))
@@ -116,6 +116,17 @@ def test_streaming_needs_max_steps(tmp_path):
     with pytest.raises(ValueError, match="precompute_ref_log_probs"):
         DPOTrainer(TINY, args=DPOConfig(**config_kwargs(tmp_path, precompute_ref_log_probs=True)),
                    train_dataset=stream(PAIRS))
+    with pytest.raises(ValueError, match="embedding_func"):
+        BCOTrainer(TINY, args=BCOConfig(**config_kwargs(tmp_path)), train_dataset=stream(PAIRS),
+                   embedding_func=lambda ids, mask: ids.float(), embedding_tokenizer=load_tokenizer(TINY))
+
+
+def test_evaluate_on_new_data_after_the_reference_was_precomputed_and_freed_is_refused(tmp_path):
+    args = DPOConfig(**config_kwargs(tmp_path, precompute_ref_log_probs=True))
+    trainer = DPOTrainer(TINY, args=args, train_dataset=PAIRS, eval_dataset=PAIRS[:2])
+    assert trainer.evaluate()["eval_loss"] > 0  # the eval data given at construction was scored
+    with pytest.raises(ValueError, match="pass it as eval_dataset= to the trainer"):
+        trainer.evaluate(eval_dataset=PAIRS[2:])
 
 
 def test_refusals_as_trl(tmp_path):
