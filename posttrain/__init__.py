@@ -24,6 +24,8 @@ _EXPORTS = {
     "OpenAIPairwiseJudge": "posttrain.judges", "WinRateCallback": "posttrain.judges", "win_rate": "posttrain.judges",
     "PlotCallback": "posttrain.plotting", "generation_accuracy": "posttrain.eval",
     "load_builtin": "posttrain.data.builtin", "task_dataset": "posttrain.data.builtin", "zen": "posttrain.data.builtin",
+    "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
+    "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
 }
 

@@ -15,6 +15,13 @@ with `use_cache=True` (generation) the critic is skipped and `value` is None.
 logits that predict token t+1, so a caller slices values exactly as it slices logits.
 Both save the policy as an ordinary checkpoint (loadable with AutoModelForCausalLM) and the
 critic next to it; `load_critic` reads the critic back in place (resuming from a checkpoint).
+
+`AutoModelForCausalLMWithValueHead` is the class classic TRL code imports: a
+`CausalLMWithValueHead` whose forward returns the classic tuple (lm_logits, loss, value) and whose
+head has the classic `v_head.summary` name. Given to PPOTrainer, its policy and head are the ones
+trained. Departure: the head starts at zero (V = 0), as PPO's own value head does, where classic TRL
+initialised it at random. posttrain has no encoder-decoder support, so
+`AutoModelForSeq2SeqLMWithValueHead` only refuses, saying so.
 """
 
 from __future__ import annotations
@@ -109,6 +116,57 @@ class CausalLMWithValueHead(_PolicyWrapper):
             raise FileNotFoundError(f"{path} has no {VALUE_HEAD_FILE}: it was not saved from a policy with a value "
                                     "head (CausalLMWithValueHead.save_pretrained)")
         self.v_head.load_state_dict(load_file(head))
+
+
+class ValueHead(nn.Linear):
+    """The scalar value head; `summary` is the classic TRL name of its linear layer (there a dropout plus a
+    `summary` Linear; here the Linear itself, so its checkpoint keys are those of CausalLMWithValueHead's head)."""
+
+    @property
+    def summary(self) -> nn.Linear:
+        return self
+
+
+class AutoModelForCausalLMWithValueHead(CausalLMWithValueHead):
+    """Classic TRL's causal LM with a value head: `from_pretrained(name_or_path)`, `save_pretrained`, `generate`,
+    `pretrained_model`, `v_head` (with `.summary`), and a forward returning (lm_logits, loss, value)."""
+
+    def __init__(self, pretrained_model: nn.Module):
+        super().__init__(pretrained_model)
+        self.v_head = ValueHead(pretrained_model.config.hidden_size, 1)
+        nn.init.zeros_(self.v_head.weight)
+        nn.init.zeros_(self.v_head.bias)
+
+    @property
+    def pretrained_model(self) -> nn.Module:
+        return self.policy
+
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False,
+                **kwargs):
+        """(lm_logits (B, T, V), loss (with `labels`, else None), value (B, T)) as classic TRL returned them,
+        plus past_key_values with `return_past_key_values`."""
+        kwargs.pop("output_hidden_states", None)
+        out = self.policy(input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                          output_hidden_states=True, **kwargs)
+        hidden = out.hidden_states[-1]
+        value = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1)
+        result = (out.logits, getattr(out, "loss", None), value)
+        return result + (out.past_key_values,) if return_past_key_values else result
+
+
+class AutoModelForSeq2SeqLMWithValueHead:
+    """Refused: posttrain trains decoder-only causal LMs and has no encoder-decoder (seq2seq) support."""
+
+    _message = ("AutoModelForSeq2SeqLMWithValueHead is not available: posttrain trains decoder-only causal LMs and "
+                "has no encoder-decoder (seq2seq) support. Use a causal LM with AutoModelForCausalLMWithValueHead "
+                "(or give PPOTrainer the causal LM itself; its value head is added)")
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(self._message)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        raise NotImplementedError(cls._message)
 
 
 def _backbone_and_head(value_model: nn.Module) -> tuple[nn.Module, nn.Module]:
