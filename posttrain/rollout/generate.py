@@ -58,6 +58,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0            # 0 = off
     min_p: float = 0.0        # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; as transformers: logits of seen tokens / p if > 0, * p if < 0
     do_sample: bool = True    # False = greedy
     num_generations: int = 1  # samples per prompt
     stop_token_ids: tuple[int, ...] = ()   # besides EOS
@@ -76,6 +77,8 @@ class SamplingConfig:
             raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}")
         if self.num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if any(not s for s in self.stop_strings):
@@ -93,6 +96,9 @@ class Rollout:
     logprobs: Tensor          # (N, C) float32 log-prob of each sampled token under softmax(logits / temperature), before filtering; 0 on padding
     is_truncated: Tensor      # (N,) bool: no stop was produced within max_new_tokens
     linear_outputs: LinearRecord | None = None  # with record_linears, where the lean step ran (`replay.py`)
+    # with continue_turn: (N, C) 1 on tokens fed rather than sampled (tool results, the template between
+    # turns); they are context (completion_mask 1) with log-prob 0, never trained on
+    tool_mask: Tensor | None = None
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
@@ -318,13 +324,20 @@ def _model_device(model) -> torch.device:
 @torch.no_grad()
 def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pad_token_id: int,
              eos_token_id: int | list[int] | None, tokenizer=None,
-             generator: torch.Generator | None = None, record_linears: bool = False) -> Rollout:
+             generator: torch.Generator | None = None, record_linears: bool = False,
+             continue_turn=None) -> Rollout:
     """Sample `sampling.num_generations` completions for each prompt (token-id lists, no padding).
 
     The model is put in eval mode for the duration and restored. Greedy decoding
     (`do_sample=False`) picks the argmax; log-probs are still those of softmax(logits / temperature).
     With `record_linears`, the rollout keeps every decoder layer's linear outputs (`replay.LinearRecord`)
     when the lean decoding step runs (Llama/Qwen2-style models on CPU), else `linear_outputs` is None.
+
+    continue_turn: multi-turn rollouts (`rollout.multiturn`). Called as `continue_turn(rows, tokens)` with
+    the rows that stopped at this step and each one's tokens so far; returns per row None (the row
+    finishes) or the token ids to feed next (a tool result and the next assistant header). Those ids
+    are fed one per step, as if sampled, so they go into the row's own KV cache after its earlier
+    tokens (nothing is prefilled again) while the other rows go on decoding; `tool_mask` marks them.
     """
     if not prompt_ids:
         raise ValueError("generate() got no prompts")
@@ -337,6 +350,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     G, max_new = sampling.num_generations, sampling.max_new_tokens
     net = _unwrap(model)
     device = _model_device(net)
+    pad_token_id = _embeddable_pad(net, pad_token_id, eos)
 
     # Prompt batch, left-padded; the mask comes from the lengths (pad may equal EOS or occur in prompts).
     lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
@@ -388,8 +402,15 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         rows = torch.arange(N, device=device)  # (A,) index in the output of each decoded row
         finished = torch.zeros(N, dtype=torch.bool, device=device)
         tokens, logps, masks = [], [], []
-        history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings
+        history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings and continue_turn
+        pending: dict[int, list[int]] = {}  # row -> ids still to feed (continue_turn)
+        fed_masks = []
         gen_device = generator.device if generator is not None else device
+        seen = None  # (N, V) bool: tokens in each row's prompt or completion so far, for repetition_penalty
+        if sampling.repetition_penalty != 1.0:
+            V = logits.shape[-1]  # padding is sent to an extra column, dropped after
+            ids = torch.where(attention[:, :P].bool(), prompts.repeat_interleave(G, dim=0), V)
+            seen = torch.zeros(N, V + 1, dtype=torch.bool, device=device).scatter_(1, ids, True)[:, :V]
         with linears:
             for t in range(max_new):
                 scaled = logits.float()
@@ -397,25 +418,44 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
                     scaled = scaled / sampling.temperature
                 if sampling.do_sample:
                     u = torch.rand(N, generator=generator, device=gen_device).to(device)[rows]
-                    picked = _sample(filter_logits(scaled, sampling.top_k, sampling.top_p, sampling.min_p), u)
+                    penalised = scaled if seen is None else _penalise(scaled, seen[rows], sampling.repetition_penalty)
+                    picked = _sample(filter_logits(penalised, sampling.top_k, sampling.top_p, sampling.min_p), u)
                 else:
-                    picked = scaled.argmax(-1)
+                    picked = (scaled if seen is None else _penalise(scaled, seen[rows], sampling.repetition_penalty)
+                              ).argmax(-1)
                 alive = ~finished
                 token = torch.full((N,), pad_token_id, dtype=torch.long, device=device).index_copy_(0, rows, picked)
                 token = torch.where(alive, token, pad_token_id)
                 logp = torch.zeros(N, device=device).index_copy_(0, rows, selective_log_softmax(scaled, picked))
+                fed = torch.zeros(N, dtype=torch.bool, device=device)
+                if pending:  # rows inside a tool result take its next id instead of their sample
+                    for i in list(pending):
+                        token[i], fed[i] = pending[i].pop(0), True
+                        if not pending[i]:
+                            del pending[i]
+                    logp.masked_fill_(fed, 0.0)
+                fed_masks.append(fed)
+                if seen is not None:
+                    seen[rows, token[rows]] = True
                 tokens.append(token)
                 logps.append(logp.masked_fill_(finished, 0.0))
                 masks.append(alive)
                 stopped = torch.isin(token, stop_ids) if len(stop_ids) else torch.zeros_like(finished)
-                if sampling.stop_strings:
+                if sampling.stop_strings or continue_turn is not None:
                     for row, tok in zip(history, token.tolist()):
                         row.append(tok)
+                if sampling.stop_strings:
                     live = alive.nonzero().flatten().tolist()
                     hits = _stop_string_hits(tokenizer, [history[i] for i in live], sampling.stop_strings, window)
                     hit_rows = [i for i, hit in zip(live, hits) if hit]
                     if hit_rows:
                         stopped[hit_rows] = True
+                stopped &= ~fed  # a fed EOS closes a tool turn, not the completion
+                if continue_turn is not None and bool((stopped & alive).any()):
+                    ended = (stopped & alive).nonzero().flatten().tolist()
+                    for i, ids in zip(ended, continue_turn(ended, [history[i][:t + 1] for i in ended])):
+                        if ids:
+                            stopped[i], pending[i] = False, list(ids)
                 finished = finished | (stopped & alive)
                 num_finished = int(finished.sum())  # the loop's one host sync per step
                 if t == max_new - 1 or not (_any_rank(num_finished < N, device) if lockstep else num_finished < N):
@@ -454,7 +494,24 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         logprobs=torch.stack(logps, dim=1),
         is_truncated=~finished,
         linear_outputs=record,
+        tool_mask=torch.stack(fed_masks, dim=1).long() if continue_turn is not None else None,
     )
+
+
+def _embeddable_pad(net, pad_token_id: int | None, eos: list[int]) -> int:
+    """The id padding is written with: the tokenizer's pad id, unless the model cannot embed it (a `[PAD]`
+    added past the embedding matrix), then the first EOS (or 0). Masks mark padding, so its id is never read."""
+    embeddings = net.get_input_embeddings() if hasattr(net, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if pad_token_id is not None and (rows is None or 0 <= pad_token_id < rows):
+        return pad_token_id
+    return eos[0] if eos else 0
+
+
+def _penalise(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """transformers' repetition penalty: (A, V) logits of seen tokens divided by `penalty` where positive,
+    multiplied where negative (sampling only; log-probs stay the policy's own)."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def _keep_output(destination: Tensor, module, inputs, output):

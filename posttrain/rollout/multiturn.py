@@ -1,0 +1,232 @@
+"""Multi-turn rollouts: tools, environments and user rollout functions in the online engine.
+
+A multi-turn rollout is the ordinary sampler (`rollout.generate`) continued. When a row stops at
+EOS, `Episodes` (the sampler's `continue_turn`) decodes the turn, parses its
+`<tool_call>{...}</tool_call>` blocks (`rollout.tools`), runs the calls (each with a timeout;
+failures become the tool message's text), and hands back the chat template's rendering of the
+tool turns and the next assistant header (`data.tokenize.continuation_ids`). The sampler feeds
+those ids into the row's own KV cache, one per step, and the row samples its next turn; a row
+whose turn has no tool call, or that has used `max_tool_calling_iterations`, finishes while the
+others go on. The fed ids are context only: `Rollout.tool_mask` marks them and the trainer takes
+them out of the loss, the KL and the entropy.
+
+`Tooling` is what a trainer keeps: the tools (`tools=`, Python functions) or the environment
+factories (`environment_factory=`, TRL's protocol: a fresh instance per rollout, its public methods
+are its tools, `reset(**row)` before the rollout may return text for the last user message,
+`get_reward()` scores it). `rollout_from_func` turns a user `rollout_func`'s output into a `Rollout`.
+
+Departure from TRL: the sampled tokens are kept as they are and the template's continuation is
+appended, rather than re-rendering the conversation; the two agree for templates that render a
+conversation as a prefix of its continuation (`continuation_ids` checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from posttrain.data.collate import pad
+from posttrain.data.tokenize import continuation_ids, encode_prompt
+from posttrain.rollout.environments import environment_tools
+from posttrain.rollout.generate import Rollout
+from posttrain.rollout.tools import assistant_turn, parse_tool_calls, run_tool_calls, tool_schemas, tools_by_name
+
+__all__ = ["Episodes", "Tooling", "rollout_from_func"]
+
+
+class Episodes:
+    """The state of one batch of multi-turn rollouts (N rows), and the sampler's `continue_turn`.
+
+    prompts: (N,) message lists; tools: (N,) {name: function} of each row; schemas: (N,) the
+    schemas the chat template shows each row. After the rollout, `completions(rollout)` gives each
+    episode as messages (assistant turns with their `tool_calls`, `tool` results) and `calls`,
+    `failures`, `turns` count per row what happened.
+    """
+
+    def __init__(self, tokenizer, prompts: list[list[dict]], tools: list[Mapping[str, Callable]],
+                 schemas: list[list[dict] | None], max_iterations: int, timeout: float):
+        self.tokenizer, self.prompts, self.tools, self.schemas = tokenizer, prompts, tools, schemas
+        self.max_iterations, self.timeout = max_iterations, timeout
+        N = len(prompts)
+        self.turns: list[list[dict]] = [[] for _ in range(N)]  # messages after the prompt
+        self.start = [0] * N  # where the current assistant turn begins in the row's completion ids
+        self.calls, self.failures, self.iterations = [0] * N, [0] * N, [0] * N
+
+    def __call__(self, rows: list[int], tokens: list[list[int]]) -> list[list[int] | None]:
+        """The ids to feed after each row's finished turn, or None where the episode ends."""
+        out: list[list[int] | None] = [None] * len(rows)
+        jobs = []  # (position in rows, row, the turn's message, its calls, parse errors)
+        for j, (i, ids) in enumerate(zip(rows, tokens)):
+            text = self.tokenizer.decode(ids[self.start[i]:], skip_special_tokens=True)
+            message = assistant_turn(text)
+            self.turns[i].append(message)
+            calls, errors = parse_tool_calls(text)
+            if (calls or errors) and self.iterations[i] < self.max_iterations:
+                jobs.append((j, i, calls, errors))
+        results = iter(run_tool_calls([c for _, _, calls, _ in jobs for c in calls],
+                                      [self.tools[i] for _, i, calls, _ in jobs for _ in calls], self.timeout))
+        for j, i, calls, errors in jobs:
+            replies = [next(results) for _ in calls]
+            messages = [m for m, _ in replies] + [{"role": "tool", "name": "", "content": f"Error: {e}"} for e in errors]
+            self.calls[i] += len(calls) + len(errors)
+            self.failures[i] += sum(err is not None for _, err in replies) + len(errors)
+            self.iterations[i] += 1
+            ids = continuation_ids(self.tokenizer, self.prompts[i] + self.turns[i], messages, tools=self.schemas[i])
+            self.turns[i] += messages
+            self.start[i] = len(tokens[j]) + len(ids)
+            out[j] = ids
+        return out
+
+    def completions(self, rollout: Rollout) -> list[list[dict]]:
+        """Each row's episode as messages; a row cut by the length limit gets its last, unfinished turn
+        (text fed inside a tool turn that was cut is dropped)."""
+        lengths = rollout.completion_mask.sum(1).tolist()
+        for i, (ids, n) in enumerate(zip(rollout.completion_ids.tolist(), lengths)):
+            if rollout.is_truncated[i] and self.start[i] < n:
+                self.turns[i].append(assistant_turn(self.tokenizer.decode(ids[self.start[i]:n],
+                                                                          skip_special_tokens=True)))
+        return self.turns
+
+    def metrics(self) -> dict[str, float]:
+        N = max(len(self.calls), 1)
+        calls = sum(self.calls)
+        return {"tools/calls_per_completion": calls / N,
+                "tools/failure_rate": sum(self.failures) / calls if calls else 0.0,
+                "tools/turns_per_episode": sum(self.iterations) / N + 1}
+
+
+class Tooling:
+    """A trainer's tools: functions (`tools=`) or environment factories (`environment_factory=`).
+
+    environment_factory: a callable returning a fresh environment, or {name: callable} with an
+    `environment` column naming each row's. `schemas_for(row)` gives the chat template's tools for a
+    dataset row; `episodes(...)` starts a batch of rollouts (fresh environments, `reset(**row)`).
+    """
+
+    def __init__(self, tools: Sequence[Callable] | None = None, environment_factory=None,
+                 max_iterations: int = 10, timeout: float = 10.0):
+        if tools and environment_factory is not None:
+            raise ValueError("give tools= or environment_factory= (an environment's methods are its tools), not both")
+        self.tools = tools_by_name(list(tools or []))
+        self.factories = (environment_factory if isinstance(environment_factory, Mapping)
+                          else None if environment_factory is None else {None: environment_factory})
+        for name, factory in (self.factories or {}).items():
+            if not callable(factory):
+                raise TypeError(f"environment_factory[{name!r}] must be a callable returning an environment, "
+                                f"got {factory!r}")
+        self.max_iterations, self.timeout = max_iterations, timeout
+        # the schemas of each environment kind, from one probe instance (same methods on every instance)
+        self._schemas = ({name: tool_schemas(environment_tools(factory())) for name, factory in self.factories.items()}
+                         if self.factories else {None: tool_schemas(list(self.tools.values()))})
+
+    def _kind(self, row: Mapping):
+        if self.factories is None or None in self.factories:
+            return None
+        kind = row.get("environment")
+        if kind not in self.factories:
+            raise ValueError(f"the 'environment' column must name one of {sorted(self.factories)} "
+                             f"(the keys of environment_factory), got {kind!r}")
+        return kind
+
+    def schemas_for(self, row: Mapping) -> list[dict]:
+        return self._schemas[self._kind(row)]
+
+    def environment_rewards(self) -> list[Callable]:
+        """One reward function per environment kind with `get_reward`, named after its class; it reads
+        the `environments` the trainer passes with the columns, and abstains (None) on other kinds' rows."""
+        funcs = []
+        for name, factory in (self.factories or {}).items():
+            probe = factory()
+            if not callable(getattr(probe, "get_reward", None)):
+                continue
+            kind = type(probe)
+
+            def reward(completions, environments, _kind=kind, **kwargs):
+                return [env.get_reward() if type(env) is _kind else None for env in environments]
+
+            reward.__name__ = kind.__name__
+            funcs.append(reward)
+        return funcs
+
+    def episodes(self, tokenizer, prompts: list, columns: dict[str, list], num_generations: int,
+                 max_prompt_length: int | None) -> tuple[Episodes, list | None, list[list[int]] | None]:
+        """(episodes, environments or None, prompt ids per prompt or None when unchanged) for N rows
+        (prompt-major, `num_generations` per prompt). Each row gets a fresh environment, `reset` with
+        the row's columns (and `prompt`); text it returns is appended to the last user message, which
+        must then be the same across a group (its rows share one prefill)."""
+        N = len(prompts)
+        if any(not isinstance(p, list) for p in prompts):
+            raise ValueError("tools and environments need conversational prompts (lists of messages): the chat "
+                             "template is what shows the tools to the model and renders the tool turns")
+        rows = [{**{k: v[i] for k, v in columns.items()}, "prompt": prompts[i]} for i in range(N)]
+        kinds = [self._kind(row) for row in rows]
+        if self.factories is None:
+            env_list, tools = None, [self.tools] * N
+        else:
+            env_list = [self.factories[kind]() for kind in kinds]
+            tools = [tools_by_name(environment_tools(env)) for env in env_list]
+        prompts = [list(p) for p in prompts]
+        new_ids = None
+        if env_list is not None:
+            for i, (env, row) in enumerate(zip(env_list, rows)):
+                reset = getattr(env, "reset", None)
+                text = reset(**row) if callable(reset) else None
+                if text:
+                    last = max(j for j, m in enumerate(prompts[i]) if m.get("role") == "user")
+                    prompts[i][last] = {**prompts[i][last], "content": f"{prompts[i][last]['content']}{text}"}
+            firsts = prompts[::num_generations]
+            for i, p in enumerate(prompts):
+                if p != firsts[i // num_generations]:
+                    raise ValueError(f"row {i}: reset() returned text that differs within a group of "
+                                     f"{num_generations} rollouts of one prompt; return the same text for the "
+                                     "same row (the group shares one prompt)")
+            if any(p != q for p, q in zip(prompts, (r["prompt"] for r in rows))):
+                new_ids = [encode_prompt(tokenizer, p, tools=self._schemas[k])
+                           for p, k in zip(firsts, kinds[::num_generations])]
+                if max_prompt_length:
+                    new_ids = [ids[-max_prompt_length:] for ids in new_ids]
+        episodes = Episodes(tokenizer, prompts, tools, [self._schemas[k] for k in kinds], self.max_iterations,
+                            self.timeout)
+        return episodes, env_list, new_ids
+
+
+def rollout_from_func(output: Mapping, num_rows: int, pad_token_id: int, eos_token_id) -> tuple[Rollout, dict]:
+    """(Rollout, extra columns for the reward functions) from a `rollout_func`'s output.
+
+    output: {"prompt_ids": N lists, "completion_ids": N lists, "logprobs": N lists (one per
+    completion token, under the sampling temperature), optional "tool_mask": N lists (1 on tokens
+    not to train on), any other key: N values for the reward functions}. N = num_rows.
+    """
+    missing = [k for k in ("prompt_ids", "completion_ids", "logprobs") if k not in output]
+    if missing:
+        raise ValueError(f"rollout_func must return a dict with prompt_ids, completion_ids and logprobs "
+                         f"(one list per completion); {missing} missing from its keys {sorted(output)}")
+    for key, value in output.items():
+        if len(value) != num_rows:
+            raise ValueError(f"rollout_func returned {len(value)} {key!r} values; expected {num_rows} "
+                             "(num_generations per prompt, prompt-major)")
+    prompt_ids = [list(map(int, p)) for p in output["prompt_ids"]]
+    completion_ids = [list(map(int, c)) for c in output["completion_ids"]]
+    for i, (c, lp) in enumerate(zip(completion_ids, output["logprobs"])):
+        if len(lp) != len(c):
+            raise ValueError(f"rollout_func row {i}: {len(lp)} logprobs for {len(c)} completion tokens")
+        if not c:
+            raise ValueError(f"rollout_func row {i}: the completion is empty; give at least one token")
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+    lengths = torch.tensor([len(p) for p in prompt_ids])
+    prompts = pad(prompt_ids, pad_token_id, side="left")
+    P = prompts.shape[1]
+    completions = pad(completion_ids, pad_token_id)
+    C = completions.shape[1]
+    mask = (torch.arange(C) < torch.tensor([len(c) for c in completion_ids])[:, None]).long()
+    tool_mask = None
+    if "tool_mask" in output:
+        tool_mask = pad([list(map(int, m)) for m in output["tool_mask"]], 0)
+    rollout = Rollout(
+        prompt_ids=prompts, prompt_mask=(torch.arange(P) >= (P - lengths)[:, None]).long(),
+        completion_ids=completions, completion_mask=mask,
+        logprobs=pad([[float(x) for x in lp] for lp in output["logprobs"]], 0, dtype=torch.float32),
+        is_truncated=torch.tensor([c[-1] not in eos for c in completion_ids]), tool_mask=tool_mask)
+    extra = {k: list(v) for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "tool_mask")}
+    return rollout, extra
