@@ -26,6 +26,9 @@ class CompletionsTable:
     def __init__(self, output_dir: str | None, num_to_print: int | None = None, max_chars: int = 200):
         self.path = os.path.join(output_dir, COMPLETIONS_FILE) if output_dir else None
         self.num_to_print, self.max_chars = num_to_print, max_chars
+        # console headings: prompt and completion columns; score columns are the reward names, or with a
+        # score_heading "score" (one reward) / "score (<name>)" (several), as the classic RLOO docs show them
+        self.headings, self.score_heading = ("prompt", "completion"), None
         self._steps_on_file: set[int] = set()  # steps a resumed run finds already written: not written twice
 
     def start(self, resumed_step: int | None = None):
@@ -70,10 +73,12 @@ class CompletionsTable:
         from rich.text import Text
 
         table = Table(title=f"completions at step {step}", show_lines=True)
-        table.add_column("prompt", overflow="fold")
-        table.add_column("completion", overflow="fold")
+        for heading in self.headings:
+            table.add_column(heading, overflow="fold")
         for name in names:
-            table.add_column(Text(name), justify="right")
+            title = name if self.score_heading is None else \
+                self.score_heading if len(names) == 1 else f"{self.score_heading} ({name})"
+            table.add_column(Text(title), justify="right")
         for row in rows:
             # Text, not str: rich would read "[/INST]" or "[bold]" in user text as markup (and fail on a stray tag)
             cells = [Text(_clip(row["prompt"], self.max_chars)), Text(_clip(row["completion"], self.max_chars))]

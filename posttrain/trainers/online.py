@@ -331,8 +331,7 @@ class OnlineTrainer(BaseTrainer):
         self._record_rollout(g, g_scores, g_truncated)
         if args.normalize_reward:
             g_scores = (g_scores - g_scores.mean()) / (g_scores.std() + 1e-8)
-        if args.reward_clip_range is not None:
-            g_scores = g_scores.clamp(-args.reward_clip_range, args.reward_clip_range)
+        g_scores = self.clip_scores(g_scores)
         per_token = args.advantage_estimator in PER_TOKEN_ESTIMATORS
         token_rewards = None
         if args.kl_in_reward and "ref_logp" in g:
@@ -357,6 +356,14 @@ class OnlineTrainer(BaseTrainer):
             batch.pop("ref_logp", None)  # the KL is in the advantages already
         self._episodes += g_scores.shape[0]
         return self._micro_batches(batch)
+
+    def clip_scores(self, scores: Tensor) -> Tensor:
+        """Scores clipped to `reward_clip_range`: c to [-c, c], a (min, max) pair to [min, max]; None: as they are."""
+        clip = self.args.reward_clip_range
+        if clip is None:
+            return scores
+        low, high = (-clip, clip) if isinstance(clip, (int, float)) else clip
+        return scores.clamp(low, high)
 
     def _options(self, fn) -> dict:
         """The config fields named in an estimator's / loss's keyword parameters."""

@@ -19,6 +19,13 @@ importance ratio is per token (the classic trainer used one ratio per sequence, 
 differs once the batch is reused, num_ppo_epochs > 1); completions always stop at EOS;
 `token_level_kl` gives the same advantages as the summed KL here, since the leave-one-out
 advantage is one number per sequence (it matters for per-token estimators).
+
+As in the classic trainer, `reward_clip_range` clips the scores only when `normalize_reward`
+normalises them (clipping raw scores would make every score beyond the range equal, and their
+advantages 0); it is a bound c ([-c, c]) or a (min, max) pair. A callable `reward_model` in the
+classic form is called as the classic trainer called it: with the decoded query + response texts.
+`val/clipfrac_avg` is logged as 0 (there is no critic), and the completions table has the classic
+headings: query | model response | score (one "score (<reward>)" column per reward when several).
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from transformers import TrainingArguments
 
+from posttrain.data.tokenize import encode_prompt
 from posttrain.trainers.online import OnlineConfig, OnlineTrainer
 
 # (classic name, GRPO-style name)
@@ -110,9 +120,22 @@ class RLOOConfig(ClassicOnlineConfig):
     _aliases = RLOO_ALIASES
     rloo_k: int = field(default=2, metadata={"help": "Completions per prompt (alias: num_generations)."})
     num_generations: int = field(default=2, metadata={"help": "Alias of rloo_k."})
-    reward_clip_range: float | None = field(default=10.0, metadata={"help": "Clip scores to [-c, c]."})
+    reward_clip_range: float | None = field(default=10.0, metadata={"help": "With normalize_reward, clip the "
+                                            "normalised scores to [-c, c] (in Python also a (min, max) pair); "
+                                            "without it, scores are not clipped (as in the classic trainer)."})
     advantage_estimator: str = field(default="leave_one_out", metadata={"help": "Advantage estimator."})
     loss_type: str = field(default="seq_mean_token_sum", metadata={"help": "Loss aggregation (see OnlineConfig)."})
+
+    def _check(self):
+        clip = self.reward_clip_range
+        if isinstance(clip, (list, tuple)):
+            if len(clip) != 2 or not all(isinstance(v, (int, float)) for v in clip) or clip[0] > clip[1]:
+                raise ValueError(f"reward_clip_range={clip!r}: give one bound c >= 0 (clips to [-c, c]) or a "
+                                 "(min, max) pair of numbers with min <= max")
+            self.reward_clip_range = (float(clip[0]), float(clip[1]))
+        elif clip is not None and clip < 0:
+            raise ValueError(f"reward_clip_range={clip} must be >= 0 (scores are clipped to [-c, c])")
+        super()._check()
 
 
 def _grpo_style(model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
@@ -147,7 +170,10 @@ class RLOOTrainer(OnlineTrainer):
             given = inspect.signature(_classic).bind(*args, **kwargs).arguments
             if given.get("policy") is None:
                 raise ValueError("the classic RLOOTrainer form needs policy= (a causal LM or its name)")
-            kw = dict(model=given["policy"], reward_funcs=given.get("reward_model"), args=given["config"],
+            reward = given.get("reward_model")
+            if _classic_callable(reward):
+                reward = _query_response_reward(reward, self)
+            kw = dict(model=given["policy"], reward_funcs=reward, args=given["config"],
                       train_dataset=given.get("train_dataset"), eval_dataset=given.get("eval_dataset"),
                       processing_class=given.get("processing_class"), callbacks=given.get("callbacks"),
                       optimizers=given.get("optimizers", (None, None)), peft_config=given.get("peft_config"),
@@ -155,3 +181,40 @@ class RLOOTrainer(OnlineTrainer):
         else:
             kw = dict(inspect.signature(_grpo_style).bind(*args, **kwargs).arguments)
         super().__init__(**kw)
+        self.completions_table.headings, self.completions_table.score_heading = ("query", "model response"), "score"
+
+    def clip_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        # the classic trainer clipped the normalised scores only: raw scores beyond the range would all become equal
+        return super().clip_scores(scores) if self.args.normalize_reward else scores
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.record({"val/clipfrac_avg": 0.0}, "train")  # the classic RLOO logged it; no critic, nothing clipped
+        return result
+
+
+def _classic_callable(func) -> bool:
+    """A callable in the classic reward form, `f(texts)`: not a model, and naming none of the reward-function
+    arguments (prompts, completions, completion_ids, **kwargs), which mark a GRPO-style reward function."""
+    if not callable(func) or isinstance(func, (torch.nn.Module, str)):
+        return False
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return True
+    return not any(p.kind is p.VAR_KEYWORD or p.name in ("prompts", "completions", "completion_ids") for p in params)
+
+
+def _query_response_reward(func, trainer):
+    """A classic RLOO callable reward model as a reward function: called with the decoded query + response texts
+    (one string per completion) and returning one score per text, as the classic trainer called it. The texts
+    are decoded with the trainer's tokenizer, which exists once the trainer is built (hence `trainer`)."""
+    def reward(prompts, completion_ids, **kwargs):
+        tok = trainer.processing_class
+        queries = [p if isinstance(p, str) else tok.decode(encode_prompt(tok, p), skip_special_tokens=True)
+                   for p in prompts]
+        responses = tok.batch_decode(completion_ids, skip_special_tokens=True)
+        return func([q + r for q, r in zip(queries, responses)])
+
+    reward.__name__ = getattr(func, "__name__", type(func).__name__)
+    return reward
