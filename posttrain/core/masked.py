@@ -163,3 +163,14 @@ def shared_prefix_attention_mask(segment: Tensor, valid: Tensor, additive_dtype:
         return allowed
     return torch.zeros(allowed.shape, dtype=additive_dtype, device=segment.device).masked_fill_(
         ~allowed, torch.finfo(additive_dtype).min)
+
+
+def top_quantile_mask(x: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """The masked entries of x (B, T) at or above the (1 - quantile) quantile of the masked entries:
+    the top `quantile` share, e.g. the highest-entropy 20% of tokens with 0.2 ("Beyond the 80/20 Rule",
+    Wang et al. 2025). quantile 1.0 keeps every masked entry. Returns a (B, T) 0/1 mask like `mask`."""
+    keep = mask.bool()
+    if quantile >= 1.0 or not keep.any():
+        return mask
+    threshold = torch.quantile(x[keep].float(), 1.0 - quantile)
+    return (keep & (x >= threshold)).to(mask.dtype)

@@ -5,6 +5,21 @@
              importance ratio of GSPO (Zheng et al. 2025).
   reinforce  the plain policy gradient: -A * π/π_old, no clipping (REINFORCE, Williams
              1992; used by RLOO and REINFORCE++ when each batch is used for one step).
+  cispo      CISPO (MiniMax-M1, MiniMax 2025): -sg(min(ρ, 1 + ε_high)) A log π. The clipped
+             importance weight is detached, so every token keeps a gradient (none is dropped
+             by the clip, unlike PPO); only the upper bound is applied, as in the paper's setup
+             (ε_low large).
+  sapo       SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): -f(ρ) A with the
+             smooth gate f(ρ) = (4/τ) σ(τ (ρ - 1)) in place of the hard clip; τ = τ_pos for
+             A > 0 and τ_neg for A <= 0. f'(1) = 1, so at ρ = 1 the gradient is the policy
+             gradient's; far from 1 it fades instead of stopping.
+
+CISPO's and SAPO's values are shifted by a constant (no gradient) so that, as for the others, a token
+sampled by the current policy (ρ = 1) has loss -A: CISPO -sg(w) A (1 + log π - sg(log π)), SAPO
+-(f(ρ) - f(1) + 1) A. Gradients are the papers'; only the logged loss reads on one scale.
+
+`delta` (INTELLECT-2, Prime Intellect 2025) bounds the clipped surrogate's ratio from above
+also where the advantage is negative (there PPO's clip leaves ρ unbounded): ρ -> min(ρ, δ).
 
 Every loss has one signature, `fn(logp, old_logp, advantages, mask, **options)`, and returns
 `(per_token_loss (B, T), stats)`; aggregation over tokens is `masked.aggregate_loss`'s job.
@@ -60,15 +75,17 @@ def clipped_surrogate(
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
     importance_sampling_level: str = "token",
+    delta: float | None = None,
 ) -> tuple[Tensor, dict]:
-    """-min(ρ A, clip(ρ, 1 - ε, 1 + ε_high) A) per token; ε_high defaults to ε.
+    """-min(ρ' A, clip(ρ, 1 - ε, 1 + ε_high) A) per token, ρ' = min(ρ, δ) (ρ' = ρ without δ);
+    ε_high defaults to ε.
 
     logp, old_logp, advantages, mask: (B, T). `clipped` marks tokens where the clipped term
     is the smaller one, i.e. where the token gives no gradient.
     """
     eps_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(_log_ratio(logp, old_logp, mask, importance_sampling_level))  # (B, T)
-    unclipped_loss = -ratio * advantages
+    unclipped_loss = -(ratio if delta is None else torch.clamp(ratio, max=delta)) * advantages
     clipped_loss = -torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * advantages
     per_token = torch.where(mask.bool(), torch.maximum(unclipped_loss, clipped_loss), 0.0)
     return per_token, _stats(ratio, clipped_loss > unclipped_loss, logp, old_logp, mask)
@@ -88,9 +105,67 @@ def reinforce(
     return per_token, _stats(ratio, torch.zeros_like(mask, dtype=torch.bool), logp, old_logp, mask)
 
 
+def cispo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon_high: float | None = None,
+    epsilon: float = 0.2,
+    importance_sampling_level: str = "token",
+) -> tuple[Tensor, dict]:
+    """-sg(min(ρ, 1 + ε_high)) A log π per token; ε_high defaults to ε. `clipped` marks tokens whose
+    weight was capped (they still give a gradient, of a smaller weight)."""
+    cap = 1.0 + (epsilon if epsilon_high is None else epsilon_high)
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask, importance_sampling_level))  # (B, T)
+    weight = torch.clamp(ratio, max=cap).detach()
+    log_pi = 1.0 + logp - logp.detach()  # log π up to a constant: value 1, gradient ∇log π
+    per_token = torch.where(mask.bool(), -weight * advantages * log_pi, 0.0)
+    return per_token, _stats(ratio, ratio.detach() > cap, logp, old_logp, mask)
+
+
+def sapo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    importance_sampling_level: str = "token",
+) -> tuple[Tensor, dict]:
+    """-(4/τ) σ(τ (ρ - 1)) A per token, τ = sapo_temperature_pos where A > 0, else sapo_temperature_neg.
+    No token is clipped: `clipped` is all False."""
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask, importance_sampling_level))  # (B, T)
+    tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+    gate = (torch.sigmoid(tau * (ratio - 1.0)) - 0.5) * 4.0 / tau + 1.0  # f(ρ) - f(1) + 1
+    per_token = torch.where(mask.bool(), -gate * advantages, 0.0)
+    return per_token, _stats(ratio, torch.zeros_like(mask, dtype=torch.bool), logp, old_logp, mask)
+
+
+def entropy_bonus(logp: Tensor, entropy: Tensor, ratio: Tensor | None = None) -> Tensor:
+    """A per-token surrogate whose value is the entropy H_t and whose gradient, in expectation over
+    the sampled token a ~ π, is ∇H_t: H_t - sg(log π(a) + H_t) (log π(a) - sg(log π(a))), as
+    ∇H = -E_a[(log π(a) + H) ∇log π(a)] (the score-function form; + H is a baseline).
+
+    logp (B, T) with gradient; entropy (B, T) exact over the vocabulary, without gradient (the fused
+    log-softmax gives none); ratio (B, T) π/π_old reweights tokens sampled from an older policy.
+    Departure: TRL differentiates the exact entropy through the logits; this estimate is unbiased
+    and avoids materialising the (B, T, V) logits with a gradient.
+    """
+    entropy = entropy.detach()
+    score = -(logp.detach() + entropy) * (logp - logp.detach())
+    if ratio is not None:
+        score = score * ratio.detach()
+    return entropy + score
+
+
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict]]] = {
     "clipped": clipped_surrogate,
     "reinforce": reinforce,
+    "cispo": cispo,
+    "sapo": sapo,
 }
 
 
