@@ -193,12 +193,13 @@ class PPOTrainer(OnlineTrainer):
     # ------------------------------------------------------------------ the classic manual loop
     @property
     def dataloader(self):
-        """Batches of prompts for the manual loop: "query" (text), "input_ids" (token-id tensors), other columns."""
+        """Batches of prompts for the manual loop: "query" and "prompt" (as given), "input_ids" (token-id tensors),
+        the other columns ("instruction", ...)."""
         if getattr(self, "_manual_loader", None) is None:
             def collate(rows):
                 batch = self._collate(rows)
-                return {"query": batch["prompt"], "input_ids": [torch.tensor(ids) for ids in batch["prompt_ids"]],
-                        **batch["columns"]}
+                return {"query": batch["prompt"], "prompt": batch["prompt"],
+                        "input_ids": [torch.tensor(ids) for ids in batch["prompt_ids"]], **batch["columns"]}
 
             size = self.args.per_process_generation // self.args.num_generations
             self._manual_loader = torch.utils.data.DataLoader(self.train_dataset, batch_size=size, collate_fn=collate,

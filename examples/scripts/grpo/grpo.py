@@ -11,12 +11,11 @@ reward-model names/paths; every GRPOConfig field is a flag (or use --config file
 
 import sys
 
-from posttrain.cli import parse
+from posttrain.cli import build_online, parse
 from posttrain.trainers.grpo import GRPOTrainer
-from posttrain.trainers.online import build_for_cli
 
 if __name__ == "__main__":
     script_args, config = parse("grpo", sys.argv[1:])
-    trainer = build_for_cli(GRPOTrainer, script_args, config)
+    trainer = build_online(GRPOTrainer, script_args, config)
     trainer.train()
     trainer.save_model(config.output_dir)

@@ -11,12 +11,11 @@ The policy is saved as an ordinary checkpoint in --output_dir, the value head ne
 
 import sys
 
-from posttrain.cli import parse
-from posttrain.trainers.online import build_for_cli
+from posttrain.cli import build_online, parse
 from posttrain.trainers.ppo import PPOTrainer
 
 if __name__ == "__main__":
     script_args, config = parse("ppo", sys.argv[1:])
-    trainer = build_for_cli(PPOTrainer, script_args, config)
+    trainer = build_online(PPOTrainer, script_args, config)
     trainer.train()
     trainer.save_model(config.output_dir)

@@ -12,12 +12,11 @@ reward functions (exact_match, digit_match, module:function).
 
 import sys
 
-from posttrain.cli import parse
-from posttrain.trainers.online import build_for_cli
+from posttrain.cli import build_online, parse
 from posttrain.trainers.rloo import RLOOTrainer
 
 if __name__ == "__main__":
     script_args, config = parse("rloo", sys.argv[1:])
-    trainer = build_for_cli(RLOOTrainer, script_args, config)
+    trainer = build_online(RLOOTrainer, script_args, config)
     trainer.train()
     trainer.save_model(config.output_dir)
