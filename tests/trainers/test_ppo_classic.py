@@ -116,3 +116,18 @@ def test_classic_value_head_model_is_the_policy_and_critic(tmp_path):
     trainer.step(queries, trainer.generate(queries, max_new_tokens=4), [2.0, -1.0])
     assert not torch.equal(vh.v_head.summary.weight, head_before)
     assert all(not torch.equal(p, body_before[n]) for n, p in vh.pretrained_model.named_parameters())
+
+
+def test_adaptive_kl_run_resumes_identically(tmp_path):
+    from online_helpers import first_token_reward, prompts
+    from resume_helpers import assert_resumes_identically
+
+    # one optimizer step per batch; target and horizon small, so the coefficient moves a lot after every batch
+    def make(**fields):
+        args = PPOConfig(**{**online_args(fields["output_dir"], gradient_accumulation_steps=1, num_ppo_epochs=1,
+                                          init_kl_coef=0.2, adap_kl_ctrl=True, target=0.01, horizon=10), **fields})
+        return PPOTrainer(args=args, model=MODEL, reward_funcs=first_token_reward, train_dataset=prompts(12))
+
+    resumed = assert_resumes_identically(make, tmp_path, max_steps=3, stop_at=1)
+    coefs = [e["objective/kl_coef"] for e in resumed.state.log_history if "objective/kl_coef" in e]
+    assert len(set(coefs)) == len(coefs) >= 2  # it moved between the logged steps
