@@ -241,7 +241,10 @@ class PPOTrainer(OnlineTrainer):
             response = ids[:n].cpu()
             out.append(torch.cat([torch.tensor(prompt), response]) if return_prompt else response)
         if isinstance(queries[0], str):
-            out = self.processing_class.batch_decode(out, skip_special_tokens=True)
+            texts = self.processing_class.batch_decode(out, skip_special_tokens=True)
+            # step() given these texts uses the sampled tokens (EOS included), not a re-tokenisation of the text
+            self._sampled = {t: ids for t, ids in zip(texts, out)} if not return_prompt else {}
+            out = texts
         return out[0] if single else out
 
     def step(self, queries, responses, scores) -> dict[str, float]:
@@ -265,6 +268,9 @@ class PPOTrainer(OnlineTrainer):
             scores = check_scores(scores, "step() scores")
         except RewardError as err:
             raise ValueError(f"PPOTrainer.{err}; give one finite float (or one-element tensor) per response") from err
+        sampled = getattr(self, "_sampled", {})
+        if responses and isinstance(responses[0], str) and all(r in sampled for r in responses):
+            responses = [sampled[r] for r in responses]
         rollout = self._rollout_from(self._ids(queries), self._ids(responses, prompts=False))
         model = self.model_wrapped if self.model_wrapped is not None else self.model
         if self.optimizer is None:

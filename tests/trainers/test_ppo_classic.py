@@ -77,7 +77,13 @@ def test_step_tells_the_argument_order_by_type(tmp_path):
     responses = trainer.generate(queries, max_new_tokens=3)
     # the later classic order (queries, responses, scores) with tensor scores, then the classic docs' order
     trainer.step(queries, responses, [torch.tensor(1.0), torch.tensor(0.0)])
-    trainer.step(responses, [1.0, 0.0], queries)
+    sampled = trainer.generate(queries, max_new_tokens=3, return_prompt=False)
+    ids = [trainer._sampled[text].tolist() for text in sampled]
+    seen = []
+    rollout_from = trainer._rollout_from
+    trainer._rollout_from = lambda p, r: seen.append(r) or rollout_from(p, r)
+    trainer.step(sampled, [1.0, 0.0], queries)
+    assert seen == [ids]  # texts from generate() are trained on as the tokens sampled, not re-tokenised
     assert trainer.state.global_step == 2
     with pytest.raises(ValueError, match="none of its arguments is a list of numbers"):
         trainer.step(queries, responses, queries)
