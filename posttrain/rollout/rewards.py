@@ -255,7 +255,7 @@ class RewardScorer:
         return proc
 
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]],
-                 columns: dict[str, list]) -> tuple[Tensor, Tensor]:
+                 columns: dict[str, list], extra: dict | None = None) -> tuple[Tensor, Tensor]:
         """Returns (per_function (N, F) float32, NaN where a function abstained; total (N,) float32).
 
         total = sum over functions of weight * value, skipping abstentions; a sample on which every
@@ -265,7 +265,9 @@ class RewardScorer:
         for what, values in [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()]:
             if len(values) != N:
                 raise ValueError(f"{what!r} has {len(values)} values but there are {N} completions")
-        available = {**columns, "prompts": prompts, "completions": completions, "completion_ids": completion_ids}
+        # extra: per-call values, not per completion (the trainer's `trainer_state`, `log_metric`, `log_extra`)
+        available = {**columns, **(extra or {}), "prompts": prompts, "completions": completions,
+                     "completion_ids": completion_ids}
 
         calls = {i: c.arguments(available) for i, c in enumerate(self._callers) if c is not None}  # fail before running any
         results: list = [None] * len(self.funcs)

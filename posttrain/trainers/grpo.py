@@ -13,7 +13,11 @@ policy_loss="clipped", KL in the loss. Variants are config values, not other tra
               2025: token mean over the whole step; the default, as in recent TRL);
   epsilon_high              DAPO's asymmetric clip ("clip-higher");
   importance_sampling_level "sequence" for GSPO (Zheng et al. 2025);
-  mask_truncated_completions, scale_rewards ("group" | "batch" | "none").
+  mask_truncated_completions, scale_rewards ("group" | "batch" | "none");
+  loss_type   "cispo" / "sapo" also pick their policy loss (core.policy_losses; token mean);
+  delta (INTELLECT-2), entropy_coef, top_entropy_quantile, use_bias_correction_kl,
+  off_policy_mask_threshold, multi_objective_aggregation="normalize_then_sum" (GDPO), as TRL 1.16.
+TRL's loss types "luspo" and "vespo" are not provided: no formula we could verify was at hand.
 
 Departures: the old-policy log-probs are the sampler's own (no extra forward pass), and when the
 policy cannot have moved since sampling, old = current (detached), so the ratio is exactly 1.
@@ -48,9 +52,11 @@ class GRPOTrainer(OnlineTrainer):
     config_class = GRPOConfig
     _tag = "GRPO"
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None, ref_model=None):
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), peft_config=None, ref_model=None, tools=None, environment_factory=None,
+                 rollout_func=None):
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-                         callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, ref_model=ref_model)
+                         callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, ref_model=ref_model,
+                         tools=tools, environment_factory=environment_factory, rollout_func=rollout_func)

@@ -51,16 +51,18 @@ from torch import Tensor
 from posttrain.core.advantages import ADVANTAGES, AdvantageInput, _per_token_rewards, compute_advantages
 from posttrain.core.kl import kl_penalty
 from posttrain.core.logprobs import token_logprobs
-from posttrain.core.masked import aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten
-from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss
+from posttrain.core.masked import (aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten,
+                                   top_quantile_mask)
+from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus
 from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.models import loading
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, completion_logprobs, generate
+from posttrain.rollout.multiturn import Tooling, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import BaseTrainer, SyncRefModelCallback, seed_run
-from posttrain.trainers.online_config import (_COUNT, CRITIC_ESTIMATORS, LOSS_TYPES, PER_TOKEN_ESTIMATORS,
-                                              OnlineConfig)
+from posttrain.trainers.online_config import (_COUNT, CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LOSS_TYPES,
+                                              PER_TOKEN_ESTIMATORS, OnlineConfig)
 
 def build_for_cli(trainer_class, script_args, config):
     """A trainer for `posttrain grpo|rloo|ppo`: datasets from the script arguments; rewards from
@@ -142,7 +144,8 @@ class OnlineTrainer(BaseTrainer):
 
     def __init__(self, model, reward_funcs=None, args: OnlineConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, ref_model=None, value_model=None):
+                 optimizers=(None, None), peft_config=None, ref_model=None, value_model=None, tools=None,
+                 environment_factory=None, rollout_func=None):
         name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
         args = args or self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self._tag}")
         seed_run(args)  # before any weights are made here (a LoRA adapter's, a critic's head), as BaseTrainer does
@@ -153,6 +156,8 @@ class OnlineTrainer(BaseTrainer):
             for module in policy.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
+        if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
+            policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
         policy = loading.apply_peft(policy, peft_config)
         if args.advantage_estimator in CRITIC_ESTIMATORS:  # the critic trains with the policy, in one module
             critic = value_model if value_model is None else loading.load_sequence_classifier(value_model, **init_kwargs)
@@ -164,9 +169,25 @@ class OnlineTrainer(BaseTrainer):
             wrapped = policy
         if reward_funcs is None and args.reward_model_path:
             reward_funcs = [args.reward_model_path]
+        # tools= / environment_factory=: multi-turn rollouts (rollout/multiturn.py); an environment's
+        # get_reward() is one more reward function, named after its class
+        tooling = None
+        if tools or environment_factory is not None:
+            tooling = Tooling(tools, environment_factory, max_iterations=args.max_tool_calling_iterations
+                              if args.max_tool_calling_iterations is not None else 2 ** 31,
+                              timeout=args.tool_call_timeout)
+            env_rewards = tooling.environment_rewards()
+            if env_rewards:
+                given = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
+                    else [reward_funcs]
+                reward_funcs = given + env_rewards
+        if rollout_func is not None and tooling is not None:
+            raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
+                             "rollout_func or tools= / environment_factory=, not both")
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
             raise ValueError("reward_funcs is required: reward functions, reward models, or model names "
-                             "(or set reward_model_path)")
+                             "(or set reward_model_path, or give an environment_factory whose environments "
+                             "have get_reward)")
         self._check_dataset(train_dataset, "train_dataset")
         for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if data is not None and not isinstance(data, dict):  # prompts refused here, not at a later step
@@ -175,9 +196,11 @@ class OnlineTrainer(BaseTrainer):
                          eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers,
                          data_collator=lambda rows: rows)
         self.loss_is_scaled_for_ga = True  # our denominators already span the whole optimizer step
+        self.tooling, self.rollout_func = tooling, rollout_func
         self.policy = policy
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
                                           tokenizer=processing_class, device=self.accelerator.device)
+        self.reward_processing_classes = reward_processing_classes  # as TRL's trainer exposes them
         needs_ref = args.beta > 0
         if needs_ref and ref_model is None and not loading.is_peft_model(policy):
             ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic
@@ -190,7 +213,12 @@ class OnlineTrainer(BaseTrainer):
         self.sampling = SamplingConfig(
             max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, num_generations=args.num_generations,
-            stop_token_ids=tuple(args.stop_token_ids or ()), stop_strings=tuple(args.stop_strings or ()))
+            stop_token_ids=tuple(args.stop_token_ids or ()), stop_strings=tuple(args.stop_strings or ()),
+            repetition_penalty=args.repetition_penalty)
+        if args.generation_kwargs:  # keys checked by the config; tuples where SamplingConfig keeps tuples
+            self.sampling = dataclasses.replace(self.sampling, **{
+                key: tuple(v) if key in ("stop_strings", "stop_token_ids") else v
+                for key, v in args.generation_kwargs.items()})
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
         self._shuffle = torch.Generator().manual_seed(args.seed + 1)
         self.loss_mode, self.global_denominator = LOSS_TYPES[args.loss_type]
@@ -209,8 +237,9 @@ class OnlineTrainer(BaseTrainer):
         self.completions_table = CompletionsTable(args.output_dir, args.num_completions_to_print)
         per_generation = args.per_process_generation * self.accelerator.num_processes
         self.optimizer_steps_per_generation = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
-        if args.total_episodes:
-            args.max_steps = math.ceil(args.total_episodes / per_generation) * self.optimizer_steps_per_generation
+        if args.total_episodes:  # steps_per_generation need not be a multiple of gradient_accumulation_steps
+            args.max_steps = math.ceil(math.ceil(args.total_episodes / per_generation) * args.steps_per_generation
+                                       * args.num_iterations / args.gradient_accumulation_steps)
         if train_dataset is not None and len(self.get_train_dataloader()) == 0:
             raise ValueError(f"train_dataset has {len(train_dataset)} prompts, fewer than one generation batch needs "
                              f"({per_generation // args.num_generations}); add prompts or lower "
@@ -231,7 +260,9 @@ class OnlineTrainer(BaseTrainer):
         tok, limit = self.processing_class, self.args.max_prompt_length
         if "prompt" in rows[0]:
             prompts = [row["prompt"] for row in rows]
-            prompt_ids = [encode_prompt(tok, p) for p in prompts]
+            prompt_ids = [encode_prompt(tok, p, tools=self.tooling.schemas_for(row) if self.tooling else None,
+                                        template_kwargs=self.args.chat_template_kwargs)
+                          for p, row in zip(prompts, rows)]
         else:  # pre-tokenised prompts, as in classic PPO/RLOO datasets
             prompt_ids = [list(row["input_ids"]) for row in rows]
             prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
@@ -248,33 +279,80 @@ class OnlineTrainer(BaseTrainer):
                              args.steps_per_generation * args.num_iterations, args.shuffle_dataset, args.seed)
 
     # ------------------------------------------------------------------ rollout
-    def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None) -> Rollout:
+    def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None,
+                           continue_turn=None) -> Rollout:
         """Generate `num_generations` completions per prompt with the current policy. With the training
-        sampling settings (`sampling` None) and `self.replays`, the rollout keeps the linear outputs."""
+        sampling settings (`sampling` None) and `self.replays`, the rollout keeps the linear outputs.
+        continue_turn: a multi-turn rollout's `Episodes` (see `generate`)."""
         tok = self.processing_class
         return generate(self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
                         eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator,
-                        record_linears=self.replays and sampling is None)
+                        record_linears=self.replays and sampling is None, continue_turn=continue_turn)
+
+    def roll_out(self, inputs: dict, prompts: list, columns: dict, sampling: SamplingConfig | None = None,
+                 mode: str = "train"):
+        """(rollout, episodes or None) for a batch of prompts, `prompts` / `columns` repeated per completion.
+
+        The user's `rollout_func(prompts, trainer)` when given (its extra fields join `columns`); else the
+        sampler, multi-turn with tools or environments (each row's environment joins `columns` as
+        `environments`, for `get_reward`)."""
+        tok = self.processing_class
+        if self.rollout_func is not None:
+            rollout, extra = rollout_from_func(self.rollout_func(prompts, self), len(prompts), tok.pad_token_id,
+                                               tok.eos_token_id)
+            columns.update(extra)
+            return rollout, None
+        if self.tooling is None:
+            return self.sample_completions(inputs["prompt_ids"], sampling), None
+        G = (sampling or self.sampling).num_generations
+        episodes, environments, prompt_ids = self.tooling.episodes(tok, prompts, columns, G, self.args.max_prompt_length)
+        if environments is not None:
+            columns["environments"] = environments
+        rollout = self.sample_completions(prompt_ids or inputs["prompt_ids"], sampling, continue_turn=episodes)
+        self.record(episodes.metrics(), mode)
+        return rollout, episodes
 
     @torch.no_grad()
     def make_experience(self, inputs: dict) -> list[dict]:
         """Generate, score and prepare one generation batch; returns its micro-batches in training order."""
         k = self.args.num_generations
         self._start_time = self._start_time or time.time()
-        rollout = self.sample_completions(inputs["prompt_ids"])
         prompts = [p for p in inputs["prompt"] for _ in range(k)]
         columns = {key: [v for v in values for _ in range(k)] for key, values in inputs["columns"].items()}
-        texts, completions, ids = self.decode(rollout, prompts)
-        per_function, scores = self.reward_scorer(prompts, completions, ids, columns)
+        rollout, episodes = self.roll_out(inputs, prompts, columns)
+        texts, completions, ids = self.decode(rollout, prompts, episodes)
+        per_function, scores = self.reward_scorer(prompts, completions, ids, columns, extra=self._reward_extras("train"))
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            scores = self._normalize_then_sum(per_function)
         self._record_rewards(per_function)
         self._keep_samples(prompts, texts, per_function)
         return self.build_experience(rollout, scores)
 
-    def decode(self, rollout: Rollout, prompts: list):
-        """(texts, completions as reward functions get them (messages for chat prompts), token-id lists)."""
+    def _reward_extras(self, mode: str) -> dict:
+        """The keyword arguments TRL passes every reward function besides the data: the trainer state and
+        two logging hooks (`log_metric(name, value)` averages a number into the logs; `log_extra(name,
+        values)` is accepted, its per-completion values are not kept)."""
+        return {"trainer_state": self.state, "log_metric": lambda name, value: self.record({name: float(value)}, mode),
+                "log_extra": lambda name, values: None}
+
+    def _normalize_then_sum(self, per_function: Tensor) -> Tensor:
+        """GDPO's aggregation (this process's rows hold whole groups): each reward z-scored within its group
+        (std + 1e-4; an abstention counts 0 after), then the weighted sum. (N, F) -> (N,)."""
+        k = self.args.num_generations
+        groups = per_function.view(-1, k, per_function.shape[1])  # (P, k, F)
+        mean = groups.nanmean(1, keepdim=True)
+        std = torch.sqrt(((groups - mean) ** 2).nanmean(1, keepdim=True) * k / max(k - 1, 1))
+        normalized = torch.nan_to_num((groups - mean) / (std + 1e-4), nan=0.0).view_as(per_function)
+        return (normalized * self.reward_scorer.weights.to(normalized.device)).sum(1)
+
+    def decode(self, rollout: Rollout, prompts: list, episodes=None):
+        """(texts, completions as reward functions get them (messages for chat prompts; a multi-turn
+        episode's assistant turns, tool calls and tool results), token-id lists)."""
         lengths = rollout.completion_mask.sum(1).tolist()
         ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]
         texts = self.processing_class.batch_decode(ids, skip_special_tokens=True)
+        if episodes is not None:
+            return texts, episodes.completions(rollout), ids
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
                        for p, t in zip(prompts, texts)]
         return texts, completions, ids
@@ -311,6 +389,8 @@ class OnlineTrainer(BaseTrainer):
         self._replay = rollout.linear_outputs
         truncated = rollout.is_truncated.to(device)
         loss_mask = batch["completion_mask"].clone()
+        if rollout.tool_mask is not None:  # fed tool results: context, out of the loss, the KL and the entropy
+            loss_mask = loss_mask * (1 - rollout.tool_mask.to(device))
         if args.mask_truncated_completions:
             loss_mask[truncated] = 0
         batch["loss_mask"] = loss_mask
@@ -392,7 +472,10 @@ class OnlineTrainer(BaseTrainer):
         counts = []  # per optimizer step: tokens, sequences, rows (this process)
         for j in range(0, len(rows), ga):
             m = batch["loss_mask"][torch.cat(rows[j:j + ga])]
-            counts.append([m.sum(), (m.sum(1) > 0).sum(), m.shape[0]])
+            # a last chunk of n < ga micro-batches (steps_per_generation not a multiple of ga) shares its optimizer
+            # step with the next generation batch: scaled by ga / n, it weighs n / ga of that step's mean
+            share = ga / len(rows[j:j + ga])
+            counts.append([m.sum() * share, (m.sum(1) > 0).sum() * share, m.shape[0] * share])
         counts = torch.tensor(counts, dtype=torch.float64, device=batch["loss_mask"].device)
         world = self.accelerator.num_processes
         if world > 1:
@@ -401,7 +484,7 @@ class OnlineTrainer(BaseTrainer):
         counts[:, 2] *= args.max_completion_length
         micro = []
         for i, idx in enumerate(rows):
-            mb = _trim({k: v[idx] for k, v in batch.items()})
+            mb = _trim({k: v[idx] for k, v in batch.items()}, args.pad_to_multiple_of)
             step_counts = counts[i // ga]
             denominator = step_counts[_COUNT[self.loss_mode]]
             if not self.global_denominator:  # bnpo: this micro-batch's tokens
@@ -453,7 +536,21 @@ class OnlineTrainer(BaseTrainer):
                                                            **self._options(POLICY_LOSSES[args.policy_loss]))
         metrics = {"loss/policy_avg": masked_mean(per_token.detach(), mask)}
         if "ref_logp" in inputs:  # GRPO: beta * KL(pi || ref) per token, in the loss
-            per_token = per_token + args.beta * kl_penalty(logp, inputs["ref_logp"], args.kl_estimator)
+            kl = kl_penalty(logp, inputs["ref_logp"], args.kl_estimator)
+            if args.use_bias_correction_kl:  # samples are pi_old's: weight by pi/pi_old to estimate KL(pi || ref)
+                kl = kl * torch.exp(torch.where(mask.bool(), logp - old_logp, 0.0))
+            per_token = per_token + args.beta * kl
+        if args.entropy_coef:
+            per_token = per_token - args.entropy_coef * entropy_bonus(logp, entropy, stats["ratio"])
+        # tokens left out keep their place in the denominator, as TRL's masks do
+        keep = mask
+        if args.top_entropy_quantile < 1.0:
+            keep = top_quantile_mask(entropy.detach(), keep, args.top_entropy_quantile)
+        if args.off_policy_mask_threshold is not None:
+            drift = masked_mean(old_logp - logp.detach(), mask, dim=1)  # (B,) mean log pi_old/pi per sequence
+            negative = (inputs["advantages"] * mask).sum(1) < 0
+            keep = keep * ~(negative & (drift > args.off_policy_mask_threshold))[:, None]
+        per_token = torch.where(keep.bool(), per_token, 0.0)
         loss = aggregate_loss(per_token, mask, self.loss_mode, denominator=inputs["denominator"],
                               max_length=args.max_completion_length)
         if critic:
@@ -529,25 +626,47 @@ class OnlineTrainer(BaseTrainer):
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """One completion per eval prompt with the training sampling settings; the mean rewards as metrics."""
+        """`num_generations_eval` completions per eval prompt (1 by default) with the training sampling settings;
+        the mean rewards as metrics, and `eval_loss`: the policy loss (plus the in-loss KL) on these completions
+        with advantages from their rewards, as TRL computes its eval loss on eval rollouts (no critic
+        estimators: their loss needs value targets, so PPO reports rewards only). A dict of datasets is
+        evaluated one by one, each with its name in the metric prefix (`eval_<name>_reward`), as Trainer does."""
         from accelerate.utils import gather_object
 
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):  # Trainer's periodic evaluation names one of a dict's datasets
+            dataset = self.eval_dataset[dataset]
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset: give one here or to the trainer")
         self._check_dataset(dataset, "eval_dataset")
         acc, bs = self.accelerator, self.args.per_device_eval_batch_size
         mine = list(range(acc.process_index, len(dataset), acc.num_processes))
-        sampling = dataclasses.replace(self.sampling, num_generations=1)
-        rows = []  # (total reward, per-function rewards, length) per completion
+        k = self.args.num_generations_eval or 1
+        sampling = dataclasses.replace(self.sampling, num_generations=k)
+        rows, losses = [], []  # (total reward, per-function rewards, length) per completion; loss per batch
         for s in range(0, len(mine), bs):
             batch = self._collate([dataset[i] for i in mine[s:s + bs]])
-            rollout = self.sample_completions(batch["prompt_ids"], sampling)
-            texts, completions, ids = self.decode(rollout, batch["prompt"])
-            per_function, total = self.reward_scorer(batch["prompt"], completions, ids, batch["columns"])
+            prompts = [p for p in batch["prompt"] for _ in range(k)]
+            columns = {key: [v for v in values for _ in range(k)] for key, values in batch["columns"].items()}
+            rollout, episodes = self.roll_out(batch, prompts, columns, sampling, mode="eval")
+            texts, completions, ids = self.decode(rollout, prompts, episodes)
+            per_function, total = self.reward_scorer(prompts, completions, ids, columns,
+                                                     extra=self._reward_extras("eval"))
             rows += zip(total.tolist(), per_function.tolist(), map(len, ids))
+            if self.args.advantage_estimator not in CRITIC_ESTIMATORS:
+                losses.append(self._eval_loss(rollout, total, k))
         rows = gather_object(rows) if acc.num_processes > 1 else rows
         p = metric_key_prefix
         metrics = {f"{p}_reward": sum(r[0] for r in rows) / max(len(rows), 1),
                    f"{p}_completions/mean_length": sum(r[2] for r in rows) / max(len(rows), 1)}
+        if losses:
+            losses = gather_object(losses) if acc.num_processes > 1 else losses
+            metrics[f"{p}_loss"] = sum(losses) / len(losses)
         for j, name in enumerate(self.reward_scorer.names):
             values = [r[1][j] for r in rows if not math.isnan(r[1][j])]
             if values:
@@ -555,6 +674,29 @@ class OnlineTrainer(BaseTrainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def _eval_loss(self, rollout: Rollout, scores: Tensor, k: int) -> float:
+        """The training loss of one eval batch at ratio 1 (old = current): the policy loss with this batch's
+        advantages, plus beta * KL where the KL is in the loss."""
+        args, device = self.args, self.accelerator.device
+        batch = {key: getattr(rollout, key).to(device)
+                 for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        mask = batch["completion_mask"] * (1 - rollout.tool_mask.to(device) if rollout.tool_mask is not None else 1)
+        logp = self._no_grad_forward(self.policy, batch)
+        scores = scores.to(device).float()
+        if args.advantage_estimator in GROUP_ESTIMATORS and k < 2:  # nothing to compare with: no signal
+            advantages = torch.zeros_like(logp)
+        else:
+            inp = AdvantageInput(scores=scores, mask=mask, group_size=k, layout="prompt_major")
+            advantages, _ = compute_advantages(args.advantage_estimator, inp,
+                                               **self._options(ADVANTAGES[args.advantage_estimator]))
+        fn = POLICY_LOSSES[args.policy_loss]
+        per_token, _ = fn(logp, logp, advantages[:, :logp.shape[1]].float(), mask, **self._options(fn))
+        if args.beta > 0 and not args.kl_in_reward:
+            with self.reference_context(self.ref_model):
+                ref_logp = self._no_grad_forward(self.ref_model if self.ref_model is not None else self.policy, batch)
+            per_token = per_token + args.beta * kl_penalty(logp, ref_logp, args.kl_estimator)
+        return float(aggregate_loss(per_token, mask, self.loss_mode, max_length=args.max_completion_length))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         model = self.accelerator.unwrap_model(self.model)
@@ -614,12 +756,14 @@ def _no_dropout(model) -> bool:
         getattr(config, "attention_dropout", 0.0) or 0.0)
 
 
-def _trim(mb: dict) -> dict:
+def _trim(mb: dict, multiple: int | None = None) -> dict:
     """Drop prompt columns that are padding in every row (left) and completion columns past the longest
-    completion (right)."""
+    completion (right), rounded up to a multiple of `multiple` (pad_to_multiple_of) where there are columns."""
     keep_p = mb["prompt_mask"].any(0).nonzero()
     start = int(keep_p[0]) if len(keep_p) else mb["prompt_mask"].shape[1] - 1
     width = max(int(mb["completion_mask"].sum(1).max()), 1)
+    if multiple:
+        width = min(-(-width // multiple) * multiple, mb["completion_mask"].shape[1])
     out = {}
     for key, value in mb.items():
         if key.startswith("prompt"):

@@ -21,7 +21,13 @@ from posttrain.trainers.base import BaseConfig
 # GRPO-family loss names -> (aggregation mode, whether the denominator is global)
 LOSS_TYPES = {"grpo": ("seq_mean_token_mean", True), "bnpo": ("token_mean", False),
               "dr_grpo": ("seq_mean_token_sum_norm", True), "dapo": ("token_mean", True),
+              "cispo": ("token_mean", True), "sapo": ("token_mean", True),
               **{mode: (mode, True) for mode in AGGREGATIONS}}
+# TRL's loss_type names a loss form besides an aggregation: these set policy_loss too
+LOSS_TYPE_POLICY = {"cispo": "cispo", "sapo": "sapo"}
+# generation_kwargs keys the sampler honours, each the config field it overrides
+GENERATION_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "do_sample",
+                     "stop_strings", "stop_token_ids"}
 # which global count each aggregation divides by: 0 tokens, 1 sequences, 2 rows * max_completion_length
 _COUNT = {"token_mean": 0, "seq_mean_token_mean": 1, "seq_mean_token_sum": 1, "seq_mean_token_sum_norm": 2}
 # estimators that read per-token rewards (AdvantageInput.token_rewards); the others see one score per sequence
@@ -52,9 +58,51 @@ class OnlineConfig(BaseConfig):
                                              "and pass (None: gradient_accumulation_steps)."})
     generation_batch_size: int | None = field(default=None, metadata={"help": "Completions per generation over all "
                                               "processes; sets steps_per_generation."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Divide the positive logits (multiply the "
+                                      "negative ones) of tokens already in the prompt or completion by this "
+                                      "(> 0; 1.0: off), as transformers does. Sampling only: log-probs are the "
+                                      "policy's own."})
+    generation_kwargs: dict | None = field(default=None, metadata={"help": "Sampler settings that override the "
+                                           "fields of the same name: temperature, top_p, top_k, min_p, "
+                                           "repetition_penalty, max_new_tokens, do_sample, stop_strings, "
+                                           "stop_token_ids; other keys are refused."})
+    chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra variables for the chat "
+                                              "template when rendering conversational prompts (e.g. "
+                                              "{'enable_thinking': False})."})
+    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM. Not available: posttrain samples "
+                           "with its own backend (rollout.generate); True is refused."})
+    vllm_mode: str = field(default="server", metadata={"help": "TRL's vLLM mode, 'server' or 'colocate' (read "
+                           "only with use_vllm)."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (use_vllm only)."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (use_vllm only)."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (use_vllm only)."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for the vLLM server "
+                                       "(use_vllm only)."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM colocate memory share "
+                                               "(use_vllm only)."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM colocate tensor parallelism "
+                                           "(use_vllm only)."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (use_vllm only)."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode (use_vllm only)."})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "TRL's truncated importance "
+                                                      "sampling for vLLM's log-probs (use_vllm only)."})
+    num_generations_eval: int | None = field(default=None, metadata={"help": "Completions per prompt in evaluate() "
+                                             "(None: 1)."})
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each training micro-batch's "
+                                           "completions to a multiple of this many tokens (None: the longest)."})
     shuffle_dataset: bool = field(default=True, metadata={"help": "Visit the prompts in a new random order each epoch."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "With tools= or "
+                                                  "environment_factory=: tool-calling turns per rollout, after "
+                                                  "which the next turn ends it (None: until max_completion_length, "
+                                                  "which counts the fed tool results too)."})
+    tool_call_timeout: float = field(default=10.0, metadata={"help": "Seconds a tool call may run; past it the "
+                                     "tool message is an error text."})
     # ---- reward
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight per reward function (1.0)."})
+    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={"help": "With several "
+                                             "rewards: 'sum_then_normalize' (weighted sum, then the advantage "
+                                             "estimator normalises it) or 'normalize_then_sum' (GDPO: each "
+                                             "reward z-scored within its group first, then the weighted sum)."})
     reward_model_path: str | None = field(default=None, metadata={"help": "Reward model (name or path) used when "
                                           "the trainer is given no reward."})
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "Subtracted from the score of a "
@@ -83,6 +131,8 @@ class OnlineConfig(BaseConfig):
     scale_rewards: str = field(default="group", metadata={"help": "group_norm divides by the 'group' (True) or "
                                "'batch' std, or by nothing: 'none' (False)."})
     normalize_advantage: bool = field(default=False, metadata={"help": "leave_one_out: whiten the advantages."})
+    normalize_advantages: bool | None = field(default=None, metadata={"help": "TRL's RLOO spelling of "
+                                              "normalize_advantage (copied into it; None: unset)."})
     gamma: float = field(default=1.0, metadata={"help": "Discount (gae, reinforce_pp)."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
     whiten_advantages: bool = field(default=True, metadata={"help": "gae: whiten the advantages."})
@@ -96,6 +146,25 @@ class OnlineConfig(BaseConfig):
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO, >= 0); None: "
                                        "epsilon."})
     importance_sampling_level: str = field(default="token", metadata={"help": "'token', or 'sequence' (GSPO)."})
+    delta: float | None = field(default=None, metadata={"help": "INTELLECT-2's two-sided clip: the clipped loss's "
+                                "ratio is also capped at delta (> 1 + epsilon) where the advantage is negative "
+                                "(None: off)."})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO's gate temperature for positive "
+                                        "advantages (loss_type 'sapo')."})
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO's gate temperature for other "
+                                        "advantages (loss_type 'sapo')."})
+    entropy_coef: float = field(default=0.0, metadata={"help": "Weight of an entropy bonus: loss -= entropy_coef * "
+                                "the aggregated token entropy (0: off)."})
+    top_entropy_quantile: float = field(default=1.0, metadata={"help": "Train only on the top this share of "
+                                        "tokens by entropy, in (0, 1] (Wang et al. 2025; 1.0: every token)."})
+    use_bias_correction_kl: bool = field(default=False, metadata={"help": "Weight the per-token KL term by the "
+                                         "importance ratio pi/pi_old, so the KL is estimated for the current "
+                                         "policy from older samples."})
+    off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "Leave out of the loss the "
+                                                    "sequences with a negative advantage whose mean log pi_old/pi "
+                                                    "exceeds this (DeepSeek-V3.2's off-policy masking; None: off)."})
+    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Keep the output layer in float32 (its "
+                                       "log-probs more exact under bf16/fp16)."})
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss (gae)."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value update (gae)."})
     # ---- misc
@@ -121,6 +190,16 @@ class OnlineConfig(BaseConfig):
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
         self.top_k, self.min_p = self.top_k or 0, self.min_p or 0.0
+        if self.normalize_advantages is not None:
+            self.normalize_advantage = self.normalize_advantages
+        if isinstance(self.generation_kwargs, str):  # from the command line, as JSON
+            import json
+
+            self.generation_kwargs = json.loads(self.generation_kwargs)
+        if isinstance(self.chat_template_kwargs, str):
+            import json
+
+            self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
         super().__post_init__()
 
     @property
@@ -130,6 +209,10 @@ class OnlineConfig(BaseConfig):
 
     def _check(self):
         bs, ga, k = self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_generations
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}")
+        if not self.tool_call_timeout > 0:
+            raise ValueError(f"tool_call_timeout must be > 0 seconds, got {self.tool_call_timeout}")
         if self.generation_batch_size is not None:
             per_step = bs * self.world_size
             if self.generation_batch_size % per_step:
@@ -148,9 +231,34 @@ class OnlineConfig(BaseConfig):
                 f"{self.steps_per_generation} = {self.per_process_generation} completions must be a multiple of "
                 f"num_generations={k}; set num_generations to a divisor of {self.per_process_generation}, or change "
                 f"per_device_train_batch_size / gradient_accumulation_steps / steps_per_generation")
-        if self.steps_per_generation % ga:
-            raise ValueError(f"steps_per_generation={self.steps_per_generation} must be a multiple of "
-                             f"gradient_accumulation_steps={ga}: an optimizer step never spans two generation batches")
+        if self.loss_type in LOSS_TYPE_POLICY:
+            wanted = LOSS_TYPE_POLICY[self.loss_type]
+            default = type(self).__dataclass_fields__["policy_loss"].default
+            if self.policy_loss not in (default, wanted):
+                raise ValueError(f"loss_type={self.loss_type!r} uses policy_loss={wanted!r}; policy_loss="
+                                 f"{self.policy_loss!r} was also set: unset one of them")
+            self.policy_loss = wanted
+        unknown = sorted(set(self.generation_kwargs or {}) - GENERATION_KWARGS)
+        if unknown:
+            raise ValueError(f"generation_kwargs {unknown} cannot be honoured by posttrain's sampler; it takes "
+                             f"{sorted(GENERATION_KWARGS)}")
+        if self.use_vllm:
+            raise ValueError("use_vllm=True: vLLM is not available to posttrain (no vLLM backend is installed, and "
+                             "none runs without a GPU); posttrain samples with its own backend "
+                             "(posttrain.rollout.generate), where a vLLM backend would plug in. Set use_vllm=False.")
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; choose "
+                             "'sum_then_normalize' or 'normalize_then_sum'")
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
+        if self.delta is not None and not self.delta > 1 + self.epsilon:
+            raise ValueError(f"delta={self.delta} must be > 1 + epsilon = {1 + self.epsilon} (it caps the ratio "
+                             "above the clip range)")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
+        for name in ("num_generations_eval", "pad_to_multiple_of"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
         for name, value, known in [("advantage_estimator", self.advantage_estimator, ADVANTAGES),
                                    ("policy_loss", self.policy_loss, POLICY_LOSSES),
                                    ("loss_type", self.loss_type, LOSS_TYPES), ("kl_estimator", self.kl_estimator,
