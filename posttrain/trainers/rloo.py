@@ -140,7 +140,7 @@ class RLOOConfig(ClassicOnlineConfig):
 
 def _grpo_style(model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
                 reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None,
-                ref_model=None):
+                ref_model=None, tools=None, environment_factory=None, rollout_func=None):
     pass
 
 
