@@ -81,3 +81,15 @@ def test_completions_table_has_the_classic_headings(tmp_path, capsys, monkeypatc
     trainer.completions_table.write(1, ["p1"], ["c1"], {"big_reward": [101.0]})
     out = capsys.readouterr().out
     assert "score" in out and "score (" not in out and "big_reward" not in out
+
+
+def test_ref_policy_that_is_the_policy_becomes_a_frozen_copy(tmp_path):
+    from posttrain.models.loading import load_causal_lm
+
+    policy = load_causal_lm(MODEL)
+    config = RLOOConfig(**online_args(tmp_path))
+    trainer = RLOOTrainer(config=config, policy=policy, ref_policy=policy, reward_model=big_reward,
+                          train_dataset=prompts(16))
+    assert trainer.ref_model is not None and trainer.ref_model is not policy
+    assert all(p.requires_grad for p in policy.parameters())
+    assert not any(p.requires_grad for p in trainer.ref_model.parameters())
