@@ -1,7 +1,10 @@
 """The online RL engine: every online algorithm (GRPO, RLOO, PPO, REINFORCE++) is this loop.
 
   1. take a batch of prompts; each is sampled `num_generations` times (one prefill per prompt);
-  2. generate: completion ids, the sampler's log-probs, a mask up to EOS / a stop token;
+  2. generate: completion ids, the sampler's log-probs, a mask up to EOS / a stop token; with
+     `tools=` / `environment_factory=` a multi-turn rollout (`rollout/multiturn.py`: each tool result
+     is fed into its row's KV cache and left out of the loss, the KL and the entropy), and with
+     `rollout_func=` the user's function instead of the sampler;
   3. score with reward functions and/or reward models (weighted), minus `missing_eos_penalty`;
   4. reference log-probs, only when `beta > 0`; old-policy log-probs are the sampler's own,
      and when the policy cannot have moved since sampling (one pass, one optimizer step per
