@@ -13,6 +13,11 @@
              smooth gate f(ρ) = (4/τ) σ(τ (ρ - 1)) in place of the hard clip; τ = τ_pos for
              A > 0 and τ_neg for A <= 0. f'(1) = 1, so at ρ = 1 the gradient is the policy
              gradient's; far from 1 it fades instead of stopping.
+  luspo      LUSPO (Liu et al. 2026, "Length-Unbiased Sequence Policy Optimization"): GSPO's
+             clipped sequence-ratio surrogate with each sequence's loss scaled by its length |o_i|,
+             which removes GSPO's bias towards short responses. Here: the GSPO-token loss per token,
+             aggregated by "seq_mean_token_sum" (each sequence's token sum = |o_i| x its token mean);
+             `loss_type="luspo"` sets both.
 
 CISPO's and SAPO's values are shifted by a constant (no gradient) so that, as for the others, a token
 sampled by the current policy (ρ = 1) has loss -A: CISPO -sg(w) A (1 + log π - sg(log π)), SAPO
@@ -144,6 +149,22 @@ def sapo(
     return per_token, _stats(ratio, torch.zeros_like(mask, dtype=torch.bool), logp, old_logp, mask)
 
 
+def luspo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+) -> tuple[Tensor, dict]:
+    """GSPO's clipped loss with the sequence ratio at every token (its length scaling is the aggregation's:
+    summed over the sequence's tokens, not averaged)."""
+    return clipped_surrogate(logp, old_logp, advantages, mask, epsilon=epsilon, epsilon_high=epsilon_high,
+                             importance_sampling_level="sequence", delta=delta)
+
+
 def entropy_bonus(logp: Tensor, entropy: Tensor, ratio: Tensor | None = None) -> Tensor:
     """A per-token surrogate whose value is the entropy H_t and whose gradient, in expectation over
     the sampled token a ~ π, is ∇H_t: H_t - sg(log π(a) + H_t) (log π(a) - sg(log π(a))), as
@@ -166,6 +187,7 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict]]] = {
     "reinforce": reinforce,
     "cispo": cispo,
     "sapo": sapo,
+    "luspo": luspo,
 }
 
 

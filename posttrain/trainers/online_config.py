@@ -21,10 +21,10 @@ from posttrain.trainers.base import BaseConfig
 # GRPO-family loss names -> (aggregation mode, whether the denominator is global)
 LOSS_TYPES = {"grpo": ("seq_mean_token_mean", True), "bnpo": ("token_mean", False),
               "dr_grpo": ("seq_mean_token_sum_norm", True), "dapo": ("token_mean", True),
-              "cispo": ("token_mean", True), "sapo": ("token_mean", True),
+              "cispo": ("token_mean", True), "sapo": ("token_mean", True), "luspo": ("seq_mean_token_sum", True),
               **{mode: (mode, True) for mode in AGGREGATIONS}}
 # TRL's loss_type names a loss form besides an aggregation: these set policy_loss too
-LOSS_TYPE_POLICY = {"cispo": "cispo", "sapo": "sapo"}
+LOSS_TYPE_POLICY = {"cispo": "cispo", "sapo": "sapo", "luspo": "luspo"}
 # generation_kwargs keys the sampler honours, each the config field it overrides
 GENERATION_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "do_sample",
                      "stop_strings", "stop_token_ids"}
@@ -140,7 +140,8 @@ class OnlineConfig(BaseConfig):
     policy_loss: str = field(default="clipped", metadata={"help": "A core.policy_losses.POLICY_LOSSES name."})
     loss_type: str = field(default="dapo", metadata={"help": "'grpo' (per-sequence token means), 'bnpo' (token "
                            "mean per micro-batch), 'dr_grpo' (token sum / max_completion_length), 'dapo' (token "
-                           "mean over the step), or a core.masked aggregation."})
+                           "mean over the step), 'cispo' / 'sapo' (that policy loss, token mean over the step), "
+                           "'luspo' (GSPO's sequence ratio, token sum per sequence), or a core.masked aggregation."})
     num_iterations: int = field(default=1, metadata={"help": "Passes over each generation batch (PPO epochs)."})
     epsilon: float = field(default=0.2, metadata={"help": "Clip range of the importance ratio (>= 0)."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO, >= 0); None: "

@@ -93,3 +93,21 @@ def test_top_quantile_mask_by_hand():
     kept = top_quantile_mask(x, mask, 0.5)
     assert kept.tolist() == [[0, 1, 1, 0], [1, 0, 1, 0]]
     assert top_quantile_mask(x, mask, 1.0).tolist() == mask.tolist()
+
+
+def test_luspo_scales_gspo_sequence_loss_by_length():
+    """LUSPO: each sequence contributes |o_i| x GSPO's sequence loss; with "seq_mean_token_sum" (what
+    loss_type="luspo" selects) that is the token sum of the sequence-ratio loss."""
+    from posttrain.core.masked import aggregate_loss
+    from posttrain.core.policy_losses import luspo
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, 0.0, 0.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.2, -2.1, -0.4], [-1.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3], dtype=torch.float64)
+    per_token, _ = luspo(logp, old, adv, mask)
+    # sequence 0: s = exp(mean(0.2, 0.1, -0.1)) = exp(0.0667) ≈ 1.069 < 1.2, loss -s per token, 3 tokens
+    s0 = math.exp((0.2 + 0.1 - 0.1) / 3)
+    # sequence 1: s = exp(-0.5) ≈ 0.607 < 0.8 with A < 0: clipped term -0.8 * -1 = 0.8 > 0.607 wins
+    expected = (3 * -s0 + 1 * 0.8) / 2
+    assert aggregate_loss(per_token, mask, "seq_mean_token_sum").item() == pytest.approx(expected)

@@ -13,7 +13,7 @@ TINY = "posttrain/tiny-qwen2"
 
 
 def test_loss_type_names_the_policy_loss_too(tmp_path):
-    for loss_type in ("cispo", "sapo"):
+    for loss_type in ("cispo", "sapo", "luspo"):
         args = GRPOConfig(output_dir=str(tmp_path), loss_type=loss_type)
         assert args.policy_loss == loss_type
     assert GRPOConfig(output_dir=str(tmp_path), loss_type="dapo").policy_loss == "clipped"  # unchanged
@@ -44,9 +44,10 @@ def test_rloo_normalize_advantages_is_an_alias(tmp_path):
 def test_steps_per_generation_not_a_multiple_of_accumulation_trains(tmp_path):
     """TRL accepts 3 micro-batches per generation with 2 per optimizer step; so do we, and the step that
     straddles two generation batches weighs each part by its share."""
-    args = GRPOConfig(**online_args(tmp_path, num_generations=4, steps_per_generation=3, max_steps=3))
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, steps_per_generation=3, max_steps=3,
+                                    loss_type="luspo"))
     trainer = GRPOTrainer(TINY, first_token_reward, args=args, train_dataset=prompts())
-    assert not trainer.old_is_current
+    assert not trainer.old_is_current and trainer.loss_mode == "seq_mean_token_sum"
     micro = trainer.build_experience(trainer.sample_completions([[5, 6, 7]] * 3), torch.arange(12.0))
     # 3 micro-batches: a full step of 2, then 1 that shares its step: its token count is doubled
     assert len(micro) == 3
@@ -150,3 +151,14 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
                                               "{{ m['content'] }}{% endfor %}")
     batch = trainer._collate([{"prompt": [{"role": "user", "content": "hi"}]}])
     assert trainer.processing_class.decode(batch["prompt_ids"][0]).startswith("zebra:")
+
+
+def test_generation_fields_from_the_command_line():
+    from posttrain.cli import parse
+
+    _, config = parse("grpo", ["--model_name_or_path", TINY, "--dataset_name", "x", "--output_dir", "out",
+                               "--reward_funcs", "digit_match", "--generation_kwargs", '{"top_k": 5}',
+                               "--chat_template_kwargs", '{"enable_thinking": false}', "--repetition_penalty", "1.2",
+                               "--loss_type", "cispo", "--per_device_train_batch_size", "4", "--num_generations", "4"])
+    assert config.generation_kwargs == {"top_k": 5} and config.chat_template_kwargs == {"enable_thinking": False}
+    assert config.repetition_penalty == 1.2 and config.policy_loss == "cispo"
