@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,6 +160,47 @@ def ranked_columns(batch: dict[str, list], indices, name: str = "train") -> dict
     return batch
 
 
+PRETOKENISED = (("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids"))
+
+
+def _token_ids(value, row: int, column: str) -> list[int]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise formats.FormatError(f"row {row}, column {column!r}: expected a list of token ids (ints), "
+                                  f"got {type(value).__name__}")
+    return list(value)
+
+
+def pretokenised_pairs(dataset, name: str = "train") -> dict[str, list] | None:
+    """Columns of already-tokenised pairs, or None when `dataset` has none.
+
+    Rows hold `chosen_ids` / `rejected_ids` (or TRL's `chosen_input_ids` / `rejected_input_ids`),
+    optionally with `prompt_ids`. Without `prompt_ids` the ids are whole sequences and their longest
+    common prefix is taken as the prompt (the shared part of a pair), so each completion starts where
+    the two differ."""
+    names = next((pair for pair in PRETOKENISED if set(pair) <= set(dataset.column_names)), None)
+    if names is None:
+        return None
+    has_prompt = "prompt_ids" in dataset.column_names
+    out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+    for i, row in enumerate(dataset):
+        chosen, rejected = (_token_ids(row[c], i, c) for c in names)
+        if has_prompt:
+            prompt = _token_ids(row["prompt_ids"], i, "prompt_ids")
+        else:
+            shared = 0
+            while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+                shared += 1
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if not chosen or not rejected:
+            raise formats.FormatError(f"{name} data, row {i}: an empty chosen or rejected completion")
+        out["prompt_ids"].append(prompt)
+        out["chosen_ids"].append(chosen)
+        out["rejected_ids"].append(rejected)
+    if not out["prompt_ids"]:
+        raise ValueError(f"{name} data has no rows")
+    return out
+
+
 def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: int | None,
                                max_prompt_length: int | None = None, max_completion_length: int | None = None,
                                keep: tuple[str, ...] = (), name: str = "train", truncation_mode: str = "keep_start"):
@@ -220,6 +262,23 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
             return out
 
         return dataset.map(stream, batched=True, with_indices=True, remove_columns=columns)
+    tokenised = pretokenised_pairs(dataset, name) if paired else None
+    if tokenised is not None:
+        from datasets import Dataset
+
+        extras = [c for c in keep if c in dataset.column_names]
+        for i, value in enumerate(dataset["margin"] if "margin" in extras else ()):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise formats.FormatError(f"{name} data, row {i}, column 'margin': expected a finite number, "
+                                          f"got {value!r}")
+        fitted = [_fit(p, [c, r], *limits) for p, c, r in zip(*tokenised.values())]
+        kept = [i for i, f in enumerate(fitted) if f is not None]
+        if not kept:
+            raise ValueError(f"no {name} rows are left: every prompt reaches max_length={max_length}")
+        return Dataset.from_dict({"prompt_ids": [fitted[i][0] for i in kept],
+                                  "chosen_ids": [fitted[i][1][0] for i in kept],
+                                  "rejected_ids": [fitted[i][1][1] for i in kept],
+                                  **{c: [dataset[c][i] for i in kept] for c in extras}})
     if "responses" in dataset.column_names:
         dataset = dataset.map(lambda batch, indices: ranked_columns(batch, indices, name), batched=True,
                                   with_indices=True, remove_columns=dataset.column_names, desc="ranked rows")
