@@ -226,3 +226,17 @@ def test_advantages_ignore_masked_holes(estimator):
     for i in range(4):
         torch.testing.assert_close(a[i][holey[i].bool()], b[i][compact[i].bool()])
         assert (a[i][~holey[i].bool()] == 0).all()
+
+
+def test_replayed_linear_outputs_of_a_multi_turn_rollout(model, tok):
+    """The trainer's forward may take the sampler's recorded linear outputs (fed tokens included):
+    it must give the log-probs of the plain forward."""
+    _, r = _rollout(model, tok, Script(), record_linears=True)
+    assert r.linear_outputs is not None and r.tool_mask.sum() > 0
+    rows = torch.arange(r.completion_ids.shape[0])
+    with torch.no_grad():
+        plain, _ = completion_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+        replayed, _ = completion_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                                          replay=(r.linear_outputs, rows))
+    attended = r.completion_mask.bool()
+    torch.testing.assert_close(replayed[attended], plain[attended], atol=1e-4, rtol=1e-4)
