@@ -322,6 +322,7 @@ class BaseTrainer(Trainer):
     _tag = "posttrain"
     _name = "posttrain"  # the method as the model card names it ("DPO", "Reward modelling", ...)
     _citation: str | None = None  # BibTeX of the method's paper, for the model card
+    aux_loss_enabled = False  # the loss adds the model's auxiliary (MoE router) loss; SFT sets it from the config
     # attributes that the next steps depend on and transformers does not save: ints, floats, lists or dicts of
     # them, torch.Generators and objects with state_dict/load_state_dict; absent ones are skipped
     checkpointed: tuple[str, ...] = ("_num_tokens",)

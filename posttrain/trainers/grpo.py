@@ -51,12 +51,22 @@ class GRPOTrainer(OnlineTrainer):
 
     config_class = GRPOConfig
     _tag = "GRPO"
+    _name = "GRPO"
+    _citation = """@article{shao2024deepseekmath,
+    title   = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},
+    author  = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and Xiao Bi and Haowei Zhang
+               and Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},
+    journal = {arXiv preprint},
+    year    = 2024,
+    eprint  = {arXiv:2402.03300}
+}"""
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, ref_model=None, tools=None, environment_factory=None,
-                 rollout_func=None):
+                 rollout_func=None, **kwargs):
+        # kwargs: TRL's older conventions (tokenizer=, config fields), see OnlineTrainer
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
                          callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, ref_model=ref_model,
-                         tools=tools, environment_factory=environment_factory, rollout_func=rollout_func)
+                         tools=tools, environment_factory=environment_factory, rollout_func=rollout_func, **kwargs)

@@ -63,7 +63,8 @@ from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, completion_logprobs, generate
 from posttrain.rollout.multiturn import Tooling, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
-from posttrain.trainers.base import BaseTrainer, SyncRefModelCallback, seed_run
+from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
+                                     classic_arguments, is_streamed, seed_run)
 from posttrain.trainers.online_config import (_COUNT, CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LOSS_TYPES,
                                               PER_TOKEN_ESTIMATORS, OnlineConfig)
 
@@ -148,9 +149,12 @@ class OnlineTrainer(BaseTrainer):
     def __init__(self, model, reward_funcs=None, args: OnlineConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, ref_model=None, value_model=None, tools=None,
-                 environment_factory=None, rollout_func=None):
+                 environment_factory=None, rollout_func=None, **kwargs):
         name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
         args = args or self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self._tag}")
+        # kwargs: TRL's older conventions (tokenizer=, config fields such as beta=), see classic_arguments
+        args, processing_class = classic_arguments(type(self).__name__, self.config_class, args, processing_class,
+                                                   kwargs)
         seed_run(args)  # before any weights are made here (a LoRA adapter's, a critic's head), as BaseTrainer does
         init_kwargs = dict(args.model_init_kwargs or {})
         policy = loading.load_causal_lm(model, **init_kwargs)
@@ -163,7 +167,8 @@ class OnlineTrainer(BaseTrainer):
             policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
         policy = loading.apply_peft(policy, peft_config)
         if args.advantage_estimator in CRITIC_ESTIMATORS:  # the critic trains with the policy, in one module
-            critic = value_model if value_model is None else loading.load_sequence_classifier(value_model, **init_kwargs)
+            critic = value_model if value_model is None else loading.load_sequence_classifier(
+                value_model, convert_causal_lm=True, **init_kwargs)  # a causal LM: a fresh score head, with a warning
             wrapped = CausalLMWithValueHead(policy) if critic is None else PolicyWithCritic(policy, critic)
         elif value_model is not None:
             raise ValueError(f"value_model is only used by critic estimators {sorted(CRITIC_ESTIMATORS)}, "
@@ -191,6 +196,13 @@ class OnlineTrainer(BaseTrainer):
             raise ValueError("reward_funcs is required: reward functions, reward models, or model names "
                              "(or set reward_model_path, or give an environment_factory whose environments "
                              "have get_reward)")
+        train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset, "eval_dataset")
+        if is_streamed(train_dataset) or is_streamed(eval_dataset):
+            raise ValueError("a streamed dataset (IterableDataset) cannot feed the online trainers: their prompt "
+                             "sampler shuffles and splits the prompts by index, which needs their number; "
+                             "take a fixed set first, e.g. Dataset.from_list(list(stream.take(n)))")
+        if train_dataset is not None:  # None is allowed: PPO's manual loop (generate / step) needs no prompts
+            check_datasets(args, train_dataset, eval_dataset)
         self._check_dataset(train_dataset, "train_dataset")
         for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if data is not None and not isinstance(data, dict):  # prompts refused here, not at a later step
@@ -198,6 +210,8 @@ class OnlineTrainer(BaseTrainer):
         super().__init__(wrapped, args, processing_class=processing_class, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers,
                          data_collator=lambda rows: rows)
+        if isinstance(model, str):  # the name as given, for the model card (BaseTrainer sees the loaded policy)
+            self.model_name = model
         self.loss_is_scaled_for_ga = True  # our denominators already span the whole optimizer step
         self.tooling, self.rollout_func = tooling, rollout_func
         self.policy = policy
@@ -709,6 +723,8 @@ class OnlineTrainer(BaseTrainer):
                 os.makedirs(output_dir, exist_ok=True)
                 model.save_pretrained(output_dir)
                 self.processing_class.save_pretrained(output_dir)
+                with open(os.path.join(output_dir, "README.md"), "w") as f:  # the model card, as BaseTrainer writes it
+                    f.write(self.model_card(os.path.basename(os.path.normpath(output_dir))))
             return
         super().save_model(output_dir, _internal_call)
 

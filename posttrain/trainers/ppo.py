@@ -125,6 +125,14 @@ class PPOTrainer(OnlineTrainer):
 
     config_class = PPOConfig
     _tag = "PPO"
+    _name = "PPO"
+    _citation = """@article{schulman2017proximal,
+    title   = {{Proximal Policy Optimization Algorithms}},
+    author  = {John Schulman and Filip Wolski and Prafulla Dhariwal and Alec Radford and Oleg Klimov},
+    journal = {arXiv preprint},
+    year    = 2017,
+    eprint  = {arXiv:1707.06347}
+}"""
 
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
@@ -133,8 +141,8 @@ class PPOTrainer(OnlineTrainer):
             # dataset): a model where the tokenizer goes
             model, ref_model, processing_class, reward_model, train_dataset = (
                 processing_class, model, ref_model, None, reward_model if train_dataset is None else train_dataset)
-        args, processing_class, train_dataset, optimizers = _classic_names(args, processing_class, train_dataset,
-                                                                           optimizers, classic)
+        args, processing_class, train_dataset, optimizers, rest = _classic_names(args, processing_class,
+                                                                                 train_dataset, optimizers, classic)
         if model is None:
             raise ValueError("PPOTrainer needs model= (the policy: a causal LM or its name)")
         if ref_model is not None and (ref_model is model or ref_model is getattr(model, "policy", None)):
@@ -149,7 +157,7 @@ class PPOTrainer(OnlineTrainer):
         super().__init__(model, funcs or [_no_reward], args=args, train_dataset=_with_prompt(train_dataset),
                          eval_dataset=_with_prompt(eval_dataset), processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, ref_model=ref_model,
-                         value_model=value_model)
+                         value_model=value_model, **rest)  # rest: PPOConfig fields, see OnlineTrainer
         if head is not None and isinstance(self.model, CausalLMWithValueHead):
             self.model.v_head = head.to(self.args.device)  # the user's head is the critic that trains
         self.kl_ctl = (AdaptiveKLController(self.args.kl_coef, self.args.target, self.args.horizon)
@@ -332,11 +340,11 @@ def _are_scores(values) -> bool:
 
 def _classic_names(args, processing_class, train_dataset, optimizers, classic: dict):
     """The classic PPOTrainer keyword names: config (args), tokenizer (processing_class), dataset (train_dataset),
-    optimizer and lr_scheduler (optimizers)."""
+    optimizer and lr_scheduler (optimizers); the other keywords come back as `rest` (PPOConfig fields given to
+    the trainer, which OnlineTrainer applies with a FutureWarning, or unknown ones, which it refuses)."""
     names = {"config": "args", "tokenizer": "processing_class", "dataset": "train_dataset",
              "optimizer": "optimizers", "lr_scheduler": "optimizers"}
-    if unknown := sorted(set(classic) - set(names)):
-        raise TypeError(f"PPOTrainer got unexpected keyword argument(s) {unknown}")
+    rest = {k: v for k, v in classic.items() if k not in names}
     given = {"args": args, "processing_class": processing_class, "train_dataset": train_dataset}
     for old in ("config", "tokenizer", "dataset"):
         if old in classic:
@@ -346,7 +354,7 @@ def _classic_names(args, processing_class, train_dataset, optimizers, classic: d
             given[new] = classic[old]
     if "optimizer" in classic or "lr_scheduler" in classic:
         optimizers = (classic.get("optimizer", optimizers[0]), classic.get("lr_scheduler", optimizers[1]))
-    return given["args"], given["processing_class"], given["train_dataset"], optimizers
+    return given["args"], given["processing_class"], given["train_dataset"], optimizers, rest
 
 
 def _with_prompt(dataset):

@@ -42,12 +42,21 @@ class ReinforcePPTrainer(OnlineTrainer):
 
     config_class = ReinforcePPConfig
     _tag = "REINFORCE++"
+    _name = "REINFORCE++"
+    _citation = """@article{hu2025reinforce,
+    title   = {{REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models}},
+    author  = {Jian Hu},
+    journal = {arXiv preprint},
+    year    = 2025,
+    eprint  = {arXiv:2501.03262}
+}"""
 
     def __init__(self, model, reward_funcs=None, args: ReinforcePPConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, ref_model=None, tools=None, environment_factory=None,
-                 rollout_func=None):
+                 rollout_func=None, **kwargs):
+        # kwargs: TRL's older conventions (tokenizer=, config fields), see OnlineTrainer
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
                          callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, ref_model=ref_model,
-                         tools=tools, environment_factory=environment_factory, rollout_func=rollout_func)
+                         tools=tools, environment_factory=environment_factory, rollout_func=rollout_func, **kwargs)

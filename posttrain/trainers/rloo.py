@@ -140,7 +140,7 @@ class RLOOConfig(ClassicOnlineConfig):
 
 def _grpo_style(model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
                 reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None,
-                ref_model=None, tools=None, environment_factory=None, rollout_func=None):
+                ref_model=None, tools=None, environment_factory=None, rollout_func=None, **kwargs):
     pass
 
 
@@ -162,6 +162,15 @@ class RLOOTrainer(OnlineTrainer):
 
     config_class = RLOOConfig
     _tag = "RLOO"
+    _name = "RLOO"
+    _citation = """@inproceedings{ahmadian2024back,
+    title     = {{Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs}},
+    author    = {Arash Ahmadian and Chris Cremer and Matthias Gall{\\'e} and Marzieh Fadaee and Julia Kreutzer
+                 and Olivier Pietquin and Ahmet {\\"U}st{\\"u}n and Sara Hooker},
+    booktitle = {Proceedings of the 62nd Annual Meeting of the Association for Computational Linguistics (ACL 2024)},
+    year      = 2024,
+    eprint    = {arXiv:2402.14740}
+}"""
 
     def __init__(self, *args, **kwargs):
         classic = (args and isinstance(args[0], TrainingArguments)) or any(
@@ -180,6 +189,7 @@ class RLOOTrainer(OnlineTrainer):
                       ref_model=given.get("ref_policy"))
         else:
             kw = dict(inspect.signature(_grpo_style).bind(*args, **kwargs).arguments)
+            kw.update(kw.pop("kwargs", {}))  # tokenizer=, RLOOConfig fields: OnlineTrainer takes them
         super().__init__(**kw)
         self.completions_table.headings, self.completions_table.score_heading = ("query", "model response"), "score"
 

@@ -183,6 +183,7 @@ class SFTTrainer(BaseTrainer):
     """Supervised fine-tuning on demonstrations; see the module docstring."""
 
     _tag = "sft"
+    _name = "SFT (supervised fine-tuning)"  # no one paper to cite
 
     def __init__(self, model, args: SFTConfig | TrainingArguments | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, peft_config=None, callbacks=None,
