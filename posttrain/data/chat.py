@@ -11,7 +11,46 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from posttrain.models.tiny import CHATML_TEMPLATE, IM_END, IM_START, TOOL_CALL_END, TOOL_CALL_START
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"  # also the EOS token: one stop token for chat and plain text
+
+# ChatML with {% generation %} markers around what the assistant writes, so
+# `apply_chat_template(..., return_assistant_tokens_mask=True)` yields assistant-only masks.
+# Tools (transformers' `tools=` argument: JSON schemas) are listed in a system turn, merged with
+# the conversation's own system message, and an assistant's `tool_calls` are written inside its
+# turn as Hermes/Qwen-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` lines, so
+# the calls are trained on and a sampled turn ends at the usual stop token. A `tool` message is a
+# turn of its own, outside the markers (never trained on). Without tools or tool calls the
+# rendering is exactly the plain ChatML that earlier versions wrote.
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{ '# Tools\nYou may call these functions:\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\n</tools>\nTo call one, write <tool_call>{\"name\": <name>, \"arguments\": <JSON object>}</tool_call>"
+    "<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}"
+    "{{ message['content'] if message['content'] is string else '' }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set fn = call['function'] if call['function'] is mapping else call %}"
+    "{{ '\n' if (message['content'] or not loop.first) else '' }}"
+    "{{ '<tool_call>{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) }}"
+    "{{ '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
 
 __all__ = ["CHATML_TEMPLATE", "IM_START", "IM_END", "TOOL_CALL_START", "TOOL_CALL_END", "ensure_chat_template",
            "load_chat_template", "template_inputs", "template_tools", "template_variables"]

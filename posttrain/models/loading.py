@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain.cache import build_in, cache_dir
 from posttrain.models import tiny
 
 BUILTIN_PREFIX = "posttrain/"
@@ -56,7 +57,7 @@ def smollm2_path() -> Path:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 
-    return tiny._build_in(tiny.cache_dir() / SMOLLM2, build)
+    return build_in(cache_dir() / SMOLLM2, build)
 
 
 def resolve(name: str, task: str = "causal-lm") -> str:

@@ -12,52 +12,12 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"  # also the EOS token: one stop token for chat and plain text
+from posttrain.cache import build_in, cache_dir
+from posttrain.data.chat import CHATML_TEMPLATE, IM_END, IM_START
 
-# ChatML with {% generation %} markers around what the assistant writes, so
-# `apply_chat_template(..., return_assistant_tokens_mask=True)` yields assistant-only masks.
-# Tools (transformers' `tools=` argument: JSON schemas) are listed in a system turn, merged with
-# the conversation's own system message, and an assistant's `tool_calls` are written inside its
-# turn as Hermes/Qwen-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` lines, so
-# the calls are trained on and a sampled turn ends at the usual stop token. A `tool` message is a
-# turn of its own, outside the markers (never trained on). Without tools or tool calls the
-# rendering is exactly the plain ChatML that earlier versions wrote.
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-CHATML_TEMPLATE = (
-    "{%- if tools %}"
-    "{{ '<|im_start|>system\n' }}"
-    "{%- if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{%- endif %}"
-    "{{ '# Tools\nYou may call these functions:\n<tools>' }}"
-    "{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
-    "{{ '\n</tools>\nTo call one, write <tool_call>{\"name\": <name>, \"arguments\": <JSON object>}</tool_call>"
-    "<|im_end|>\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if tools and loop.first and message['role'] == 'system' %}"
-    "{%- elif message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}"
-    "{{ message['content'] if message['content'] is string else '' }}"
-    "{%- for call in message['tool_calls'] or [] %}"
-    "{%- set fn = call['function'] if call['function'] is mapping else call %}"
-    "{{ '\n' if (message['content'] or not loop.first) else '' }}"
-    "{{ '<tool_call>{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}"
-    "{{ fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) }}"
-    "{{ '}</tool_call>' }}"
-    "{%- endfor %}"
-    "{{ '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
-    "{%- else %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
-)
+PAD_TOKEN = "<|endoftext|>"
 
 # name -> (architecture, config overrides). Small enough for CPU tests, big enough to learn
 # the built-in tasks in minutes.
@@ -72,29 +32,6 @@ TINY_MODELS = {
 SEED = 1234
 VOCAB_SIZE = 1024
 TOKENIZER_FILE = Path(__file__).with_name("tiny_tokenizer.json")  # package data (pyproject.toml)
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("POSTTRAIN_CACHE") or os.path.join(Path.home(), ".cache", "posttrain")
-    return Path(root)
-
-
-def _build_in(target: Path, builder) -> Path:
-    """Build into a temporary sibling folder, then rename: concurrent builders never see half a folder."""
-    if (target / "config.json").exists() or (target / "tokenizer.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        builder(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
 
 
 def build_tokenizer():
@@ -152,7 +89,7 @@ def tiny_model_path(name: str, task: str = "causal-lm") -> Path:
     # from another tokenizer (earlier versions trained theirs per Python release) is never reused.
     recipe = TOKENIZER_FILE.read_bytes() + repr((CHATML_TEMPLATE, TINY_MODELS[name], SEED, task)).encode()
     key = hashlib.sha256(recipe).hexdigest()[:12]
-    return _build_in(cache_dir() / f"{name}{suffix}-{key}", build)
+    return build_in(cache_dir() / f"{name}{suffix}-{key}", build)
 
 
 # --------------------------------------------------------------------------- regenerating the tokenizer

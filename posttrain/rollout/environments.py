@@ -27,7 +27,7 @@ import random
 from typing import Any
 
 from posttrain.data.builtin import final_answer
-from posttrain.models.tiny import TOOL_CALL_END
+from posttrain.data.chat import TOOL_CALL_END
 from posttrain.rollout.tools import tool_schemas
 
 __all__ = ["ENVIRONMENTS", "CalculatorEnv", "GuessNumberEnv", "calculator_dataset", "calculator_reward",

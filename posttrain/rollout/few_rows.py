@@ -66,7 +66,7 @@ def _cdll():
     if not _cpu_has_avx2_fma():
         logger.info("decoding kernels off: the CPU lacks AVX2/FMA")
         return None
-    from posttrain.models.tiny import cache_dir
+    from posttrain.cache import cache_dir
 
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]

@@ -132,7 +132,7 @@ def _is_model(func) -> bool:
 
 def _name(func) -> str:
     if _is_model(func):
-        from posttrain.models.tiny import cache_dir
+        from posttrain.cache import cache_dir
 
         path = getattr(getattr(func, "config", None), "_name_or_path", "") or ""
         name = os.path.basename(path.rstrip("/\\"))

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from posttrain.models.tiny import TOOL_CALL_END, TOOL_CALL_START
+from posttrain.data.chat import TOOL_CALL_END, TOOL_CALL_START
 
 __all__ = ["assistant_turn", "parse_tool_calls", "run_tool_call", "run_tool_calls", "tool_schemas",
            "tools_by_name"]
