@@ -603,10 +603,3 @@ class PreferenceTrainer(BaseTrainer):
             predictions, labels = outputs["rewards"].float(), inputs["label"].long()
         return loss.detach(), predictions.detach(), labels
 
-
-def build_for_cli(trainer_class, script_args, config):
-    """A trainer for `posttrain reward|dpo|bco|kto`: model and datasets from the script arguments."""
-    from posttrain.cli import load_datasets
-
-    train, evaluation = load_datasets(script_args, config)
-    return trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation)
