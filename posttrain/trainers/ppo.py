@@ -8,7 +8,8 @@ whitened; the policy minimises the clipped surrogate and the critic the clipped 
 
 A preset of the online engine: advantage_estimator="gae", KL in the reward per token, one
 completion per prompt. The critic is a value head on the policy (`CausalLMWithValueHead`) or,
-when `value_model` is given, a separate sequence-classification model (`PolicyWithCritic`);
+when `value_model` is given, a separate sequence-classification model (`PolicyWithCritic`; a causal LM
+given there becomes one with its weights and a fresh score head, with an UntrainedHeadWarning);
 either way policy and critic are one module that the Trainer optimises and saves (the policy as
 an ordinary checkpoint, the critic next to it).
 
@@ -153,8 +154,10 @@ class PPOTrainer(OnlineTrainer):
         model = model.policy if head is not None else model
         funcs = [f for f in ([reward_model] + (reward_funcs if isinstance(reward_funcs, (list, tuple)) else
                                                [reward_funcs])) if f is not None]
-        self._manual_only = not funcs and not (args and args.reward_model_path)
-        super().__init__(model, funcs or [_no_reward], args=args, train_dataset=_with_prompt(train_dataset),
+        by_path = (args.reward_model_path if args else None) or rest.get("reward_model_path")
+        self._manual_only = not funcs and not by_path
+        # None lets OnlineTrainer load reward_model_path; _no_reward stands in for a reward only the manual loop gives
+        super().__init__(model, funcs or (None if by_path else [_no_reward]), args=args, train_dataset=_with_prompt(train_dataset),
                          eval_dataset=_with_prompt(eval_dataset), processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, ref_model=ref_model,
                          value_model=value_model, **rest)  # rest: PPOConfig fields, see OnlineTrainer

@@ -132,3 +132,14 @@ def test_ppo_value_model_given_as_a_causal_lm_is_converted(tmp_path):
                         value_model=critic)
     assert isinstance(trainer.model, PolicyWithCritic)
     assert "ForSequenceClassification" in type(trainer.model.value_model).__name__
+
+
+def test_ppo_reward_model_path_is_the_reward(tmp_path):
+    """reward_model_path (in the config or, with the FutureWarning, given to the trainer) is PPO's reward."""
+    args = PPOConfig(**online_args(tmp_path, reward_model_path="posttrain/tiny-qwen2-seqcls"))
+    trainer = PPOTrainer(args=args, model=MODEL, train_dataset=prompts(8))
+    assert trainer.reward_scorer.names != ["_no_reward"] and not trainer._manual_only
+    with pytest.warns(FutureWarning, match="reward_model_path"):
+        given = PPOTrainer(args=PPOConfig(**online_args(tmp_path)), model=MODEL, train_dataset=prompts(8),
+                           reward_model_path="posttrain/tiny-qwen2-seqcls")
+    assert given.reward_scorer.names == trainer.reward_scorer.names
