@@ -11,7 +11,7 @@ import torch
 SCRIPT = """
 import resource, sys, torch
 if sys.argv[1] == "keep":
-    from posttrain.trainers.base import keep_freed_memory
+    from posttrain.memory import keep_freed_memory
     assert keep_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -62,7 +62,7 @@ def _step(model, optimizer, seed):
     lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
 ])
 def test_adam_state_made_up_front_changes_nothing(kind):
-    from posttrain.trainers.base import make_adam_state
+    from posttrain.memory import make_adam_state
 
     lazy_model, eager_model = _model(), _model()
     lazy, eager = kind(lazy_model.parameters()), kind(eager_model.parameters())
@@ -85,7 +85,7 @@ def test_adam_state_made_up_front_changes_nothing(kind):
 
 
 def test_adam_state_is_left_alone_elsewhere():
-    from posttrain.trainers.base import make_adam_state
+    from posttrain.memory import make_adam_state
 
     model = _model()
     assert not make_adam_state(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))

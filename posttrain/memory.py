@@ -1,0 +1,72 @@
+"""Process memory habits for training on CPU: glibc's allocator and Adam's state made up front.
+
+Neither is trainer logic; `BaseTrainer` applies both when `keep_freed_memory` is set (the default
+on CPU). `keep_freed_memory()` changes malloc for the whole process, so it is a config field that
+can be turned off (`keep_freed_memory=False`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc serve every block from its heap and never give freed memory back to the OS.
+
+    By default glibc maps each block above 32 MiB (gradients, activations of a training step) fresh
+    from the OS and unmaps it on free, so every step pays page faults to zero-fill them again.
+    Returns True when the settings took effect (glibc found), False elsewhere.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def make_adam_state(optimizer) -> bool:
+    """Create an Adam / AdamW optimizer's state (step 0, zero moments) now instead of in its first step.
+
+    With `keep_freed_memory`, memory freed by a training step is reused by the next allocations.
+    Moments created lazily in the first `optimizer.step()` take the space the first step's
+    activations just left, so the second step's activations need new pages from the OS. Created before
+    any step, the moments sit below the steps' memory (`benchmarks/README.md` has the page-fault counts).
+    The state is what the first step
+    would have made: torch's own initialisation runs in one step with zero gradients and zero
+    learning rates (the parameters do not change), after which every state tensor, the step count
+    included, is zeroed. Returns True when the state was made; other optimizers, or one that already
+    has state, are left alone.
+    """
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
+        return False
+    if any(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.grad is None]
+    if not params:
+        return False
+    rates = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, rates):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+    return True
