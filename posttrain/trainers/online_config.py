@@ -10,7 +10,7 @@ micro-batches (`gradient_accumulation_steps` per optimizer step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from posttrain.core.advantages import ADVANTAGES
 from posttrain.core.kl import KL_ESTIMATORS
@@ -296,3 +296,73 @@ class OnlineConfig(BaseConfig):
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.num_iterations < 1 or self.max_completion_length < 1:
             raise ValueError("num_iterations and max_completion_length must be >= 1")
+
+
+# ---------------------------------------------------------------- the classic RLOO / PPO field names
+
+def resolve_aliases(config, pairs: list[tuple[str, str]]):
+    """Make each (classic name, GRPO name) pair agree: the one set away from its default wins; both set
+    to different values is an error."""
+    defaults = {f.name: f.default for f in fields(config)}
+    for classic, other in pairs:
+        a, b = getattr(config, classic), getattr(config, other)
+        a_set, b_set = a != defaults[classic], b != defaults[other]
+        if a_set and b_set and a != b:
+            raise ValueError(f"{classic}={a!r} and {other}={b!r} name the same setting; set only one of them")
+        value = a if a_set else b if b_set else defaults[classic]
+        setattr(config, classic, value)
+        setattr(config, other, value)
+
+
+def apply_classic_stop(config):
+    """stop_token ("eos" or None) / stop_token_id -> stop_token_ids; shared by the classic RLOO and PPO configs."""
+    if config.stop_token not in (None, "eos"):
+        raise ValueError(f"stop_token={config.stop_token!r}: only 'eos' (or None) is supported; use stop_token_id "
+                         "for another token")
+    if config.stop_token_id is not None:
+        config.stop_token_ids = sorted(set(config.stop_token_ids or []) | {int(config.stop_token_id)})
+
+
+@dataclass
+class ClassicOnlineConfig(OnlineConfig):
+    """What the classic RLOO and PPO configurations share: their field names and defaults, each with
+    its GRPO-style alias (`_aliases`: (classic name, GRPO name) pairs, resolved by `resolve_aliases`)."""
+
+    _aliases = []
+    kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient in the reward (alias: beta)."})
+    beta: float = field(default=0.05, metadata={"help": "Alias of kl_coef."})
+    kl_estimator: str = field(default="k1", metadata={"help": "KL estimator of the penalty in the reward: 'k1', "
+                              "'k2', 'k3' or 'abs'."})
+    kl_in_reward: bool = field(default=True, metadata={"help": "The KL penalty goes into the reward (the classic "
+                               "trainers' way)."})
+    response_length: int = field(default=53, metadata={"help": "Most tokens per completion "
+                                 "(alias: max_completion_length)."})
+    max_completion_length: int = field(default=53, metadata={"help": "Alias of response_length."})
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each batch (alias: num_iterations)."})
+    num_iterations: int = field(default=4, metadata={"help": "Alias of num_ppo_epochs."})
+    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the ratio (alias: epsilon)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Alias of cliprange."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per pass over a batch: each process "
+                                  "generates per_device_train_batch_size * gradient_accumulation_steps * "
+                                  "num_mini_batches completions at a time."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature."})
+    stop_token: str | None = field(default=None, metadata={"help": "'eos': completions end at EOS (always the case)."})
+    stop_token_id: int | None = field(default=None, metadata={"help": "Another token id that ends a completion."})
+    num_sample_generations: int = field(default=10, metadata={"help": "Completion tables at this many evenly "
+                                        "spaced steps."})
+    learning_rate: float = field(default=3e-6, metadata={"help": "Initial AdamW learning rate."})
+    sft_model_path: str | None = field(default=None, metadata={"help": "Classic name of the policy to start from, "
+                                       "read by `posttrain rloo|ppo`: as in the classic TRL scripts, the policy "
+                                       "loads from it (winning over --model_name_or_path, which then names only the "
+                                       "tokenizer). The trainers themselves take the policy as `model`/`policy`."})
+    exp_name: str | None = field(default=None, metadata={"help": "Classic experiment name: the run_name when "
+                                 "run_name is not given."})
+
+    def _check(self):
+        if self.exp_name and self.run_name is None:
+            self.run_name = self.exp_name
+        resolve_aliases(self, self._aliases)
+        if self.steps_per_generation is None and self.generation_batch_size is None:
+            self.steps_per_generation = self.gradient_accumulation_steps * self.num_mini_batches
+        apply_classic_stop(self)
+        super()._check()

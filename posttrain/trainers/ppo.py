@@ -52,7 +52,7 @@ from posttrain.models.value_head import CausalLMWithValueHead
 from posttrain.rollout.generate import Rollout
 from posttrain.rollout.rewards import RewardError, check_scores
 from posttrain.trainers.online import OnlineTrainer
-from posttrain.trainers.rloo import ClassicOnlineConfig
+from posttrain.trainers.online_config import ClassicOnlineConfig
 
 logger = logging.getLogger(__name__)
 

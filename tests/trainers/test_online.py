@@ -8,7 +8,7 @@ from posttrain.core.logprobs import token_logprobs
 from posttrain.trainers import online
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.online import OnlineConfig, OnlineTrainer
-from posttrain.trainers.rloo import resolve_aliases
+from posttrain.trainers.online_config import resolve_aliases
 
 
 def grpo(tmp_path, model="posttrain/tiny-qwen2", **overrides):
