@@ -68,19 +68,6 @@ from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_datas
 from posttrain.trainers.online_config import (_COUNT, CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LOSS_TYPES,
                                               PER_TOKEN_ESTIMATORS, OnlineConfig)
 
-def build_for_cli(trainer_class, script_args, config):
-    """A trainer for `posttrain grpo|rloo|ppo`: datasets from the script arguments; rewards from
-    --reward_funcs (names, module:function paths, reward models) plus --reward_model_path."""
-    from posttrain.cli import load_datasets
-
-    train, evaluation = load_datasets(script_args, config)
-    rewards = list(script_args.reward_funcs or []) + ([config.reward_model_path] if config.reward_model_path else [])
-    if not rewards:
-        raise ValueError("no reward: give --reward_funcs (exact_match, digit_match, module:function, or a reward "
-                         "model path) and/or --reward_model_path")
-    return trainer_class(model=script_args.model_name_or_path, reward_funcs=rewards, args=config,
-                         train_dataset=train, eval_dataset=evaluation)
-
 
 class _PromptOrder(torch.utils.data.Sampler):
     """The batch sampler of `PromptBatches`: for each global batch of prompts, this process's dataset indices,
