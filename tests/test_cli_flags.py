@@ -54,20 +54,8 @@ def test_model_flags_go_into_model_init_kwargs():
     assert cli.peft_config(script_args) is None
 
 
-def test_trust_remote_code_runs_the_model_folders_own_classes_only_when_given(tmp_path):
-    import shutil
-
-    from posttrain.models.loading import resolve
-
-    folder = tmp_path / "remote_model"
-    shutil.copytree(resolve("posttrain/tiny-qwen2"), folder)
-    (folder / "custom.py").write_text("from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM\n\n\n"
-                                      "class RemoteLM(Qwen2ForCausalLM):\n    pass\n\n\n"
-                                      "class RemoteTokenizer(PreTrainedTokenizerFast):\n    pass\n")
-    for name, auto_map in (("config.json", {"AutoModelForCausalLM": "custom.RemoteLM"}),
-                           ("tokenizer_config.json", {"AutoTokenizer": [None, "custom.RemoteTokenizer"]})):
-        config = json.loads((folder / name).read_text())
-        (folder / name).write_text(json.dumps({**config, "auto_map": auto_map}))
+def test_trust_remote_code_runs_the_model_folders_own_classes_only_when_given(tmp_path, remote_code_model):
+    folder = remote_code_model
     argv = ["--model_name_or_path", str(folder), "--dataset_name", "zen", "--output_dir", str(tmp_path / "out")]
     trainer = cli.run_sft(*cli.parse("sft", argv))  # off by default: transformers' own Qwen2 classes
     assert type(trainer.model).__name__ == "Qwen2ForCausalLM"

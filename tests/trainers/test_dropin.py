@@ -151,21 +151,8 @@ def test_model_init_kwargs_as_trl_reads_them(tmp_path):
         DPOTrainer(TINY, args=args, train_dataset=PAIRS)
 
 
-def test_trust_remote_code_in_model_init_kwargs_loads_the_folders_own_model_and_tokenizer(tmp_path):
-    import json
-    import shutil
-
-    from posttrain.models.loading import resolve
-
-    folder = tmp_path / "remote_model"
-    shutil.copytree(resolve(TINY), folder)
-    (folder / "custom.py").write_text("from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM\n\n\n"
-                                      "class RemoteLM(Qwen2ForCausalLM):\n    pass\n\n\n"
-                                      "class RemoteTokenizer(PreTrainedTokenizerFast):\n    pass\n")
-    for name, auto_map in (("config.json", {"AutoModelForCausalLM": "custom.RemoteLM"}),
-                           ("tokenizer_config.json", {"AutoTokenizer": [None, "custom.RemoteTokenizer"]})):
-        config = json.loads((folder / name).read_text())
-        (folder / name).write_text(json.dumps({**config, "auto_map": auto_map}))
+def test_trust_remote_code_in_model_init_kwargs_loads_the_folders_own_model_and_tokenizer(tmp_path, remote_code_model):
+    folder = remote_code_model
     trainer = DPOTrainer(str(folder), args=DPOConfig(**config_kwargs(tmp_path / "off")), train_dataset=PAIRS)
     assert type(trainer.model).__name__ == "Qwen2ForCausalLM"  # off by default: transformers' own class
     args = DPOConfig(**config_kwargs(tmp_path / "on", model_init_kwargs={"trust_remote_code": True}))
