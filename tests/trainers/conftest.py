@@ -44,6 +44,17 @@ def sft_reverse(steps: int = 150, batch_size: int = 32, lr: float = 3e-3, warmup
     return model.eval(), tok
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models: one thread is faster than two that wait on each other on a busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def sft_reverse_path(tmp_path_factory):
     """Folder of the partially SFT-trained tiny model (built once per test session)."""

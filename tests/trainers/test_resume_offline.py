@@ -21,13 +21,7 @@ from posttrain.trainers.reward import RewardConfig, RewardTrainer
 from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster than two that wait on each other on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def fields(run: dict, **overrides) -> dict:

@@ -15,12 +15,7 @@ from posttrain.trainers.sft import SFTConfig, SFTTrainer
 MODEL = "posttrain/tiny-qwen2"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def config(tmp_path, **kw):
