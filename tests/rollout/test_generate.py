@@ -1,35 +1,16 @@
 """The sampler: parity with transformers' greedy generate, log-probs equal to a full forward,
 stop handling, filtering by hand numbers, the shared-prefill layout, PEFT."""
 
-import math
 
 import pytest
 import torch
 
 from posttrain.core.logprobs import token_logprobs
-from posttrain.models.loading import load_causal_lm, load_tokenizer
+from posttrain.models.loading import load_causal_lm
 from posttrain.rollout import generate as generate_module
 from posttrain.rollout.generate import Rollout, SamplingConfig, _sample, completion_logprobs, filter_logits, generate
 
 PROMPTS = ["reverse 1234 =", "Beautiful is better than ugly. Explicit is", "a", "add 12 7 ="]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("posttrain/tiny-qwen2")
-
-
-@pytest.fixture(scope="module")
-def model():
-    # The seeded tiny model repeats one token forever; larger random weights give varied text,
-    # so parity and stop tests compare real sequences.
-    m = load_causal_lm("posttrain/tiny-qwen2")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return m.eval()
 
 
 @pytest.fixture(scope="module")

@@ -8,29 +8,12 @@ import torch
 from posttrain.core.advantages import AdvantageInput, compute_advantages
 from posttrain.core.logprobs import token_logprobs
 from posttrain.data.tokenize import continuation_ids
-from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rollout import generate as generate_module
 from posttrain.rollout.generate import SamplingConfig, completion_logprobs, generate
 from posttrain.rollout.multiturn import Episodes, Tooling, rollout_from_func
 from posttrain.rollout.tools import tool_schemas
 
 FED = [5, 6, 7, 8, 9]  # what the scripted "tool" answers: any ids, fed after a row's first turn
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("posttrain/tiny-qwen2")
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = load_causal_lm("posttrain/tiny-qwen2")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # varied text instead of one repeated token
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return m.eval()
 
 
 class Script:
