@@ -1,7 +1,6 @@
 """The sampler: parity with transformers' greedy generate, log-probs equal to a full forward,
 stop handling, filtering by hand numbers, the shared-prefill layout, PEFT."""
 
-
 import pytest
 import torch
 
