@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +51,7 @@ from transformers import TrainingArguments
 from posttrain.core.logprobs import linear_selective_log_softmax, plain_lm_head, selective_log_softmax_stats
 from posttrain.data import formats
 from posttrain.data.chat import load_chat_template, template_variables
+from posttrain.core.sft_losses import SFT_LOSSES as LOSSES  # loss_type -> per-token loss
 from posttrain.data.collate import IGNORE_INDEX, MASK_COLUMNS, LanguageModelingCollator
 from posttrain.data.packing import STRATEGIES, pack_dataset, pack_rows
 from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
@@ -59,12 +59,6 @@ from posttrain.models import loading
 from posttrain.trainers.base import (BaseConfig, BaseTrainer, as_dataset, check_datasets, classic_arguments,
                                      seed_run)
 
-# loss_type -> per-token loss from the target tokens' log-probs (N,) -> (N,); summed, then divided by the
-# global number of target tokens
-LOSSES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "nll": lambda logps: -logps,
-    "dft": lambda logps: -logps * logps.detach().exp(),  # DFT: the NLL scaled by the token's probability
-}
 DATASET_KWARGS = ("skip_prepare_dataset",)  # the `dataset_kwargs` keys SFT reads
 STREAM_PACK_ROWS = 1000  # a streamed dataset is packed this many rows at a time (bins never see further)
 
