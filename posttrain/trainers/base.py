@@ -121,6 +121,9 @@ def classic_arguments(trainer: str, config_class, args, processing_class, kwargs
         warnings.warn(f"passing {sorted(kwargs)} to {trainer} is deprecated: they are {config_class.__name__} "
                       f"fields; set them there ({config_class.__name__}(..., {given})). Applied to a copy of args",
                       FutureWarning, stacklevel=3)
+        for classic, other in getattr(config_class, "_aliases", ()):  # RLOO/PPO: one name of a pair sets both
+            if (classic in kwargs) != (other in kwargs):
+                kwargs[classic] = kwargs[other] = kwargs.get(classic, kwargs.get(other))
         args = dataclasses.replace(args, **kwargs)  # reruns __post_init__: the fields are checked as usual
     return args, processing_class
 

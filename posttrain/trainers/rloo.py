@@ -31,12 +31,13 @@ headings: query | model response | score (one "score (<reward>)" column per rewa
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from transformers import TrainingArguments
 
+from posttrain.core.shaping import RewardShaping
 from posttrain.data.tokenize import encode_prompt
 from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_config import ClassicOnlineConfig
@@ -77,8 +78,9 @@ def _grpo_style(model, reward_funcs=None, args=None, train_dataset=None, eval_da
     pass
 
 
-def _classic(config, processing_class=None, policy=None, ref_policy=None, reward_model=None, train_dataset=None,
-             data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None, peft_config=None):
+def _classic(config=None, processing_class=None, policy=None, ref_policy=None, reward_model=None, train_dataset=None,
+             data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None, peft_config=None,
+             **kwargs):
     pass
 
 
@@ -91,6 +93,9 @@ class RLOOTrainer(OnlineTrainer):
     * classic: `RLOOTrainer(config, processing_class, policy, ref_policy, reward_model, train_dataset,
       data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None)`, positional or by
       keyword; the reward model may be a sequence-classification model or a callable.
+
+    Both forms take TRL's older conventions: `tokenizer=` for processing_class, and RLOOConfig fields given to
+    the trainer (set on a copy of the config with a FutureWarning naming them; see `classic_arguments`).
     """
 
     config_class = RLOOConfig
@@ -115,20 +120,21 @@ class RLOOTrainer(OnlineTrainer):
             reward = given.get("reward_model")
             if _classic_callable(reward):
                 reward = _query_response_reward(reward, self)
-            kw = dict(model=given["policy"], reward_funcs=reward, args=given["config"],
+            kw = dict(model=given["policy"], reward_funcs=reward, args=given.get("config"),
                       train_dataset=given.get("train_dataset"), eval_dataset=given.get("eval_dataset"),
                       processing_class=given.get("processing_class"), callbacks=given.get("callbacks"),
                       optimizers=given.get("optimizers", (None, None)), peft_config=given.get("peft_config"),
-                      ref_model=given.get("ref_policy"))
+                      ref_model=given.get("ref_policy"), **given.get("kwargs", {}))  # tokenizer=, config fields
         else:
             kw = dict(inspect.signature(_grpo_style).bind(*args, **kwargs).arguments)
             kw.update(kw.pop("kwargs", {}))  # tokenizer=, RLOOConfig fields: OnlineTrainer takes them
         super().__init__(**kw)
         self.completions_table.headings, self.completions_table.score_heading = ("query", "model response"), "score"
 
-    def clip_scores(self, scores: torch.Tensor) -> torch.Tensor:
+    def reward_shaping(self) -> RewardShaping:
         # the classic trainer clipped the normalised scores only: raw scores beyond the range would all become equal
-        return super().clip_scores(scores) if self.args.normalize_reward else scores
+        shaping = super().reward_shaping()
+        return shaping if self.args.normalize_reward else replace(shaping, clip_range=None)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from online_helpers import online_args, prompts
 
+from posttrain.core.shaping import clip_scores
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
 MODEL = "posttrain/tiny-qwen2"
@@ -21,7 +22,7 @@ def test_raw_scores_are_not_clipped_without_normalize_reward(tmp_path):
     assert args.reward_clip_range == 10.0 and not args.normalize_reward
     trainer = RLOOTrainer(MODEL, big_reward, args=args, train_dataset=prompts(16))
     scores = torch.tensor([20.0, 30.0, -15.0, 5.0])
-    torch.testing.assert_close(trainer.clip_scores(scores), scores)
+    torch.testing.assert_close(clip_scores(scores, trainer.reward_shaping().clip_range), scores)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     # clipped to 10, every score would be equal, every advantage 0 and (no KL) no parameter would move
@@ -34,10 +35,12 @@ def test_normalised_scores_are_clipped_to_a_bound_or_a_pair(tmp_path):
     scores = torch.tensor([20.0, 30.0, -15.0, 5.0])
     args = RLOOConfig(**online_args(tmp_path, normalize_reward=True))
     trainer = RLOOTrainer(MODEL, big_reward, args=args, train_dataset=prompts(16))
-    torch.testing.assert_close(trainer.clip_scores(scores), torch.tensor([10.0, 10.0, -10.0, 5.0]))
+    torch.testing.assert_close(clip_scores(scores, trainer.reward_shaping().clip_range),
+                               torch.tensor([10.0, 10.0, -10.0, 5.0]))
     trainer.args.reward_clip_range = RLOOConfig(**online_args(tmp_path, reward_clip_range=[-1, 25])).reward_clip_range
     assert trainer.args.reward_clip_range == (-1.0, 25.0)
-    torch.testing.assert_close(trainer.clip_scores(scores), torch.tensor([20.0, 25.0, -1.0, 5.0]))
+    torch.testing.assert_close(clip_scores(scores, trainer.reward_shaping().clip_range),
+                               torch.tensor([20.0, 25.0, -1.0, 5.0]))
     with pytest.raises(ValueError, match="min <= max"):
         RLOOConfig(**online_args(tmp_path, reward_clip_range=(3, 1)))
     with pytest.raises(ValueError, match="must be >= 0"):
@@ -93,3 +96,32 @@ def test_ref_policy_that_is_the_policy_becomes_a_frozen_copy(tmp_path):
     assert trainer.ref_model is not None and trainer.ref_model is not policy
     assert all(p.requires_grad for p in policy.parameters())
     assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+
+
+def test_classic_form_takes_tokenizer_and_config_fields(tmp_path):
+    """The older docs' call: config=, tokenizer=, policy=, ref_policy=, reward_model=, and RLOOConfig fields given
+    to the trainer (one name of an alias pair sets both, even when the config set the pair to another value)."""
+    from posttrain.models.loading import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(None, model=MODEL)
+    policy = load_causal_lm(MODEL)
+    config = RLOOConfig(**online_args(tmp_path, rloo_k=2, num_ppo_epochs=1, max_steps=1))
+    with pytest.warns(FutureWarning, match=r"\['kl_coef', 'rloo_k'\] to RLOOTrainer is deprecated.*RLOOConfig fields"):
+        trainer = RLOOTrainer(config=config, tokenizer=tok, policy=policy, ref_policy=policy, reward_model=big_reward,
+                              train_dataset=prompts(16), rloo_k=4, kl_coef=0.1)
+    assert trainer.processing_class is tok
+    assert (trainer.args.rloo_k, trainer.args.num_generations, trainer.sampling.num_generations) == (4, 4, 4)
+    assert (trainer.args.kl_coef, trainer.args.beta) == (0.1, 0.1)
+    assert (config.rloo_k, config.kl_coef) == (2, 0.05)  # the caller's config is unchanged
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_classic_form_without_config_and_unknown_keywords(tmp_path):
+    with pytest.warns(FutureWarning, match=r"\['max_steps', 'output_dir'\]"):
+        trainer = RLOOTrainer(policy=MODEL, reward_model=big_reward, train_dataset=prompts(16),
+                              output_dir=str(tmp_path), max_steps=1)
+    assert isinstance(trainer.args, RLOOConfig) and trainer.args.output_dir == str(tmp_path)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['rlook'\]"):
+        RLOOTrainer(config=RLOOConfig(**online_args(tmp_path)), policy=MODEL, reward_model=big_reward,
+                    train_dataset=prompts(16), rlook=4)
