@@ -98,12 +98,13 @@ def _broadcast(seq_adv: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), seq_adv.unsqueeze(-1), 0.0)
 
 
-def _per_token_rewards(inp: AdvantageInput, scores: Tensor) -> Tensor:
-    """token_rewards (or zeros) with `scores` added at each row's last masked token. (B, T)"""
-    mask = inp.mask.bool()
+def per_token_rewards(scores: Tensor, mask: Tensor, token_rewards: Tensor | None = None) -> Tensor:
+    """token_rewards (or zeros) with `scores` (B,) added at each row's last masked token; 0 off the mask. (B, T)
+    Shared with core.shaping, which whitens these rewards for per-token estimators."""
+    mask = mask.bool()
     rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
-    if inp.token_rewards is not None:
-        rewards = torch.where(mask, inp.token_rewards.to(scores.dtype), rewards)
+    if token_rewards is not None:
+        rewards = torch.where(mask, token_rewards.to(scores.dtype), rewards)
     positions = torch.arange(mask.shape[1], device=mask.device)
     last = torch.where(mask, positions, -1).max(dim=-1).values  # (B,), -1 for empty rows
     rows = (last >= 0).nonzero(as_tuple=True)[0]
@@ -177,7 +178,7 @@ def gae(
         raise ValueError("gae needs critic values: set AdvantageInput.values")
     mask = inp.mask.bool()
     values = torch.where(mask, inp.values, 0.0)  # (B, T)
-    rewards = _per_token_rewards(inp, inp.scores.to(values.dtype))  # (B, T)
+    rewards = per_token_rewards(inp.scores.to(values.dtype), inp.mask, inp.token_rewards)  # (B, T)
     advantages = torch.zeros_like(values)
     next_value = torch.zeros_like(values[:, 0])  # (B,) V(s_{t+1})
     next_adv = torch.zeros_like(values[:, 0])  # (B,) A_{t+1}
@@ -197,7 +198,7 @@ def gae(
 @register_advantage("reinforce_pp")
 def reinforce_pp(inp: AdvantageInput, *, gamma: float = 1.0):
     """G_t = sum_{s>=t} γ^(s-t) r_s, then whitened over every masked token of the batch."""
-    returns = _discounted_return(_per_token_rewards(inp, inp.scores), inp.mask, gamma)
+    returns = _discounted_return(per_token_rewards(inp.scores, inp.mask, inp.token_rewards), inp.mask, gamma)
     return masked_whiten(returns, inp.mask), None
 
 
@@ -206,5 +207,5 @@ def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
     """REINFORCE++-baseline: scores minus their group mean, then as reinforce_pp."""
     g = group_view(inp.scores, inp.group_size, inp.layout)  # (P, k)
     scores = _ungroup(g - g.mean(dim=1, keepdim=True), inp.layout)  # (B,)
-    returns = _discounted_return(_per_token_rewards(inp, scores), inp.mask, gamma)
+    returns = _discounted_return(per_token_rewards(scores, inp.mask, inp.token_rewards), inp.mask, gamma)
     return masked_whiten(returns, inp.mask), None

@@ -5,7 +5,9 @@
      `tools=` / `environment_factory=` a multi-turn rollout (`rollout/multiturn.py`: each tool result
      is fed into its row's KV cache and left out of the loss, the KL and the entropy), and with
      `rollout_func=` the user's function instead of the sampler;
-  3. score with reward functions and/or reward models (weighted), minus `missing_eos_penalty`;
+  3. score with reward functions and/or reward models (weighted); once the reference log-probs are known, one
+     pure function shapes the scores, `core.shaping.shape_rewards` (missing-EOS penalty, normalise, clip, KL
+     in the reward, whiten);
   4. reference log-probs, only when `beta > 0`; old-policy log-probs are the sampler's own,
      and when the policy cannot have moved since sampling (one pass, one optimizer step per
      generation batch) `old_logp = logp.detach()`, so the ratio is exactly 1 and no pass is run;
@@ -51,12 +53,12 @@ import time
 import torch
 from torch import Tensor
 
-from posttrain.core.advantages import ADVANTAGES, AdvantageInput, _per_token_rewards, compute_advantages
+from posttrain.core.advantages import ADVANTAGES, AdvantageInput, compute_advantages
 from posttrain.core.kl import kl_penalty
 from posttrain.core.logprobs import token_logprobs
-from posttrain.core.masked import (aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten,
-                                   top_quantile_mask)
+from posttrain.core.masked import aggregate_loss, masked_mean, masked_sum, masked_var, top_quantile_mask
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus
+from posttrain.core.shaping import RewardShaping, shape_rewards
 from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.models import loading
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
@@ -399,8 +401,6 @@ class OnlineTrainer(BaseTrainer):
             loss_mask[truncated] = 0
         batch["loss_mask"] = loss_mask
         scores = scores.to(device).float()
-        if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * truncated.float()
         if args.beta > 0:
             with self.reference_context(self.ref_model):
                 ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
@@ -411,25 +411,12 @@ class OnlineTrainer(BaseTrainer):
         # everything below sees the batch of all processes
         g = {k: self._gather_rows(batch[k]) for k in ("loss_mask", "old_logp", "ref_logp", "old_values",
                                                       "completion_ids") if k in batch}
-        g_scores, g_truncated, mask = self._gather_rows(scores), self._gather_rows(truncated), g["loss_mask"]
-        self._record_rollout(g, g_scores, g_truncated)
-        if args.normalize_reward:
-            g_scores = (g_scores - g_scores.mean()) / (g_scores.std() + 1e-8)
-        g_scores = self.clip_scores(g_scores)
-        per_token = args.advantage_estimator in PER_TOKEN_ESTIMATORS
-        token_rewards = None
-        if args.kl_in_reward and "ref_logp" in g:
-            token_rewards = -args.beta * torch.where(mask.bool(), kl_penalty(g["old_logp"], g["ref_logp"],
-                                                                             args.kl_estimator), 0.0)
-            if not (per_token and args.token_level_kl):  # the summed penalty joins the sequence score
-                g_scores, token_rewards = g_scores + token_rewards.sum(1), None
-        if args.whiten_rewards and per_token:
-            rewards = _per_token_rewards(AdvantageInput(g_scores, mask, token_rewards=token_rewards), g_scores)
-            g_scores, token_rewards = torch.zeros_like(g_scores), masked_whiten(rewards, mask, shift_mean=False)
-        elif args.whiten_rewards:
-            g_scores = masked_whiten(g_scores, torch.ones_like(g_scores), shift_mean=False)
-        inp = AdvantageInput(scores=g_scores, mask=mask, group_size=args.num_generations, layout="prompt_major",
-                             token_rewards=token_rewards, values=g.get("old_values"))
+        g_truncated, mask = self._gather_rows(truncated), g["loss_mask"]
+        shaped = shape_rewards(self._gather_rows(scores), mask, self.reward_shaping(), truncated=g_truncated,
+                               logp=g["old_logp"], ref_logp=g.get("ref_logp"))
+        self._record_rollout(g, shaped.penalized_scores, g_truncated)
+        inp = AdvantageInput(scores=shaped.scores, mask=mask, group_size=args.num_generations, layout="prompt_major",
+                             token_rewards=shaped.token_rewards, values=g.get("old_values"))
         advantages, returns = compute_advantages(args.advantage_estimator, inp, **self._options(
             ADVANTAGES[args.advantage_estimator]))
         mine = slice(acc.process_index * N, (acc.process_index + 1) * N)
@@ -438,16 +425,17 @@ class OnlineTrainer(BaseTrainer):
             batch["returns"] = returns[mine, :C].float()
         if args.kl_in_reward:
             batch.pop("ref_logp", None)  # the KL is in the advantages already
-        self._episodes += g_scores.shape[0]
+        self._episodes += mask.shape[0]
         return self._micro_batches(batch)
 
-    def clip_scores(self, scores: Tensor) -> Tensor:
-        """Scores clipped to `reward_clip_range`: c to [-c, c], a (min, max) pair to [min, max]; None: as they are."""
-        clip = self.args.reward_clip_range
-        if clip is None:
-            return scores
-        low, high = (-clip, clip) if isinstance(clip, (int, float)) else clip
-        return scores.clamp(low, high)
+    def reward_shaping(self) -> RewardShaping:
+        """The config's reward-shaping switches (`core.shaping`), read when a batch is shaped (PPO's adaptive
+        controller sets `beta` just before)."""
+        args = self.args
+        return RewardShaping(missing_eos_penalty=args.missing_eos_penalty, normalize=args.normalize_reward,
+                             clip_range=args.reward_clip_range, kl_in_reward=args.kl_in_reward, kl_coef=args.beta,
+                             kl_estimator=args.kl_estimator, per_token=args.advantage_estimator in PER_TOKEN_ESTIMATORS,
+                             token_level_kl=args.token_level_kl, whiten=args.whiten_rewards)
 
     def _options(self, fn) -> dict:
         """The config fields named in an estimator's / loss's keyword parameters."""
