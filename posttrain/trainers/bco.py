@@ -13,7 +13,8 @@ Departures: δ is folded in once per optimizer step (every micro-batch of a step
 δ, so gradient accumulation does not change the result) and saved next to the weights of every
 checkpoint (`save_model`) and read back by `train(resume_from_checkpoint=...)`. The density
 ratios are computed once, before training, as a dataset column. Paired preference data is
-split into one desirable and one undesirable row per pair.
+split into one desirable and one undesirable row per pair. `generate_during_eval` writes its
+samples to a file and the console rather than to Weights & Biases (`trainers/eval_samples.py`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class BCOConfig(BaseConfig):
     max_density_ratio: float = field(default=10.0, metadata={"help": "UDM: upper clip of the density ratio."})
     disable_dropout: bool = field(default=True, metadata={
         "help": "Set every dropout probability of the model to 0, so policy and reference log-probs are comparable."})
+    generate_during_eval: bool = field(default=False, metadata={
+        "help": "At each evaluation, sample completions of per_device_eval_batch_size eval prompts from the policy "
+                "and the reference: printed as a table (Prompt | Policy | Ref Model) and appended to "
+                "<output_dir>/eval_completions.jsonl."})
 
     def _check(self):
         check_beta_and_lengths(self)

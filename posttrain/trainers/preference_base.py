@@ -15,6 +15,8 @@
   precomputation, a prediction_step for evaluation (scores for `compute_metrics`), a cumulative
   token count, and (BCO, DPO's bco_pair) the running reward mean δ, folded in once per optimizer
   step and saved with every checkpoint.
+* `generate_during_eval` (a config field of BCO): each evaluation first samples completions of a few eval
+  prompts from the policy and the reference, shown side by side (`eval_samples.py`).
 * `PreferenceConfig`: the fields DPO and KTO share (lengths, truncation_mode, reference handling).
 """
 
@@ -480,6 +482,7 @@ class PreferenceTrainer(BaseTrainer):
         self.reward_mean, self._pending_rewards = RunningMean(), []
         if self.uses_reward_mean:
             self.add_callback(_FoldRewards(self))
+        self.needs_reference = needs_reference
 
     def prepare_eval_dataset(self, dataset, name: str = "eval"):
         """Raw evaluation rows -> token ids, as the train data was prepared; prepared data comes back as is."""
@@ -603,3 +606,12 @@ class PreferenceTrainer(BaseTrainer):
             predictions, labels = outputs["rewards"].float(), inputs["label"].long()
         return loss.detach(), predictions.detach(), labels
 
+    # ------------------------------------------------------------------ evaluation: sampled completions
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """transformers' loop; with `generate_during_eval`, first sample completions of the eval prompts."""
+        if getattr(self.args, "generate_during_eval", False):
+            from posttrain.trainers.eval_samples import sample_eval_completions
+
+            sample_eval_completions(self, dataloader.dataset, metric_key_prefix)
+        return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
