@@ -206,9 +206,32 @@ def refuse_transforms(*datasets) -> None:
                              "transform; apply it first with dataset.map(transform, batched=True)")
 
 
-def check_liger(args: TrainingArguments) -> None:
-    """`use_liger_kernel` needs the liger-kernel package; posttrain's own loss path already avoids full logits."""
-    if getattr(args, "use_liger_kernel", False) and importlib.util.find_spec("liger_kernel") is None:
+def check_liger(args: TrainingArguments, model=None) -> None:
+    """`use_liger_kernel` with a PEFT set-up TRL refuses, or without the liger-kernel package, is refused.
+
+    TRL refuses two PEFT set-ups with liger: an adapter on the output layer (liger's fused linear
+    cross-entropy multiplies the hidden states by the base `lm_head.weight` directly, so the adapter
+    would get no gradient) and prompt learning (prompt/prefix/p-tuning add virtual tokens in
+    `PeftModel.forward`, which liger's fused paths skip). `model`: the model after PEFT wrapping.
+    """
+    if not getattr(args, "use_liger_kernel", False):
+        return
+    for peft_model in [m for m in (model.modules() if model is not None else ()) if loading.is_peft_model(m)]:
+        configs = peft_model.peft_config.values()
+        if any(getattr(c, "is_prompt_learning", False) for c in configs):
+            kinds = sorted({str(getattr(c.peft_type, "value", c.peft_type)) for c in configs if c.is_prompt_learning})
+            raise ValueError(f"use_liger_kernel=True cannot be combined with a prompt-learning PEFT adapter ({kinds}): "
+                             "its virtual tokens are added by PeftModel.forward, which liger-kernel's fused loss paths "
+                             "skip (TRL refuses it too). Use a weight adapter such as LoRA, or set "
+                             "use_liger_kernel=False")
+        head = peft_model.get_output_embeddings()
+        if hasattr(head, "base_layer") or hasattr(head, "original_module"):  # a LoRA layer or modules_to_save copy
+            raise ValueError("use_liger_kernel=True cannot be combined with a PEFT adapter on the output layer "
+                             "(lm_head in target_modules or modules_to_save): liger-kernel's fused linear "
+                             "cross-entropy multiplies the hidden states by the base lm_head.weight directly, so the "
+                             "adapter would get no gradient (TRL refuses it too). Leave lm_head out of the PEFT "
+                             "config, or set use_liger_kernel=False")
+    if importlib.util.find_spec("liger_kernel") is None:
         raise ValueError("use_liger_kernel=True, but liger-kernel is not installed (pip install liger-kernel). "
                          "posttrain does not need it to save memory: its losses fuse the output layer into a "
                          "chunked log-softmax, so the full (tokens x vocabulary) logits are never built. Unset "
@@ -272,7 +295,6 @@ class BaseTrainer(Trainer):
                  optimizers=(None, None), model_kind: str = "causal-lm", **trainer_kwargs):
         train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset, "eval_dataset")
         check_train_dataset(train_dataset)
-        check_liger(args)
         seed_run(args)
         self._staging_dir = None  # set while a checkpoint is written (see _save_checkpoint)
         self._heap_kept = bool(args.keep_freed_memory and (args.use_cpu or not torch.cuda.is_available())
@@ -291,6 +313,7 @@ class BaseTrainer(Trainer):
             model.config.use_cache = False
         self.tag_model(model)
         model = loading.apply_peft(model, peft_config)
+        check_liger(args, model)  # after PEFT: some adapters are refused with liger
         self.model_name = model_name
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
@@ -457,7 +480,7 @@ class BaseTrainer(Trainer):
         else:
             ref_model = loading.load_causal_lm(ref_model, **(self.args.model_init_kwargs or {}))
             ref_model.requires_grad_(False).eval()
-        return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        return loading.prepare_frozen(self.accelerator, ref_model)  # sharded like the policy under ZeRO-3 and FSDP2
 
     def reference_context(self, ref_model):
         """Context in which `self.model` acts as the reference (PEFT: adapter disabled), when ref_model is None."""
