@@ -12,9 +12,13 @@
   reinforce_pp_baseline REINFORCE++-baseline: the group mean of the scores is subtracted
                         first, then as reinforce_pp.
 
-Each takes an `AdvantageInput` plus keyword options and returns `(advantages, returns)`:
-advantages `(B, T)`, 0 on padding; returns `(B, T)` for estimators with a critic, else None.
-Advantages are targets, so `compute_advantages` runs without autograd.
+Each takes an `AdvantageInput` plus keyword-only options (each read from the config field of
+its name) and returns `(advantages, returns)`: advantages `(B, T)`, 0 on padding; returns
+`(B, T)` for estimators with a critic, else None. Advantages are targets, so
+`compute_advantages` runs without autograd. `register_advantage` records what the engine and
+the config checks need to know (per-token rewards or one score, a critic, the smallest group);
+the config's lists, checks and help text are read from `ADVANTAGES`, so a new estimator is its
+function and its registration here, plus a test.
 
 Departures: batch-level statistics ("batch" std, whitening) are over the tensors given; in a
 multi-process run the caller gathers the batch first if it wants them global. Masks may have
@@ -31,6 +35,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.masked import masked_whiten
+from posttrain.core.registry import keyword_options
 
 GROUP_STD_EPS = 1e-4
 
@@ -50,25 +55,54 @@ class AdvantageInput:
 
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor | None]]
-ADVANTAGES: dict[str, AdvantageFn] = {}
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator and the facts the engine and the config checks read from it."""
+
+    fn: AdvantageFn  # fn(inp, **options) -> (advantages (B, T), returns (B, T) or None)
+    # reads per-token rewards (AdvantageInput.token_rewards; a per-token KL penalty stays per token);
+    # otherwise the engine folds every per-token reward into the one score per sequence
+    per_token: bool
+    critic: bool  # reads AdvantageInput.values: the engine trains a value model beside the policy
+    # the smallest group_size that gives a signal: 2 where the baseline is the other completions
+    # of the prompt (a group of one would get advantage 0 and no gradient)
+    min_group: int
+    options: tuple[str, ...]  # fn's keyword-only parameters, each read from the config field of that name
+
+
+ADVANTAGES: dict[str, AdvantageEstimator] = {}
+
+
+def register_advantage(
+    name: str, *, per_token: bool, critic: bool, min_group: int
+) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register `fn` as estimator `name` with its facts; every fact must be given (none has a default),
+    so a new estimator cannot silently inherit a wrong one."""
+    for fact, value in (("per_token", per_token), ("critic", critic)):
+        if not isinstance(value, bool):
+            raise TypeError(f"register_advantage({name!r}): {fact} must be True or False, got {value!r}")
+    if isinstance(min_group, bool) or not isinstance(min_group, int) or min_group < 1:
+        raise ValueError(f"register_advantage({name!r}): min_group must be an int >= 1 (completions per "
+                         f"prompt the estimator needs), got {min_group!r}")
+
     def decorate(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGES:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGES[name] = fn
+        options = keyword_options(fn, f"advantage estimator {name!r}", ("inp",))
+        ADVANTAGES[name] = AdvantageEstimator(fn, per_token, critic, min_group, options)
         return fn
 
     return decorate
 
 
 def compute_advantages(name: str, inp: AdvantageInput, **options) -> tuple[Tensor, Tensor | None]:
-    """The one dispatch point: `ADVANTAGES[name](inp, **options)` without autograd."""
+    """The one dispatch point: `ADVANTAGES[name].fn(inp, **options)` without autograd."""
     if name not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator {name!r}; choose from {sorted(ADVANTAGES)}")
     with torch.no_grad():
-        return ADVANTAGES[name](inp, **options)
+        return ADVANTAGES[name].fn(inp, **options)
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -126,7 +160,7 @@ def _discounted_return(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 # --- estimators ----------------------------------------------------------------------------
 
 
-@register_advantage("group_norm")
+@register_advantage("group_norm", per_token=False, critic=False, min_group=2)
 def group_norm(inp: AdvantageInput, *, scale_rewards: str | bool = "group"):
     """A_i = (r_i - mean_group) / (std + 1e-4), std per group ("group"), over the batch
     ("batch"), or no division ("none", Dr. GRPO). Stds are the sample (n - 1) std; a group
@@ -147,7 +181,7 @@ def group_norm(inp: AdvantageInput, *, scale_rewards: str | bool = "group"):
     return _broadcast(_ungroup(centred, inp.layout), inp.mask), None
 
 
-@register_advantage("leave_one_out")
+@register_advantage("leave_one_out", per_token=False, critic=False, min_group=2)
 def leave_one_out(inp: AdvantageInput, *, normalize_advantage: bool = False):
     """A_i = r_i - (sum_j r_j - r_i) / (k - 1): the other completions are the baseline.
     With `normalize_advantage`, the (B,) advantages are whitened over the batch, each
@@ -166,7 +200,7 @@ def leave_one_out(inp: AdvantageInput, *, normalize_advantage: bool = False):
     return _broadcast(adv, inp.mask), None
 
 
-@register_advantage("gae")
+@register_advantage("gae", per_token=True, critic=True, min_group=1)
 def gae(
     inp: AdvantageInput, *, gamma: float = 1.0, lam: float = 0.95, whiten_advantages: bool = True
 ):
@@ -195,14 +229,14 @@ def gae(
     return advantages, returns
 
 
-@register_advantage("reinforce_pp")
+@register_advantage("reinforce_pp", per_token=True, critic=False, min_group=1)
 def reinforce_pp(inp: AdvantageInput, *, gamma: float = 1.0):
     """G_t = sum_{s>=t} γ^(s-t) r_s, then whitened over every masked token of the batch."""
     returns = _discounted_return(per_token_rewards(inp.scores, inp.mask, inp.token_rewards), inp.mask, gamma)
     return masked_whiten(returns, inp.mask), None
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", per_token=True, critic=False, min_group=2)
 def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
     """REINFORCE++-baseline: scores minus their group mean, then as reinforce_pp."""
     g = group_view(inp.scores, inp.group_size, inp.layout)  # (P, k)

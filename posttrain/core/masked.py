@@ -14,6 +14,7 @@ micro-batches gives the same number as computing the whole batch at once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -62,60 +63,79 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
 
 
 # --- loss aggregation --------------------------------------------------------------------
-# Each mode maps (per_token (B, T), mask (B, T), denominator, max_length) to a scalar.
-# `denominator` replaces the mode's local normaliser so that it can be made global.
+# Each mode is `fn(per_token (B, T), mask (B, T), denominator) -> scalar`: the masked numerator
+# divided by `denominator`. Its registration names what that denominator counts,
+# `count(mask (B, T), max_length) -> scalar`: aggregate_loss uses this batch's count, and a
+# caller that splits a batch sums the counts of all its micro-batches (and processes) instead.
 
 
-def _token_mean(per_token, mask, denominator, max_length):
+@dataclass(frozen=True)
+class Aggregation:
+    """A registered loss aggregation and what its denominator counts."""
+
+    fn: Callable[[Tensor, Tensor, Tensor | float], Tensor]
+    count: Callable[[Tensor, int | None], Tensor]  # count(mask, max_length): the denominator of `mask`'s rows
+
+
+AGGREGATIONS: dict[str, Aggregation] = {}
+
+
+def register_aggregation(name: str, *, count: Callable[[Tensor, int | None], Tensor]):
+    """Register `fn` as aggregation mode `name`, dividing by `count(mask, max_length)` (required: the
+    denominator is the fact that keeps micro-batches and processes summing to the whole batch)."""
+    if not callable(count):
+        raise TypeError(f"register_aggregation({name!r}): count must be a function (mask, max_length) -> the "
+                        f"denominator, got {count!r}")
+
+    def decorate(fn):
+        if name in AGGREGATIONS:
+            raise ValueError(f"loss aggregation {name!r} is already registered")
+        AGGREGATIONS[name] = Aggregation(fn, count)
+        return fn
+
+    return decorate
+
+
+def count_tokens(mask: Tensor, max_length: int | None = None) -> Tensor:
+    """The number of masked tokens."""
+    return mask.sum()
+
+
+def count_sequences(mask: Tensor, max_length: int | None = None) -> Tensor:
+    """The number of sequences: rows with no masked token are batch padding, not sequences."""
+    return (mask.sum(-1) > 0).sum()
+
+
+def count_rows_times_max_length(mask: Tensor, max_length: int | None) -> Tensor:
+    """rows * max_length: a constant per row, whatever its length (Dr. GRPO's normaliser)."""
+    if max_length is None:
+        raise ValueError("an aggregation dividing by rows * max_length (e.g. seq_mean_token_sum_norm) needs "
+                         "max_length (the generation budget), or an explicit denominator")
+    return torch.tensor(mask.shape[0] * max_length, device=mask.device)
+
+
+@register_aggregation("token_mean", count=count_tokens)
+def _token_mean(per_token, mask, denominator):
     # Every token in the (global) batch weighs the same.
-    # denominator: the number of masked tokens; default mask.sum() of this batch.
-    if denominator is None:
-        denominator = mask.sum().clamp(min=1)
     return masked_sum(per_token, mask) / denominator
 
 
-def _num_sequences(mask):
-    # rows with no masked token are batch padding, not sequences
-    return (mask.sum(-1) > 0).sum().clamp(min=1)
-
-
-def _seq_mean_token_mean(per_token, mask, denominator, max_length):
+@register_aggregation("seq_mean_token_mean", count=count_sequences)
+def _seq_mean_token_mean(per_token, mask, denominator):
     # Every sequence weighs the same, tokens weigh the same within a sequence.
-    # denominator: the number of sequences; default the non-empty rows of this batch.
-    per_seq = masked_mean(per_token, mask, dim=-1)  # (B,)
-    if denominator is None:
-        denominator = _num_sequences(mask)
-    return per_seq.sum() / denominator
+    return masked_mean(per_token, mask, dim=-1).sum() / denominator
 
 
-def _seq_mean_token_sum(per_token, mask, denominator, max_length):
+@register_aggregation("seq_mean_token_sum", count=count_sequences)
+def _seq_mean_token_sum(per_token, mask, denominator):
     # Longer sequences weigh more: each contributes its token sum.
-    # denominator: the number of sequences; default the non-empty rows of this batch.
-    per_seq = masked_sum(per_token, mask, dim=-1)  # (B,)
-    if denominator is None:
-        denominator = _num_sequences(mask)
-    return per_seq.sum() / denominator
+    return masked_sum(per_token, mask, dim=-1).sum() / denominator
 
 
-def _seq_mean_token_sum_norm(per_token, mask, denominator, max_length):
+@register_aggregation("seq_mean_token_sum_norm", count=count_rows_times_max_length)
+def _seq_mean_token_sum_norm(per_token, mask, denominator):
     # Dr. GRPO: a constant normaliser, so no sequence-length bias enters the gradient.
-    # denominator: num_sequences * max_length; default B * max_length of this batch.
-    if denominator is None:
-        if max_length is None:
-            raise ValueError(
-                "seq_mean_token_sum_norm needs max_length (the generation budget), "
-                "or an explicit denominator"
-            )
-        denominator = mask.shape[0] * max_length
     return masked_sum(per_token, mask) / denominator
-
-
-AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
-    "token_mean": _token_mean,
-    "seq_mean_token_mean": _seq_mean_token_mean,
-    "seq_mean_token_sum": _seq_mean_token_sum,
-    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
-}
 
 
 def aggregate_loss(
@@ -127,22 +147,21 @@ def aggregate_loss(
 ) -> Tensor:
     """Reduce a per-token loss `(B, T)` to a scalar.
 
-    `denominator` is what the summed numerator is divided by:
-      - "token_mean": the number of masked tokens (default: this batch's mask.sum());
-      - "seq_mean_token_mean": the number of sequences; each sequence first contributes its
-        own token mean (default: the number of non-empty rows of this batch);
-      - "seq_mean_token_sum": the number of sequences; each sequence contributes its token
-        sum (default: as above);
-      - "seq_mean_token_sum_norm": num_sequences * max_length (default: B * max_length;
-        `max_length` is then required).
-    To make a result independent of how the batch is split, pass the count over the whole
+    `denominator` is what the summed numerator is divided by; by default the mode's registered
+    count of this batch, `AGGREGATIONS[mode].count(mask, max_length)` (at least 1): masked tokens
+    for "token_mean", non-empty rows for "seq_mean_token_mean" (each sequence contributing its
+    token mean) and "seq_mean_token_sum" (its token sum), rows * max_length for
+    "seq_mean_token_sum_norm" (`max_length` is then required). To make a result independent of how the batch is split, pass the count over the whole
     optimizer step (all micro-batches, all processes) and sum the micro-batch results.
     DDP averages gradients over its N processes, so a caller that wants the global mean
     passes that global count divided by N.
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {mode!r}; choose from {sorted(AGGREGATIONS)}")
-    return AGGREGATIONS[mode](per_token, mask, denominator, max_length)
+    aggregation = AGGREGATIONS[mode]
+    if denominator is None:
+        denominator = aggregation.count(mask, max_length).clamp(min=1)
+    return aggregation.fn(per_token, mask, denominator)
 
 
 def shared_prefix_attention_mask(segment: Tensor, valid: Tensor, additive_dtype: torch.dtype | None = None) -> Tensor:

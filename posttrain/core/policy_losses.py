@@ -26,8 +26,10 @@ sampled by the current policy (ρ = 1) has loss -A: CISPO -sg(w) A (1 + log π -
 `delta` (INTELLECT-2, Prime Intellect 2025) bounds the clipped surrogate's ratio from above
 also where the advantage is negative (there PPO's clip leaves ρ unbounded): ρ -> min(ρ, δ).
 
-Every loss has one signature, `fn(logp, old_logp, advantages, mask, **options)`, and returns
-`(per_token_loss (B, T), stats)`; aggregation over tokens is `masked.aggregate_loss`'s job.
+Every loss has one signature, `fn(logp, old_logp, advantages, mask, *, options)` (each option read
+from the config field of its name), and returns `(per_token_loss (B, T), stats)`; aggregation over
+tokens is `masked.aggregate_loss`'s job. `register_policy_loss` records the aggregation a loss's
+paper uses, if any: such a loss is also a `loss_type` of its name (online_config derives them).
 The stats are detached and per token: `ratio` (B, T), `clipped` (B, T bool, False on
 padding), `approx_kl` (B, T) = 0.5 (log π - log π_old)^2.
 
@@ -42,12 +44,47 @@ log s_{i,t} = sg[log s_i] + log π_t - sg[log π_t]. With a sequence-level advan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from posttrain.core.masked import masked_mean
+from posttrain.core.masked import AGGREGATIONS, masked_mean
+from posttrain.core.registry import keyword_options
+
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict]]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss and the facts the config reads from it."""
+
+    fn: PolicyLossFn  # fn(logp, old_logp, advantages, mask, **options) -> (per_token_loss (B, T), stats)
+    # the aggregation the loss's paper uses, or None: any. A loss with one is also a `loss_type` of its
+    # name that sets both (TRL's convention: loss_type="cispo" is CISPO with the token mean).
+    aggregation: str | None
+    options: tuple[str, ...]  # fn's keyword-only parameters, each read from the config field of that name
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, *, aggregation: str | None) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register `fn` as policy loss `name`; `aggregation` (a core.masked mode, or None) must be given."""
+    if aggregation is not None and aggregation not in AGGREGATIONS:
+        raise ValueError(f"register_policy_loss({name!r}): aggregation={aggregation!r} is not a loss "
+                         f"aggregation; choose from {sorted(AGGREGATIONS)} or None")
+
+    def decorate(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        options = keyword_options(fn, f"policy loss {name!r}", ("logp", "old_logp", "advantages", "mask"))
+        POLICY_LOSSES[name] = PolicyLoss(fn, aggregation, options)
+        return fn
+
+    return decorate
 
 
 def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
@@ -71,6 +108,7 @@ def _stats(ratio: Tensor, clipped: Tensor, logp: Tensor, old_logp: Tensor, mask:
     }
 
 
+@register_policy_loss("clipped", aggregation=None)
 def clipped_surrogate(
     logp: Tensor,
     old_logp: Tensor,
@@ -96,6 +134,7 @@ def clipped_surrogate(
     return per_token, _stats(ratio, clipped_loss > unclipped_loss, logp, old_logp, mask)
 
 
+@register_policy_loss("reinforce", aggregation=None)
 def reinforce(
     logp: Tensor,
     old_logp: Tensor,
@@ -110,6 +149,7 @@ def reinforce(
     return per_token, _stats(ratio, torch.zeros_like(mask, dtype=torch.bool), logp, old_logp, mask)
 
 
+@register_policy_loss("cispo", aggregation="token_mean")
 def cispo(
     logp: Tensor,
     old_logp: Tensor,
@@ -130,6 +170,7 @@ def cispo(
     return per_token, _stats(ratio, ratio.detach() > cap, logp, old_logp, mask)
 
 
+@register_policy_loss("sapo", aggregation="token_mean")
 def sapo(
     logp: Tensor,
     old_logp: Tensor,
@@ -149,6 +190,7 @@ def sapo(
     return per_token, _stats(ratio, torch.zeros_like(mask, dtype=torch.bool), logp, old_logp, mask)
 
 
+@register_policy_loss("luspo", aggregation="seq_mean_token_sum")
 def luspo(
     logp: Tensor,
     old_logp: Tensor,
@@ -180,15 +222,6 @@ def entropy_bonus(logp: Tensor, entropy: Tensor, ratio: Tensor | None = None) ->
     if ratio is not None:
         score = score * ratio.detach()
     return entropy + score
-
-
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict]]] = {
-    "clipped": clipped_surrogate,
-    "reinforce": reinforce,
-    "cispo": cispo,
-    "sapo": sapo,
-    "luspo": luspo,
-}
 
 
 def clipped_value_loss(

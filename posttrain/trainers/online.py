@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 import os
 import time
@@ -56,7 +55,8 @@ from torch import Tensor
 from posttrain.core.advantages import ADVANTAGES, AdvantageInput, compute_advantages
 from posttrain.core.kl import kl_penalty
 from posttrain.core.logprobs import token_logprobs
-from posttrain.core.masked import aggregate_loss, masked_mean, masked_sum, masked_var, top_quantile_mask
+from posttrain.core.masked import (AGGREGATIONS, aggregate_loss, count_tokens, masked_mean, masked_sum, masked_var,
+                                   top_quantile_mask)
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus
 from posttrain.core.shaping import RewardShaping, shape_rewards
 from posttrain.data.tokenize import check_prompts, encode_prompt
@@ -67,8 +67,7 @@ from posttrain.rollout.multiturn import Tooling, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
-from posttrain.trainers.online_config import (_COUNT, CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LOSS_TYPES,
-                                              PER_TOKEN_ESTIMATORS, OnlineConfig)
+from posttrain.trainers.online_config import OnlineConfig, config_options, loss_types
 
 
 class _PromptOrder(torch.utils.data.Sampler):
@@ -155,12 +154,13 @@ class OnlineTrainer(BaseTrainer):
         if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
             policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
         policy = loading.apply_peft(policy, peft_config)
-        if args.advantage_estimator in CRITIC_ESTIMATORS:  # the critic trains with the policy, in one module
+        if ADVANTAGES[args.advantage_estimator].critic:  # the critic trains with the policy, in one module
             critic = value_model if value_model is None else loading.load_sequence_classifier(
                 value_model, convert_causal_lm=True, **init_kwargs)  # a causal LM: a fresh score head, with a warning
             wrapped = CausalLMWithValueHead(policy) if critic is None else PolicyWithCritic(policy, critic)
         elif value_model is not None:
-            raise ValueError(f"value_model is only used by critic estimators {sorted(CRITIC_ESTIMATORS)}, "
+            raise ValueError(f"value_model is only used by critic estimators "
+                             f"{sorted(name for name, e in ADVANTAGES.items() if e.critic)}, "
                              f"not advantage_estimator={args.advantage_estimator!r}")
         else:
             wrapped = policy
@@ -227,13 +227,13 @@ class OnlineTrainer(BaseTrainer):
                 for key, v in args.generation_kwargs.items()})
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
         self._shuffle = torch.Generator().manual_seed(args.seed + 1)
-        self.loss_mode, self.global_denominator = LOSS_TYPES[args.loss_type]
+        self.loss_mode, self.global_denominator = loss_types()[args.loss_type]
         # the policy can move between sampling and training only with several optimizer steps or passes
         self.old_is_current = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
         # ... and then the sampler's linear outputs are the training forward's (rollout/replay.py)
-        self.replays = (args.replay_linear_outputs and self.old_is_current and args.advantage_estimator not in
-                        CRITIC_ESTIMATORS and not (args.bf16 or args.fp16 or args.torch_compile
-                                                   or args.gradient_checkpointing) and _no_dropout(policy))
+        self.replays = (args.replay_linear_outputs and self.old_is_current and not ADVANTAGES[
+                        args.advantage_estimator].critic and not (args.bf16 or args.fp16 or args.torch_compile
+                                                                  or args.gradient_checkpointing) and _no_dropout(policy))
         self._replay = None  # the current generation batch's LinearRecord while its micro-batches train
         self._buffer: list[dict] = []  # the current generation batch's micro-batches, in training order
         self._next_micro = 0  # index in `_buffer` of the next micro-batch to train on
@@ -405,7 +405,7 @@ class OnlineTrainer(BaseTrainer):
             with self.reference_context(self.ref_model):
                 ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
                 batch["ref_logp"] = self._no_grad_forward(ref, batch)
-        if args.advantage_estimator in CRITIC_ESTIMATORS:
+        if ADVANTAGES[args.advantage_estimator].critic:
             batch["old_values"] = self._no_grad_forward(acc.unwrap_model(self.model), batch, values=True)
 
         # everything below sees the batch of all processes
@@ -417,8 +417,7 @@ class OnlineTrainer(BaseTrainer):
         self._record_rollout(g, shaped.penalized_scores, g_truncated)
         inp = AdvantageInput(scores=shaped.scores, mask=mask, group_size=args.num_generations, layout="prompt_major",
                              token_rewards=shaped.token_rewards, values=g.get("old_values"))
-        advantages, returns = compute_advantages(args.advantage_estimator, inp, **self._options(
-            ADVANTAGES[args.advantage_estimator]))
+        advantages, returns = compute_advantages(args.advantage_estimator, inp, **self._options("advantage_estimator"))
         mine = slice(acc.process_index * N, (acc.process_index + 1) * N)
         batch["advantages"] = advantages[mine, :C].float()
         if returns is not None:
@@ -434,13 +433,14 @@ class OnlineTrainer(BaseTrainer):
         args = self.args
         return RewardShaping(missing_eos_penalty=args.missing_eos_penalty, normalize=args.normalize_reward,
                              clip_range=args.reward_clip_range, kl_in_reward=args.kl_in_reward, kl_coef=args.beta,
-                             kl_estimator=args.kl_estimator, per_token=args.advantage_estimator in PER_TOKEN_ESTIMATORS,
+                             kl_estimator=args.kl_estimator, per_token=ADVANTAGES[args.advantage_estimator].per_token,
                              token_level_kl=args.token_level_kl, whiten=args.whiten_rewards)
 
-    def _options(self, fn) -> dict:
-        """The config fields named in an estimator's / loss's keyword parameters."""
-        names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
-        return {name: getattr(self.args, name) for name in names if hasattr(self.args, name)}
+    def _options(self, what: str) -> dict:
+        """The config fields named by the options of the configured `what`, "advantage_estimator" or "policy_loss";
+        an option without a field raises (config_options)."""
+        registry = ADVANTAGES if what == "advantage_estimator" else POLICY_LOSSES
+        return config_options(self.args, what, registry[getattr(self.args, what)])
 
     # A micro-batch is a dict of tensors (Trainer moves it to the device), B rows of one generation batch:
     #   prompt_ids (B, P) left-padded         prompt_mask (B, P)      completion_ids (B, C) right-padded
@@ -461,27 +461,26 @@ class OnlineTrainer(BaseTrainer):
         for _ in range(args.num_iterations):
             order = torch.arange(N) if self.old_is_current else torch.randperm(N, generator=self._shuffle)
             rows += [order[s:s + bs].to(batch["loss_mask"].device) for s in range(0, N, bs)]
-        counts = []  # per optimizer step: tokens, sequences, rows (this process)
+        count, L = AGGREGATIONS[self.loss_mode].count, args.max_completion_length
+        counts = []  # per optimizer step: the loss mode's count, tokens (this process)
         for j in range(0, len(rows), ga):
             m = batch["loss_mask"][torch.cat(rows[j:j + ga])]
             # a last chunk of n < ga micro-batches (steps_per_generation not a multiple of ga) shares its optimizer
             # step with the next generation batch: scaled by ga / n, it weighs n / ga of that step's mean
             share = ga / len(rows[j:j + ga])
-            counts.append([m.sum() * share, (m.sum(1) > 0).sum() * share, m.shape[0] * share])
+            counts.append([count(m, L) * share, count_tokens(m) * share])
         counts = torch.tensor(counts, dtype=torch.float64, device=batch["loss_mask"].device)
         world = self.accelerator.num_processes
         if world > 1:
             counts = self.accelerator.reduce(counts, reduction="sum")
         counts = counts.clamp(min=1) / world  # DDP averages gradients over processes
-        counts[:, 2] *= args.max_completion_length
         micro = []
         for i, idx in enumerate(rows):
             mb = _trim({k: v[idx] for k, v in batch.items()}, args.pad_to_multiple_of)
-            step_counts = counts[i // ga]
-            denominator = step_counts[_COUNT[self.loss_mode]]
-            if not self.global_denominator:  # bnpo: this micro-batch's tokens
-                denominator = mb["loss_mask"].sum().clamp(min=1).double() * ga
-            mb.update(denominator=denominator.float(), token_denominator=step_counts[0].float(),
+            denominator, token_denominator = counts[i // ga]
+            if not self.global_denominator:  # bnpo: this micro-batch's own count
+                denominator = count(mb["loss_mask"], L).clamp(min=1).double() * ga
+            mb.update(denominator=denominator.float(), token_denominator=token_denominator.float(),
                       old_is_current=self.old_is_current, last_of_generation=i == len(rows) - 1)
             micro.append(mb)
         return micro
@@ -518,14 +517,14 @@ class OnlineTrainer(BaseTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
-        critic = args.advantage_estimator in CRITIC_ESTIMATORS
+        critic = ADVANTAGES[args.advantage_estimator].critic
         logp, entropy, values = self.forward(model, inputs, with_values=critic, with_entropy=True, replay=True)
         if inputs.get("last_of_generation"):
             self._replay = None  # the record's last use: let it go before the backward
         mask = inputs["loss_mask"]
         old_logp = logp.detach() if inputs["old_is_current"] else inputs["old_logp"]
-        per_token, stats = POLICY_LOSSES[args.policy_loss](logp, old_logp, inputs["advantages"], mask,
-                                                           **self._options(POLICY_LOSSES[args.policy_loss]))
+        per_token, stats = POLICY_LOSSES[args.policy_loss].fn(logp, old_logp, inputs["advantages"], mask,
+                                                              **self._options("policy_loss"))
         metrics = {"loss/policy_avg": masked_mean(per_token.detach(), mask)}
         if "ref_logp" in inputs:  # GRPO: beta * KL(pi || ref) per token, in the loss
             kl = kl_penalty(logp, inputs["ref_logp"], args.kl_estimator)
@@ -650,7 +649,7 @@ class OnlineTrainer(BaseTrainer):
             per_function, total = self.reward_scorer(prompts, completions, ids, columns,
                                                      extra=self._reward_extras("eval"))
             rows += zip(total.tolist(), per_function.tolist(), map(len, ids))
-            if self.args.advantage_estimator not in CRITIC_ESTIMATORS:
+            if not ADVANTAGES[self.args.advantage_estimator].critic:
                 losses.append(self._eval_loss(rollout, total, k))
         rows = gather_object(rows) if acc.num_processes > 1 else rows
         p = metric_key_prefix
@@ -676,14 +675,14 @@ class OnlineTrainer(BaseTrainer):
         mask = batch["completion_mask"] * (1 - rollout.tool_mask.to(device) if rollout.tool_mask is not None else 1)
         logp = self._no_grad_forward(self.policy, batch)
         scores = scores.to(device).float()
-        if args.advantage_estimator in GROUP_ESTIMATORS and k < 2:  # nothing to compare with: no signal
+        if k < ADVANTAGES[args.advantage_estimator].min_group:  # nothing to compare with: no signal
             advantages = torch.zeros_like(logp)
         else:
             inp = AdvantageInput(scores=scores, mask=mask, group_size=k, layout="prompt_major")
             advantages, _ = compute_advantages(args.advantage_estimator, inp,
-                                               **self._options(ADVANTAGES[args.advantage_estimator]))
-        fn = POLICY_LOSSES[args.policy_loss]
-        per_token, _ = fn(logp, logp, advantages[:, :logp.shape[1]].float(), mask, **self._options(fn))
+                                               **self._options("advantage_estimator"))
+        per_token, _ = POLICY_LOSSES[args.policy_loss].fn(logp, logp, advantages[:, :logp.shape[1]].float(), mask,
+                                                          **self._options("policy_loss"))
         if args.beta > 0 and not args.kl_in_reward:
             with self.reference_context(self.ref_model):
                 ref_logp = self._no_grad_forward(self.ref_model if self.ref_model is not None else self.policy, batch)

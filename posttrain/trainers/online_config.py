@@ -18,23 +18,32 @@ from posttrain.core.masked import AGGREGATIONS
 from posttrain.core.policy_losses import POLICY_LOSSES
 from posttrain.trainers.base import BaseConfig
 
-# GRPO-family loss names -> (aggregation mode, whether the denominator is global)
-LOSS_TYPES = {"grpo": ("seq_mean_token_mean", True), "bnpo": ("token_mean", False),
-              "dr_grpo": ("seq_mean_token_sum_norm", True), "dapo": ("token_mean", True),
-              "cispo": ("token_mean", True), "sapo": ("token_mean", True), "luspo": ("seq_mean_token_sum", True),
-              **{mode: (mode, True) for mode in AGGREGATIONS}}
-# TRL's loss_type names a loss form besides an aggregation: these set policy_loss too
-LOSS_TYPE_POLICY = {"cispo": "cispo", "sapo": "sapo", "luspo": "luspo"}
+# TRL's GRPO-family loss_type names -> (aggregation mode, whether the denominator is global); see loss_types()
+TRL_LOSS_TYPES = {"grpo": ("seq_mean_token_mean", True), "bnpo": ("token_mean", False),
+                  "dr_grpo": ("seq_mean_token_sum_norm", True), "dapo": ("token_mean", True)}
 # generation_kwargs keys the sampler honours, each the config field it overrides
 GENERATION_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "do_sample",
                      "stop_strings", "stop_token_ids"}
-# which global count each aggregation divides by: 0 tokens, 1 sequences, 2 rows * max_completion_length
-_COUNT = {"token_mean": 0, "seq_mean_token_mean": 1, "seq_mean_token_sum": 1, "seq_mean_token_sum_norm": 2}
-# estimators that read per-token rewards (AdvantageInput.token_rewards); the others see one score per sequence
-PER_TOKEN_ESTIMATORS = {"gae", "reinforce_pp", "reinforce_pp_baseline"}
-CRITIC_ESTIMATORS = {"gae"}
-# estimators whose baseline is the other completions of the prompt: a group of one gets advantage 0
-GROUP_ESTIMATORS = {"group_norm", "leave_one_out", "reinforce_pp_baseline"}
+
+
+def loss_types() -> dict[str, tuple[str, bool]]:
+    """Every loss_type name -> (aggregation mode, whether its denominator spans the optimizer step): TRL's names,
+    each core.masked aggregation mode, and each policy loss registered with an aggregation (that loss_type sets
+    policy_loss too). Read from the registries when asked, so a later registration counts."""
+    return {**TRL_LOSS_TYPES, **{mode: (mode, True) for mode in AGGREGATIONS},
+            **{name: (loss.aggregation, True) for name, loss in POLICY_LOSSES.items() if loss.aggregation}}
+
+
+def config_options(config, what: str, entry) -> dict:
+    """The config fields named by the keyword options of `entry`, the registry entry (ADVANTAGES / POLICY_LOSSES)
+    of the config's `what` ("advantage_estimator" / "policy_loss"). An option with no field of its name is an
+    error, not silently left at its default."""
+    missing = [option for option in entry.options if not hasattr(config, option)]
+    if missing:
+        raise ValueError(f"{what}={getattr(config, what)!r} ({entry.fn.__module__}.{entry.fn.__qualname__}) takes "
+                         f"option(s) {missing}, which {type(config).__name__} has no field for; add a field of that "
+                         "name (with its help text) to OnlineConfig, or drop the option from the function")
+    return {option: getattr(config, option) for option in entry.options}
 
 
 @dataclass
@@ -127,7 +136,7 @@ class OnlineConfig(BaseConfig):
     ref_model_sync_steps: int = field(default=512, metadata={"help": "Steps between reference syncs."})
     # ---- advantages
     advantage_estimator: str = field(default="group_norm", metadata={"help": "A core.advantages estimator: "
-                                     "group_norm, leave_one_out, gae, reinforce_pp, reinforce_pp_baseline."})
+                                     f"{', '.join(ADVANTAGES)}."})
     scale_rewards: str = field(default="group", metadata={"help": "group_norm divides by the 'group' (True) or "
                                "'batch' std, or by nothing: 'none' (False)."})
     normalize_advantage: bool = field(default=False, metadata={"help": "leave_one_out: whiten the advantages."})
@@ -137,11 +146,14 @@ class OnlineConfig(BaseConfig):
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
     whiten_advantages: bool = field(default=True, metadata={"help": "gae: whiten the advantages."})
     # ---- policy update
-    policy_loss: str = field(default="clipped", metadata={"help": "A core.policy_losses.POLICY_LOSSES name."})
+    policy_loss: str = field(default="clipped", metadata={"help": "A core.policy_losses loss: "
+                             f"{', '.join(POLICY_LOSSES)}."})
     loss_type: str = field(default="dapo", metadata={"help": "'grpo' (per-sequence token means), 'bnpo' (token "
                            "mean per micro-batch), 'dr_grpo' (token sum / max_completion_length), 'dapo' (token "
-                           "mean over the step), 'cispo' / 'sapo' (that policy loss, token mean over the step), "
-                           "'luspo' (GSPO's sequence ratio, token sum per sequence), or a core.masked aggregation."})
+                           "mean over the step), a core.masked aggregation (" + ", ".join(AGGREGATIONS) + "), or a "
+                           "policy loss with its paper's aggregation, which sets policy_loss too (" + ", ".join(
+                               f"{name}: {loss.aggregation}" for name, loss in POLICY_LOSSES.items()
+                               if loss.aggregation) + ")."})
     num_iterations: int = field(default=1, metadata={"help": "Passes over each generation batch (PPO epochs)."})
     epsilon: float = field(default=0.2, metadata={"help": "Clip range of the importance ratio (>= 0)."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO, >= 0); None: "
@@ -232,8 +244,8 @@ class OnlineConfig(BaseConfig):
                 f"{self.steps_per_generation} = {self.per_process_generation} completions must be a multiple of "
                 f"num_generations={k}; set num_generations to a divisor of {self.per_process_generation}, or change "
                 f"per_device_train_batch_size / gradient_accumulation_steps / steps_per_generation")
-        if self.loss_type in LOSS_TYPE_POLICY:
-            wanted = LOSS_TYPE_POLICY[self.loss_type]
+        if self.loss_type in POLICY_LOSSES and POLICY_LOSSES[self.loss_type].aggregation:
+            wanted = self.loss_type
             default = type(self).__dataclass_fields__["policy_loss"].default
             if self.policy_loss not in (default, wanted):
                 raise ValueError(f"loss_type={self.loss_type!r} uses policy_loss={wanted!r}; policy_loss="
@@ -262,16 +274,20 @@ class OnlineConfig(BaseConfig):
                 raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
         for name, value, known in [("advantage_estimator", self.advantage_estimator, ADVANTAGES),
                                    ("policy_loss", self.policy_loss, POLICY_LOSSES),
-                                   ("loss_type", self.loss_type, LOSS_TYPES), ("kl_estimator", self.kl_estimator,
-                                                                              KL_ESTIMATORS),
+                                   ("loss_type", self.loss_type, loss_types()), ("kl_estimator", self.kl_estimator,
+                                                                                KL_ESTIMATORS),
                                    ("scale_rewards", self.scale_rewards, ("group", "batch", "none")),
                                    ("importance_sampling_level", self.importance_sampling_level,
                                     ("token", "sequence"))]:
             if value not in known:
                 raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(known)}")
-        if self.advantage_estimator in GROUP_ESTIMATORS and k < 2:  # else every advantage, and gradient, is 0
+        estimator = ADVANTAGES[self.advantage_estimator]
+        if k < estimator.min_group:  # else every advantage, and gradient, is 0
             raise ValueError(f"advantage_estimator={self.advantage_estimator!r} compares the completions of a "
-                             "prompt with each other: set num_generations >= 2")
+                             f"prompt with each other: set num_generations >= {estimator.min_group}")
+        # options without a field would keep their defaults whatever the config says: refused here, before training
+        config_options(self, "advantage_estimator", estimator)
+        config_options(self, "policy_loss", POLICY_LOSSES[self.policy_loss])
         # 0 would read as "no limit" and a negative length would cut the prompt's start instead
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {self.max_prompt_length}; "

@@ -320,6 +320,65 @@ def test_registry():
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         compute_advantages("vtrace", AdvantageInput(torch.ones(2), torch.ones(2, 2)))
     with pytest.raises(ValueError, match="already registered"):
-        register_advantage("gae")(lambda inp: None)
+        register_advantage("gae", per_token=True, critic=True, min_group=1)(lambda inp: None)
     with pytest.raises(TypeError):  # options are checked by the estimator's signature
         compute_advantages("group_norm", AdvantageInput(torch.ones(2), torch.ones(2, 2), 2), lam=1)
+
+
+def test_registered_facts_match_what_each_estimator_reads():
+    """per_token / critic / min_group are read by the engine instead of the estimators' code: check them
+    against the estimators' behaviour, so a wrong fact at registration fails here."""
+    torch.manual_seed(0)
+    scores, mask = torch.randn(8, dtype=torch.float64), right_mask([3, 5, 1, 4, 2, 5, 5, 3], 5)
+    values = torch.randn(8, 5, dtype=torch.float64)
+    token_rewards = torch.randn(8, 5, dtype=torch.float64)
+    for name, estimator in ADVANTAGES.items():
+        inp = AdvantageInput(scores, mask, group_size=4, values=values)
+        base, _ = compute_advantages(name, inp)
+        with_tokens, _ = compute_advantages(name, AdvantageInput(scores, mask, 4, token_rewards=token_rewards,
+                                                                 values=values))
+        assert torch.equal(base, with_tokens) != estimator.per_token, name
+        if not estimator.critic:
+            without_values, _ = compute_advantages(name, AdvantageInput(scores, mask, group_size=4))
+            assert torch.equal(base, without_values), name
+        else:
+            with pytest.raises(ValueError, match="values"):
+                compute_advantages(name, AdvantageInput(scores, mask, group_size=4))
+        if estimator.min_group >= 2:  # a group of one has no baseline: no signal, or refused
+            try:
+                single, _ = compute_advantages(name, AdvantageInput(scores, mask, group_size=1, values=values))
+            except ValueError:
+                continue
+            assert torch.allclose(single, torch.zeros_like(single)), name
+
+
+def test_register_advantage_requires_every_fact():
+    def estimator(inp):
+        return None, None
+
+    for missing in ("per_token", "critic", "min_group"):
+        facts = {"per_token": False, "critic": False, "min_group": 1}
+        del facts[missing]
+        with pytest.raises(TypeError, match=missing):
+            register_advantage("test_missing_fact", **facts)
+    with pytest.raises(TypeError, match="positional"):  # facts are keyword-only
+        register_advantage("test_missing_fact", False, False, 1)
+    with pytest.raises(TypeError, match="per_token must be True or False"):
+        register_advantage("test_bad_fact", per_token=None, critic=False, min_group=1)
+    with pytest.raises(ValueError, match="min_group must be an int >= 1"):
+        register_advantage("test_bad_fact", per_token=False, critic=False, min_group=0)
+    assert "test_missing_fact" not in ADVANTAGES and "test_bad_fact" not in ADVANTAGES
+
+
+def test_register_advantage_refuses_options_the_config_cannot_pass():
+    def positional_option(inp, gamma=1.0):
+        return None, None
+
+    def extra_kwargs(inp, **options):
+        return None, None
+
+    for fn in (positional_option, extra_kwargs):
+        with pytest.raises(TypeError, match="keyword-only"):
+            register_advantage("test_loose_option", per_token=False, critic=False, min_group=1)(fn)
+    assert "test_loose_option" not in ADVANTAGES
+    assert ADVANTAGES["gae"].options == ("gamma", "lam", "whiten_advantages")

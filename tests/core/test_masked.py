@@ -139,3 +139,39 @@ def test_shared_prefix_attention_mask_by_hand():
     assert torch.equal(mask[0, 0], expected)
     additive = shared_prefix_attention_mask(segment, valid, additive_dtype=torch.float32)
     assert torch.equal(additive[0, 0] == 0, expected) and additive.min() == torch.finfo(torch.float32).min
+
+
+def test_each_mode_counts_its_own_denominator():
+    # the registered count is what aggregate_loss divides by, and what a caller sums over micro-batches
+    lengths = torch.tensor([7, 1, 3, 0, 2, 6, 4, 7])  # row 3 is batch padding
+    mask = torch.arange(7)[None, :] < lengths[:, None]
+    expected = {"token_mean": 30, "seq_mean_token_mean": 7, "seq_mean_token_sum": 7, "seq_mean_token_sum_norm": 8 * 9}
+    assert set(expected) == set(AGGREGATIONS)
+    for mode, count in expected.items():
+        assert AGGREGATIONS[mode].count(mask, 9).item() == count
+        halves = sum(AGGREGATIONS[mode].count(mask[i:i + 4], 9) for i in (0, 4))
+        assert halves.item() == count  # counts add up over a split batch
+        x = torch.rand(8, 7, dtype=torch.float64)
+        assert aggregate_loss(x, mask, mode, max_length=9).item() == pytest.approx(
+            aggregate_loss(x, mask, mode, denominator=count).item())
+
+
+def test_a_registered_aggregation_is_one_function_and_its_count(monkeypatch):
+    from posttrain.core.masked import count_tokens, register_aggregation
+
+    monkeypatch.setattr("posttrain.core.masked.AGGREGATIONS", dict(AGGREGATIONS))  # registered for this test only
+    import posttrain.core.masked as masked
+
+    @register_aggregation("token_sum_over_two", count=lambda mask, max_length: torch.tensor(2.0))
+    def half_sum(per_token, mask, denominator):
+        return masked_sum(per_token, mask) / denominator
+
+    assert masked.AGGREGATIONS["token_sum_over_two"].fn is half_sum
+    assert aggregate_loss(X, MASK, "token_sum_over_two").item() == 3.5  # (1 + 2 + 4) / 2
+    with pytest.raises(ValueError, match="already registered"):
+        register_aggregation("token_mean", count=count_tokens)(half_sum)
+    with pytest.raises(TypeError, match="count"):  # the denominator cannot be forgotten
+        register_aggregation("no_count")
+    with pytest.raises(TypeError, match="count must be a function"):
+        register_aggregation("no_count", count=None)
+    assert "no_count" not in masked.AGGREGATIONS

@@ -63,7 +63,7 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce(name):
     logp = (-torch.rand(3, 5, dtype=torch.float64) * 3).requires_grad_()
     adv = torch.randn(3, 5, dtype=torch.float64)
     mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] + [0] * 4])
-    loss, stats = POLICY_LOSSES[name](logp, logp.detach(), adv, mask)
+    loss, stats = POLICY_LOSSES[name].fn(logp, logp.detach(), adv, mask)
     assert (stats["ratio"] == 1).all()
     assert not stats["clipped"].any()
     assert (stats["approx_kl"] == 0).all()
@@ -89,7 +89,7 @@ def test_padding_garbage_gives_no_nan():
     logp = torch.tensor([[-1.0, float("-inf")]], requires_grad=True)
     old = torch.tensor([[-1.2, -30.0]])
     for name in POLICY_LOSSES:
-        loss, _ = POLICY_LOSSES[name](logp, old, torch.ones(1, 2), torch.tensor([[1, 0]]))
+        loss, _ = POLICY_LOSSES[name].fn(logp, old, torch.ones(1, 2), torch.tensor([[1, 0]]))
         (grad,) = torch.autograd.grad(loss.sum(), logp)
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
 
@@ -174,3 +174,27 @@ def test_clipped_value_loss_by_hand():
     loss.sum().backward()
     # d 0.5 (v - R)^2 / dv = v - R
     assert values.grad[0].tolist() == pytest.approx([-0.9, 0.0, -1.5, 0.0])
+
+
+def test_register_policy_loss_guards():
+    from posttrain.core.policy_losses import register_policy_loss
+
+    def loss(logp, old_logp, advantages, mask, *, epsilon=0.2):
+        return -advantages * logp, {}
+
+    with pytest.raises(TypeError, match="aggregation"):  # the fact must be given, None included
+        register_policy_loss("test_loss")
+    with pytest.raises(ValueError, match="not a loss aggregation"):
+        register_policy_loss("test_loss", aggregation="mean")
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("clipped", aggregation=None)(loss)
+
+    def positional_option(logp, old_logp, advantages, mask, epsilon=0.2):
+        return -advantages * logp, {}
+
+    with pytest.raises(TypeError, match="keyword-only"):
+        register_policy_loss("test_loss", aggregation=None)(positional_option)
+    assert "test_loss" not in POLICY_LOSSES
+    assert POLICY_LOSSES["luspo"].aggregation == "seq_mean_token_sum" and POLICY_LOSSES["clipped"].aggregation is None
+    assert POLICY_LOSSES["sapo"].options == ("sapo_temperature_pos", "sapo_temperature_neg",
+                                             "importance_sampling_level")

@@ -20,7 +20,7 @@ def one_token(fn, ratio: float, advantage: float, **options):
 
 
 def test_registered_under_trl_names():
-    assert POLICY_LOSSES["cispo"] is cispo and POLICY_LOSSES["sapo"] is sapo
+    assert POLICY_LOSSES["cispo"].fn is cispo and POLICY_LOSSES["sapo"].fn is sapo
 
 
 @pytest.mark.parametrize("ratio, advantage, grad, clipped", [
