@@ -12,6 +12,7 @@ gradient straight to the two matmuls.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -363,15 +364,149 @@ def length_groups(lengths: list[int], per_forward: int) -> list[list[int]]:
     return groups[::-1]
 
 
+@dataclass
+class PackedGroups:
+    """Completions that share a prompt, packed one sequence per prompt: [prompt | block 1 | ... | block k].
+
+    Each block holds one completion and sees the prompt and its own earlier tokens (the block mask
+    of `attention_mask`), at the positions it has in its own row, so one forward gives every
+    completion what its own [prompt | completion] row would give, computing the prompt once. A pair
+    of preference completions is a group of two. Built by `pack_groups`; scored by `packed_logps`.
+    """
+
+    input_ids: Tensor     # (U, L) the packed tokens; 0 after the last block
+    position_ids: Tensor  # (U, L) the prompt counts its real tokens; each block restarts after the prompt
+    segment: Tensor       # (U, L) 0 prompt, j + 1 block j, k + 1 after the last block
+    valid: Tensor         # (U, L) real tokens
+    score_at: Tensor      # (U or 1, k, C) column whose hidden state scores completion token t (the prompt's
+    #                       last for t = 0); 1 row when every group has the same layout (`pack_groups(block=n)`)
+    targets: Tensor       # (U, k, C) the completion tokens
+    last_at: Tensor       # (U, k) column of each completion's last packed token (the prompt's last if empty)
+
+    def attention_mask(self, additive_dtype: torch.dtype | None = None) -> Tensor:
+        """(U, 1, L, L) boolean block mask (sdpa), or additive in `additive_dtype` (eager attention)."""
+        return shared_prefix_attention_mask(self.segment, self.valid, additive_dtype=additive_dtype)
+
+    def model_inputs(self, model) -> dict:
+        """input_ids, attention_mask and position_ids for `model`'s forward (any module that takes them:
+        a causal LM, its base model under a reward head)."""
+        eager = attention_kind(model) == "eager"  # eager attention adds the mask to the scores
+        dtype = getattr(model, "module", model).get_input_embeddings().weight.dtype if eager else None
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask(dtype),
+                "position_ids": self.position_ids}
+
+    def at_scores(self, values: Tensor, by_slot: bool = False) -> Tensor:
+        """(U, k * C, ...) entries of `values` (U, L, ...) at the scoring columns, group by group, or
+        with `by_slot` (k * U, C, ...): every group's first completion, then every group's second, ..."""
+        U, k, C = self.targets.shape
+        if by_slot:
+            groups = torch.arange(U, device=values.device).repeat(k)[:, None]
+            return values[groups, self.score_at.expand(U, k, C).transpose(0, 1).reshape(k * U, C)]
+        if self.score_at.shape[0] == 1:  # one layout for all groups: a column slice
+            return values[:, self.score_at.flatten()]
+        return values[torch.arange(U, device=values.device)[:, None], self.score_at.view(U, k * C)]
+
+    def at_last(self, values: Tensor, by_slot: bool = False) -> Tensor:
+        """(U, k, ...) entries of `values` (U, L, ...) at each completion's last packed token (a reward
+        model's scoring position), or with `by_slot` (k * U, ...) ordered as `at_scores` orders them."""
+        U, k = self.last_at.shape
+        groups = torch.arange(U, device=values.device)
+        if by_slot:
+            return values[groups.repeat(k), self.last_at.t().flatten()]
+        return values[groups[:, None], self.last_at]
+
+
+def pack_groups(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+                block: int | None = None) -> PackedGroups:
+    """Pack each prompt (U, P) with its k completions (U, k, C) into one sequence (`PackedGroups`).
+
+    Prompts may be left- or right-padded; completions are right-padded, an all-masked slot is empty.
+    With `block` None the layout is tight: a prompt keeps its columns through its last real token and
+    each completion takes exactly its length. With `block` = n every prompt keeps all P columns and
+    every completion n columns (its first n tokens: n = C - 1 loses nothing, the last token only
+    scores what would follow), so groups whose prompts are left-padded share one layout and the
+    scoring columns, the same in every sequence, can be a forward's `logits_to_keep`.
+    """
+    U, k, C = completion_ids.shape
+    P, device = prompt_ids.shape[1], prompt_ids.device
+    lengths = completion_mask.sum(-1)  # (U, k)
+    prompt_last = torch.where(prompt_mask.bool(), torch.arange(P, device=device), -1).amax(1) if P else \
+        torch.full((U,), -1, device=device)  # (U,) column of each prompt's last real token
+    if block is None:
+        prompt_width = prompt_last + 1
+        widths = lengths
+    else:
+        prompt_width = torch.full((U,), P, dtype=torch.long, device=device)
+        widths = torch.full((U, k), block, dtype=torch.long, device=device)
+    starts = prompt_width[:, None] + widths.cumsum(1) - widths  # (U, k) first column of each block
+    L = int((prompt_width + widths.sum(1)).max())
+    t = torch.arange(C, device=device)
+    block_col = starts[..., None] + t  # (U, k, C)
+    prompt_col = torch.arange(P, device=device).expand(U, P)
+    in_prompt, in_block = prompt_col < prompt_width[:, None], t < widths[..., None]
+
+    def placed(fill, prompt_values, block_values, dtype):  # (U, L); an extra column takes what is not placed
+        out = torch.full((U, L + 1), fill, dtype=dtype, device=device)
+        out.scatter_(1, torch.where(in_prompt, prompt_col, L), prompt_values.to(dtype).expand(U, P))
+        out.scatter_(1, torch.where(in_block, block_col, L).view(U, k * C), block_values.to(dtype).reshape(U, k * C))
+        return out[:, :L]
+
+    real_prompt = prompt_mask.sum(1)
+    segment_of_block = torch.arange(1, k + 1, device=device)[None, :, None].expand(U, k, C)
+    packed = PackedGroups(
+        input_ids=placed(0, prompt_ids, completion_ids, prompt_ids.dtype),
+        position_ids=placed(0, (prompt_mask.cumsum(1) - 1).clamp(min=0), real_prompt[:, None, None] + t.expand(U, k, C),
+                            torch.long),
+        segment=placed(k + 1, torch.zeros(1, 1, device=device), segment_of_block, torch.long),
+        valid=placed(False, prompt_mask, completion_mask, torch.bool),
+        # token t is scored by the hidden state of token t - 1 of its block, token 0 by the prompt's last
+        score_at=torch.where(t == 0, prompt_last[:, None, None],
+                             torch.where(t <= widths[..., None], block_col - 1, 0)),
+        targets=completion_ids,
+        last_at=torch.where(lengths > 0, starts + torch.minimum(lengths, widths) - 1, prompt_last[:, None]))
+    if block is not None and bool((packed.score_at == packed.score_at[:1]).all()):  # left-padded prompts
+        packed.score_at = packed.score_at[:1]
+    return packed
+
+
+def packed_logps(model, packed: PackedGroups, head: torch.nn.Linear | None, temperature: float = 1.0,
+                 with_entropy: bool = False, by_slot: bool = False):
+    """Log-probs (U, k * C) of the packed completion tokens under softmax(logits / temperature), their
+    entropies (U, k * C) or None, and the hidden states (U, k * C, H) that score them (None without `head`).
+    With `by_slot`, rows (k * U, C) ordered as `PackedGroups.at_scores` orders them (for pairs: the
+    chosen rows, then the rejected ones, as the preference collators lay them out).
+
+    `head`: the model's plain output layer (`plain_lm_head`), fused into the log-softmax so no
+    logits are made; None computes the logits at the scoring columns through the model's own head
+    (by `logits_to_keep` when all groups share a layout, else all of them).
+    """
+    U, k, C = packed.targets.shape
+    targets = packed.targets.transpose(0, 1).reshape(k * U, C) if by_slot else packed.targets.reshape(U, k * C)
+    inputs = packed.model_inputs(model)
+    if head is not None:
+        hidden = packed.at_scores(last_hidden_states(model, **inputs), by_slot)
+        scaled = hidden / temperature if temperature != 1.0 else hidden  # logits / T = (hidden / T) W^T
+        logps, entropy, _ = linear_selective_log_softmax(scaled, head.weight, targets, with_stats=with_entropy)
+        return logps, entropy, hidden
+    shared = packed.score_at.shape[0] == 1 and not by_slot
+    outputs = model(**inputs, logits_to_keep=packed.score_at.flatten() if shared else 0, use_cache=False)
+    logits = outputs.logits if shared else packed.at_scores(outputs.logits, by_slot)
+    if temperature != 1.0:
+        logits = logits / temperature
+    if with_entropy:
+        logps, entropy, _ = selective_log_softmax_stats(logits, targets)
+        return logps, entropy, None
+    return selective_log_softmax(logits, targets), None, None
+
+
 def paired_completion_logps(model, head, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
                             per_forward: int | None = None):
     """Summed completion log-probs (2B,), lengths (2B,) and mean logits (2B,) of preference pairs,
     computing each prompt once (`head`: the model's plain output layer, see `plain_lm_head`).
 
-    Pair i becomes one sequence [prompt | chosen | rejected] with a block attention mask (each completion sees the prompt and
-    its own earlier tokens, at the positions it has in its own row), so the model runs on
-    P + C_chosen + C_rejected tokens instead of 2 P + C_chosen + C_rejected. Equal to the two-row
-    forward up to float rounding. input_ids etc.: (2B, T) right-padded, chosen rows first.
+    Pair i becomes one sequence [prompt | chosen | rejected] (`pack_pairs`), so the
+    model runs on P + C_chosen + C_rejected tokens instead of 2 P + C_chosen + C_rejected. Equal to
+    the two-row forward up to float rounding. input_ids etc.: (2B, T) right-padded, chosen rows first.
 
     On CPU, where a forward pass costs little beyond its tokens, pairs of uneven length go through
     the model in groups of similar length (`length_groups`, `per_forward` = 16 tokens by default),
@@ -390,39 +525,35 @@ def paired_completion_logps(model, head, input_ids: Tensor, attention_mask: Tens
     return tuple(torch.cat(values)[inverse] for values in zip(*parts))
 
 
+def pack_pairs(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> PackedGroups:
+    """Preference pairs as `pack_groups` groups of two, tight: [prompt | chosen | rejected] per pair.
+
+    input_ids, attention_mask, completion_mask: (2B, T) right-padded [prompt | completion] rows, the B
+    chosen rows first, then the rejected ones in the same order; pair i's prompt is taken from its
+    chosen row (the rejected row must hold the same prompt). A reward model uses it without the LM
+    head: its backbone's hidden states (B, L, H) on `model_inputs`, then `at_last(hidden, by_slot=True)`
+    gives each completion's last-token state (2B, H) in the rows' order.
+    """
+    B = input_ids.shape[0] // 2
+    lengths = completion_mask.sum(-1)  # (2B,)
+    prompt_len = attention_mask[:B].sum(-1) - lengths[:B]  # (B,)
+    P, K = int(prompt_len.max()), max(int(lengths.max()), 1)
+    col = torch.arange(max(P, K), device=input_ids.device)
+    prompt_mask = col[:P] < prompt_len[:, None]
+    # completion token t of a row sits at column prompt_len + t
+    at = (prompt_len.repeat(2)[:, None] + col[:K]).clamp(max=input_ids.shape[1] - 1)
+    in_completion = col[:K] < lengths[:, None]
+    completions = torch.where(in_completion, input_ids.gather(1, at), 0)  # (2B, K)
+    return pack_groups(torch.where(prompt_mask, input_ids[:B, :P], 0), prompt_mask,
+                       completions.view(2, B, K).transpose(0, 1), in_completion.view(2, B, K).transpose(0, 1))
+
+
 def _paired_forward(model, head, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor):
     """`paired_completion_logps` for one batch in one forward pass."""
-    device = input_ids.device
-    N = input_ids.shape[0]
-    B = N // 2
     lengths = completion_mask.sum(-1)  # (2B,)
-    totals = attention_mask.sum(-1)
-    prompt_len = (totals[:B] - lengths[:B]).tolist()
-    c_len, r_len = lengths[:B].tolist(), lengths[B:].tolist()
-    L = max(p + c + r for p, c, r in zip(prompt_len, c_len, r_len))
-    K = max(max(c_len), max(r_len), 1)
-    ids = torch.zeros(B, L, dtype=input_ids.dtype, device=device)
-    positions = torch.zeros(B, L, dtype=torch.long, device=device)
-    segment = torch.full((B, L), 3, dtype=torch.long, device=device)  # 0 prompt, 1 chosen, 2 rejected, 3 pad
-    gather = torch.zeros(N, K, dtype=torch.long, device=device)  # packed position scoring each completion token
-    targets = torch.zeros(N, K, dtype=input_ids.dtype, device=device)
-    mask = torch.zeros(N, K, dtype=torch.bool, device=device)
-    for i, (p, c, r) in enumerate(zip(prompt_len, c_len, r_len)):
-        chosen, rejected = input_ids[i, p:p + c], input_ids[B + i, p:p + r]
-        ids[i, :p + c + r] = torch.cat([input_ids[i, :p], chosen, rejected])
-        positions[i, :p + c + r] = torch.cat([torch.arange(p + c, device=device), torch.arange(p, p + r, device=device)])
-        segment[i, :p], segment[i, p:p + c], segment[i, p + c:p + c + r] = 0, 1, 2
-        for row, start, n, toks in ((i, p, c, chosen), (B + i, p + c, r, rejected)):
-            # token j of a completion is scored at the position before it: the prompt's last for j = 0
-            gather[row, :n] = torch.cat([torch.tensor([p - 1], device=device),
-                                         torch.arange(start, start + n - 1, device=device)])
-            targets[row, :n], mask[row, :n] = toks, True
-    eager = head.weight.dtype if attention_kind(model) == "eager" else None  # eager adds the mask to the scores
-    attn = shared_prefix_attention_mask(segment, segment != 3, additive_dtype=eager)
-    hidden = last_hidden_states(model, input_ids=ids, attention_mask=attn, position_ids=positions)  # (B, L, H)
-    pair = torch.arange(N, device=device) % B
-    picked = hidden[pair[:, None], gather]  # (2B, K, H)
-    logps = linear_selective_log_softmax(picked, head.weight, targets)[0]
+    packed = pack_pairs(input_ids, attention_mask, completion_mask)
+    logps, _, hidden = packed_logps(model, packed, head, by_slot=True)  # (2B, K), (2B, K, H)
+    mask = torch.arange(logps.shape[1], device=logps.device) < lengths[:, None]  # (2B, K) real completion tokens
     with torch.no_grad():
-        mean_logits = ((picked @ head.weight.mean(0)) * mask).sum(-1) / lengths.clamp(min=1)
+        mean_logits = ((hidden @ head.weight.mean(0)) * mask).sum(-1) / lengths.clamp(min=1)
     return sequence_logprobs(logps, mask), lengths, mean_logits.float()

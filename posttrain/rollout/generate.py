@@ -42,9 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.core.logprobs import (last_hidden_states, linear_selective_log_softmax, plain_lm_head,
-                                     selective_log_softmax, selective_log_softmax_stats, token_logprobs)
-from posttrain.core.masked import shared_prefix_attention_mask
+from posttrain.core.logprobs import pack_groups, packed_logps, plain_lm_head, selective_log_softmax, token_logprobs
 from posttrain.rollout import few_rows
 from posttrain.rollout.decode import lean_decoder
 from posttrain.rollout.replay import LinearRecord, replaying
@@ -525,8 +523,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     entropies (R, C) or None, computing each distinct prompt once.
 
     prompt_ids / prompt_mask (R, P) left-padded, completion_ids / completion_mask (R, C) right-padded.
-    The k rows that share a prompt become one sequence [prompt, completion_1, ..., completion_k] with
-    a block attention mask: each completion sees the prompt and its own earlier tokens, at the
+    The k rows that share a prompt become one sequence [prompt, completion_1, ..., completion_k]
+    (`core.logprobs.pack_groups`) with a block attention mask: each completion sees the prompt and its own earlier tokens, at the
     positions it has in its own row (a block holds its completion's first C - 1 tokens: the last
     one would only give the logits of a token after the completion). One forward then computes the
     prompt once per group (its gradient collects what all k completions send it), each weight is
@@ -572,42 +570,17 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     slot_ids[rows] = completion_ids
     slot_mask = torch.zeros(U * k, C, dtype=torch.bool, device=device)
     slot_mask[rows] = completion_mask.bool()
-    ids = torch.cat([prompt_ids[lead], slot_ids[:, :B].reshape(U, k * B)], 1)  # (U, L), L = P + k * B
-    valid = torch.cat([prompt_mask[lead].bool(), slot_mask[:, :B].reshape(U, k * B)], 1)
-    lengths = prompt_mask[lead].sum(1, keepdim=True)
-    positions = torch.cat([(prompt_mask[lead].cumsum(1) - 1).clamp(min=0),
-                           (lengths + torch.arange(B, device=device)).repeat(1, k)], 1)
-    segment = torch.cat([torch.zeros(P, dtype=torch.long, device=device),
-                         torch.arange(1, k + 1, device=device).repeat_interleave(B)]).expand(U, -1)
-    eager = _unwrap(model).get_input_embeddings().weight.dtype if attn == "eager" else None  # eager adds the mask
-    mask = shared_prefix_attention_mask(segment, valid, additive_dtype=eager)  # (U, 1, L, L)
-    # the logits at P - 1 score each block's first token; block j's tokens 0..C-2 score its tokens 1..C-1
-    keep = torch.cat([torch.full((k, 1), P - 1, device=device),
-                      P + torch.arange(k, device=device)[:, None] * B + torch.arange(B, device=device)], 1)
-    targets = slot_ids.view(U, k * C)
-    head = plain_lm_head(_unwrap(model), ids)  # looked up on the bare module; the forward keeps any DDP wrapper
+    packed = pack_groups(prompt_ids[lead], prompt_mask[lead], slot_ids.view(U, k, C), slot_mask.view(U, k, C), block=B)
+    head = plain_lm_head(_unwrap(model), packed.input_ids)  # on the bare module; the forward keeps any DDP wrapper
+
     def known(record, rollout_rows):  # the rollout row in each slot, -1 in empty ones
         slots = torch.full((U * k,), -1, dtype=torch.long)
         slots[rows.cpu()] = rollout_rows
         return record.layout(slots.view(U, k), P, B)
 
-    if head is not None:  # the output layer fused into the log-softmax: no (U, k * C, V) logits
-        with _replayed(replay, known):
-            hidden = last_hidden_states(model, input_ids=ids, attention_mask=mask, position_ids=positions)
-        hidden = hidden[:, keep.flatten()]  # (U, k * C, H)
-        if temperature != 1.0:  # logits / T = (hidden / T) W^T
-            hidden = hidden / temperature
-        logps, entropy, _ = linear_selective_log_softmax(hidden, head.weight, targets, with_stats=with_entropy)
-        return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
     with _replayed(replay, known):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep.flatten(),
-                       use_cache=False).logits  # (U, k * C, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    if with_entropy:
-        logps, entropy, _ = selective_log_softmax_stats(logits, targets)
-        return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows]
-    return selective_log_softmax(logits, targets).view(U * k, C)[rows], None
+        logps, entropy, _ = packed_logps(model, packed, head, temperature=temperature, with_entropy=with_entropy)
+    return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
 
 
 def _replayed(replay, layout):
