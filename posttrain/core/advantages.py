@@ -5,6 +5,8 @@
                         (Liu et al. 2025), `"batch"` divides by the batch std instead.
   leave_one_out         RLOO (Ahmadian et al. 2024; Kool et al. 2019): reward minus the mean
                         reward of the other completions of the same prompt.
+  opo                   OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"):
+                        reward minus the length-weighted mean reward of the group.
   gae                   PPO with a critic (Schulman et al. 2016, "High-Dimensional Continuous
                         Control Using Generalized Advantage Estimation").
   reinforce_pp          REINFORCE++ (Hu 2025): discounted return-to-go of per-token rewards,
@@ -198,6 +200,19 @@ def leave_one_out(inp: AdvantageInput, *, normalize_advantage: bool = False):
     if normalize_advantage:
         adv = masked_whiten(adv, torch.ones_like(adv, dtype=torch.bool))
     return _broadcast(adv, inp.mask), None
+
+
+@register_advantage("opo", per_token=False, critic=False, min_group=2)
+def opo(inp: AdvantageInput):
+    """A_i = r_i - sum_j l_j r_j / sum_j l_j over the prompt's group, l_j = completion j's number of
+    masked (trained) tokens: the variance-minimising baseline when a sequence's gradient norm grows
+    with its length. Departure: verl gives a group of one the baseline 0; here the formula's own
+    value (r_i itself) applies, so the advantage is 0 as for the other group estimators."""
+    g = group_view(inp.scores, inp.group_size, inp.layout)  # (P, k)
+    lengths = group_view(inp.mask.sum(-1).to(g.dtype), inp.group_size, inp.layout)  # (P, k)
+    # a group whose every row is empty trains no token: any finite baseline will do
+    baseline = (lengths * g).sum(1, keepdim=True) / lengths.sum(1, keepdim=True).clamp(min=1)
+    return _broadcast(_ungroup(g - baseline, inp.layout), inp.mask), None
 
 
 @register_advantage("gae", per_token=True, critic=True, min_group=1)

@@ -310,6 +310,54 @@ def test_reinforce_pp_baseline_matches_loop(layout):
     assert torch.allclose(adv, padded(ref_whiten(ref_return_to_go(rewards, 1.0)), T))
 
 
+# --- OPO ---------------------------------------------------------------------------------
+
+
+def test_opo_by_hand():
+    # one prompt, 3 completions of 2, 4 and 1 trained tokens with rewards 1, 0, 0.5:
+    # baseline = (2 * 1 + 4 * 0 + 1 * 0.5) / (2 + 4 + 1) = 2.5 / 7
+    scores = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    mask = right_mask([2, 4, 1], 4)
+    adv, returns = compute_advantages("opo", AdvantageInput(scores, mask, group_size=3))
+    assert returns is None
+    b = 2.5 / 7
+    expected = [[1 - b, 1 - b, 0, 0], [-b, -b, -b, -b], [0.5 - b, 0, 0, 0]]
+    assert adv.tolist() == [pytest.approx(row) for row in expected]
+    # the length-weighted advantages sum to 0 over the group's trained tokens
+    assert adv.sum().item() == pytest.approx(0.0, abs=1e-12)
+
+
+def ref_opo(scores, lengths, k, layout):
+    out = [0.0] * len(scores)
+    for idx in groups(scores, k, layout):
+        total = sum(lengths[i] for i in idx)
+        baseline = sum(lengths[i] * scores[i] for i in idx) / max(total, 1)
+        for i in idx:
+            out[i] = scores[i] - baseline
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_opo_matches_loop(layout):
+    torch.manual_seed(0)
+    scores = torch.randn(12, dtype=torch.float64)
+    # a hole in row 0 (tool output) does not count towards its length; row 5 is empty
+    mask = right_mask([3, 5, 1, 4, 2, 0, 5, 3, 1, 2, 4, 5], 5)
+    mask[0, 1] = False
+    lengths = mask.sum(1).tolist()
+    adv, _ = compute_advantages("opo", AdvantageInput(scores, mask, group_size=4, layout=layout))
+    expected = torch.tensor(ref_opo(scores.tolist(), lengths, 4, layout), dtype=torch.float64)
+    assert torch.allclose(adv, torch.where(mask, expected[:, None], 0.0))
+
+
+def test_opo_equal_lengths_is_the_group_mean_and_singletons_get_zero():
+    scores = torch.tensor([3.0, 1.0, 2.0, 6.0], dtype=torch.float64)
+    adv, _ = compute_advantages("opo", AdvantageInput(scores, torch.ones(4, 3), group_size=2))
+    assert adv[:, 0].tolist() == pytest.approx([1.0, -1.0, -2.0, 2.0])  # r - mean of its pair
+    adv, _ = compute_advantages("opo", AdvantageInput(scores, torch.ones(4, 3), group_size=1))
+    assert (adv == 0).all()
+
+
 # --- registry -----------------------------------------------------------------------------
 
 
@@ -382,3 +430,4 @@ def test_register_advantage_refuses_options_the_config_cannot_pass():
             register_advantage("test_loose_option", per_token=False, critic=False, min_group=1)(fn)
     assert "test_loose_option" not in ADVANTAGES
     assert ADVANTAGES["gae"].options == ("gamma", "lam", "whiten_advantages")
+    assert ADVANTAGES["opo"].options == ()

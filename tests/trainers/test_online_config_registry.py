@@ -5,12 +5,14 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
+from online_helpers import first_token_reward, online_args, prompts, train_and_check
 
 import posttrain.core.advantages as advantages
 import posttrain.core.policy_losses as policy_losses
 from posttrain.core.advantages import ADVANTAGES, register_advantage
 from posttrain.core.masked import AGGREGATIONS
 from posttrain.core.policy_losses import POLICY_LOSSES, register_policy_loss
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_config import OnlineConfig, loss_types
 
@@ -96,3 +98,11 @@ def test_trainer_options_raise_for_an_option_without_a_field(scratch_registries)
     with pytest.raises(ValueError, match=r"test_late_option.*\['no_such_field'\]"):
         OnlineTrainer._options(trainer, "advantage_estimator")
 
+
+def test_grpo_trains_with_the_opo_estimator(tmp_path):
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, beta=0.1, advantage_estimator="opo"))
+    trainer = GRPOTrainer("posttrain/tiny-qwen2", first_token_reward, args=args, train_dataset=prompts())
+    logged = train_and_check(trainer)
+    assert trainer.state.global_step == 2
+    # OPO's advantages average to 0 over each group's tokens, so the token-mean policy loss at ratio 1 is 0
+    assert all(abs(v) < 1e-6 for v in logged["loss/policy_avg"])
