@@ -231,11 +231,82 @@ def require_chat_template(tokenizer, what: str = "conversational data"):
             "or convert the data to plain text first")
 
 
+def zero3_partitioned(model) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitioned the model's parameters (each process holds a slice of every weight;
+    outside a forward a parameter has shape (0,))."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def frozen_copy(model):
-    """A frozen, eval-mode copy to serve as a reference policy."""
-    ref = copy.deepcopy(model)
+    """A frozen, eval-mode copy to serve as a reference policy.
+
+    A ZeRO-3 partitioned model cannot be deep-copied (the copy's parameters would be empty slices tied to
+    the original's partitioning state): its weights are gathered once and loaded into a new instance of its
+    class, whole on each process until `prepare_frozen` partitions it again."""
+    if zero3_partitioned(model):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        ref = type(model)(copy.deepcopy(model.config)).to(dtype=next(iter(state.values())).dtype)
+        ref.load_state_dict(state)
+        if getattr(model, "generation_config", None) is not None:
+            ref.generation_config = copy.deepcopy(model.generation_config)
+    else:
+        ref = copy.deepcopy(model)
     ref.requires_grad_(False)
     return ref.eval()
+
+
+def prepare_frozen(accelerator, model):
+    """Place a frozen model (a reference policy) for the engine the policy trains under.
+
+    DeepSpeed ZeRO-3: the model becomes an inference-mode DeepSpeed engine with the training run's ZeRO-3
+    settings (no optimizer), so its weights are partitioned over the processes like the policy's and
+    gathered layer by layer in each forward -- a forward is then a collective, run the same number of times
+    on every process. FSDP2: each decoder layer and then the whole model is `fully_shard`ed, as accelerate
+    shards the policy, for the same reason (a model that needs sharding to train may not fit twice whole).
+    Otherwise (one process, DDP, ZeRO-1/2, which keep whole weights) accelerate places it on the device.
+    """
+    from accelerate.utils import DistributedType
+
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3:
+        return _zero3_inference_engine(model, plugin.deepspeed_config)
+    if getattr(accelerator, "is_fsdp2", False):
+        return fully_shard_frozen(model)
+    return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+def _zero3_inference_engine(model, training_config: dict):
+    import deepspeed
+
+    config = copy.deepcopy(training_config)
+    for key in ("optimizer", "scheduler"):  # frozen: nothing to step
+        config.pop(key, None)
+    zero = config.setdefault("zero_optimization", {})
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    # the bucket sizes transformers derives from the hidden size at train time ("auto" until then)
+    sizes = {"reduce_bucket_size": (hidden or 1024) ** 2, "stage3_prefetch_bucket_size": int(0.9 * (hidden or 1024) ** 2),
+             "stage3_param_persistence_threshold": 10 * (hidden or 1024)}
+    for key, value in sizes.items():
+        if zero.get(key, "auto") == "auto":
+            zero[key] = value
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()  # DeepSpeedEngine.eval returns None, not the engine
+    return engine
+
+
+def fully_shard_frozen(model):
+    """FSDP2-shard a frozen model: each block named in `_no_split_modules` (the decoder layers), then the whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(model)
+    return model.eval()
 
 
 def apply_peft(model, peft_config):
