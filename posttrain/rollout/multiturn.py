@@ -6,8 +6,8 @@ EOS, `Episodes` (the sampler's `continue_turn`) decodes the turn, parses its
 failures become the tool message's text), and hands back the chat template's rendering of the
 tool turns and the next assistant header (`data.tokenize.continuation_ids`). The sampler feeds
 those ids into the row's own KV cache, one per step, and the row samples its next turn; a row
-whose turn has no tool call, or that has used `max_tool_calling_iterations`, finishes while the
-others go on. The fed ids are context only: `Rollout.tool_mask` marks them and the trainer takes
+whose turn has no tool call, or that has used `max_tool_calling_iterations`, or whose turn ended at a
+stop string or stop token rather than EOS, finishes while the others go on. The fed ids are context only: `Rollout.tool_mask` marks them and the trainer takes
 them out of the loss, the KL and the entropy.
 
 `Tooling` is what a trainer keeps: the tools (`tools=`, Python functions) or the environment
@@ -57,12 +57,15 @@ class Episodes:
         """The ids to feed after each row's finished turn, or None where the episode ends."""
         out: list[list[int] | None] = [None] * len(rows)
         jobs = []  # (position in rows, row, the turn's message, its calls, parse errors)
+        eos = self.tokenizer.eos_token_id
         for j, (i, ids) in enumerate(zip(rows, tokens)):
             text = self.tokenizer.decode(ids[self.start[i]:], skip_special_tokens=True)
             message = assistant_turn(text)
             self.turns[i].append(message)
             calls, errors = parse_tool_calls(text)
-            if (calls or errors) and self.iterations[i] < self.max_iterations:
+            # Only a turn closed by EOS continues: the template's continuation starts after that EOS, and a
+            # stop string or stop token ends the completion as it does in a single-turn rollout.
+            if ids and ids[-1] == eos and (calls or errors) and self.iterations[i] < self.max_iterations:
                 jobs.append((j, i, calls, errors))
         results = iter(run_tool_calls([c for _, _, calls, _ in jobs for c in calls],
                                       [self.tools[i] for _, i, calls, _ in jobs for _ in calls], self.timeout))

@@ -144,6 +144,39 @@ def test_episodes_run_calls_and_build_the_conversation(tok):
                                   "tools/turns_per_episode": 2.0}
 
 
+def test_a_turn_ended_by_a_stop_string_or_token_ends_the_episode(tok):
+    """The template's continuation follows the EOS that closes a turn; a turn cut at a stop string (here
+    right after its call) or at another stop token has no EOS, so it ends the episode: no tool runs,
+    nothing is fed, the turn is kept as it was written. The same turn closed by EOS is continued."""
+    prompt = [{"role": "user", "content": "2 + 3?"}]
+    ran = []
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        ran.append((a, b))
+        return a + b
+
+    schemas = tool_schemas([add])
+    call = tok('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+               add_special_tokens=False)["input_ids"]
+    other_stop = tok("\n", add_special_tokens=False)["input_ids"]
+    episodes = Episodes(tok, [prompt] * 3, [{"add": add}] * 3, [schemas] * 3, max_iterations=3, timeout=5)
+    fed = episodes([0, 1, 2], [call, call + other_stop, call + [tok.eos_token_id]])
+    assert fed[0] is None and fed[1] is None
+    assert fed[2] == continuation_ids(tok, prompt + [episodes.turns[2][0]], [{"role": "tool", "name": "add",
+                                                                             "content": "5"}], tools=schemas)
+    assert ran == [(2, 3)]  # only the EOS-closed turn's call ran
+    assert episodes.calls == [0, 0, 1] and episodes.iterations == [0, 0, 1]
+    for i in (0, 1):
+        assert episodes.turns[i] == [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}]
+
+
 class Counter:
     def __init__(self):
         self.n = 0
