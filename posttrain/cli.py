@@ -1,27 +1,22 @@
 """`posttrain <command> [--config file.yaml] [--field value ...]`: train from the command line.
 
-Each command is one entry of `COMMANDS`, a function `run_x(script_args, config)` that builds
+Each command is one entry of `COMMANDS`, a function `run(script_args, config)` that builds
 and returns a trainer (or does its work itself and returns None); `run` parses the flags,
 trains (resuming from `--resume_from_checkpoint` when given), saves the model to `output_dir`
 and returns the trainer; `main`, the console script, returns the exit status instead. The
-flags come from two dataclasses named by the `@command` decorator: the script arguments (the
-model flags of `ModelArguments`, which feed `model_init_kwargs` and `peft_config`, and the
-dataset) and the trainer's config, every field of which is a flag. Values come from, lowest to
+flags come from two dataclasses named where the command registers (`command`): the script
+arguments (the model flags of `ModelArguments`, which feed `model_init_kwargs` and
+`peft_config`, and the dataset) and the trainer's config, every field of which is a flag. Values come from, lowest to
 highest: the dataclass defaults, the YAML file given with `--config` (flat `field: value` pairs,
 type-checked against the fields), the command line. With `--accelerate_config` the command runs
 again under `accelerate launch` (`launch_command`).
 
-To add a command:
+A trainer's command is one row of `TRAINERS` (its trainer class, how to build it, its script
+arguments, its help); any other command registers itself:
 
-    @command(config="posttrain.trainers.dpo:DPOConfig")
-    def run_dpo(script_args, config):
-        from posttrain.trainers.dpo import DPOTrainer
-        train, evaluation = load_datasets(script_args, config)
-        return DPOTrainer(script_args.model_name_or_path, args=config, train_dataset=train,
-                          eval_dataset=evaluation, processing_class=tokenizer(script_args),
-                          peft_config=peft_config(script_args))
-
-    COMMANDS["dpo"] = run_dpo
+    @command("env", config=None, script_args=None, help="Print the versions.")
+    def run_env(script_args, config):
+        ...
 """
 
 from __future__ import annotations
@@ -144,12 +139,14 @@ def _merge_model_init_kwargs(parser: argparse.ArgumentParser, script_args: Model
 COMMANDS: dict[str, Callable] = {}
 
 
-def command(config: str | None, script_args: type | None = ScriptArguments, help: str = ""):
-    """Mark `run_x(script_args, config)` with its config class ("module:Class", imported lazily)."""
-    def mark(fn):
+def command(name: str, config: str | None, script_args: type | None = ScriptArguments, help: str = ""):
+    """Register `run(script_args, config)` as `posttrain <name>`, with its config class ("module:Class",
+    imported when the command runs) and script-argument class (None: the command takes no flags)."""
+    def register(fn):
         fn.config_path, fn.script_args_class, fn.help = config, script_args, help or (fn.__doc__ or "").strip()
+        COMMANDS[name] = fn
         return fn
-    return mark
+    return register
 
 
 class DatasetError(ValueError):
@@ -284,13 +281,84 @@ def load_datasets(script_args: ScriptArguments, config) -> tuple[Any, Any]:
     return train, evaluation
 
 
-@command(config="posttrain.trainers.sft:SFTConfig", help="Supervised fine-tuning on demonstrations.")
-def run_sft(script_args: ScriptArguments, config):
-    from posttrain.trainers.sft import SFTTrainer
+# ---- online RL commands (GRPO, RLOO, PPO): the rewards come from --reward_funcs and/or --reward_model_path
 
+@dataclass
+class OnlineScriptArguments(ScriptArguments):
+    """Script arguments of the online RL commands: model, dataset and reward functions."""
+
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "Reward functions: built-in names (exact_match, digit_match, final_answer), "
+                                        "'module:function' paths, or reward-model names/paths. "
+                                        "--reward_model_path adds a reward model. A 'module:function' is "
+                                        "imported and run in this process: it executes that module's code, "
+                                        "so name only your own or trusted modules."})
+
+
+def build_online(trainer_class, script_args, config):
+    """A trainer for `posttrain grpo|rloo|ppo`: rewards from --reward_funcs plus --reward_model_path. With the
+    classic --sft_model_path (rloo, ppo) the policy starts from it and the tokenizer comes from
+    --model_name_or_path, as the classic TRL scripts loaded them."""
     train, evaluation = load_datasets(script_args, config)
-    return SFTTrainer(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
-                      processing_class=tokenizer(script_args), peft_config=peft_config(script_args))
+    rewards = list(script_args.reward_funcs or []) + ([config.reward_model_path] if config.reward_model_path else [])
+    model = getattr(config, "sft_model_path", None) or script_args.model_name_or_path
+    return trainer_class(model=model, reward_funcs=rewards, args=config, train_dataset=train,
+                         eval_dataset=evaluation, processing_class=tokenizer(script_args, script_args.model_name_or_path
+                                                                             or model),
+                         peft_config=peft_config(script_args))
+
+
+# ---- offline commands (SFT, reward model, DPO, BCO, KTO): demonstrations, preference or unpaired datasets
+
+def build_offline(trainer_class, script_args, config, task_type: str = "CAUSAL_LM"):
+    """A trainer for `posttrain sft|reward|dpo|bco|kto`: model and datasets from the script arguments."""
+    train, evaluation = load_datasets(script_args, config)
+    return trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
+                         processing_class=tokenizer(script_args), peft_config=peft_config(script_args, task_type))
+
+
+def build_reward(trainer_class, script_args, config):
+    """`build_offline` with a sequence-classification adapter (--use_peft trains the score head too)."""
+    return build_offline(trainer_class, script_args, config, task_type="SEQ_CLS")
+
+
+# command: (trainer "module:Class", built by, script arguments, help); the config class is the trainer's
+# namesake (DPOTrainer: DPOConfig, in the same module)
+TRAINERS = {
+    "sft": ("posttrain.trainers.sft:SFTTrainer", build_offline, ScriptArguments,
+            "Supervised fine-tuning on demonstrations."),
+    "grpo": ("posttrain.trainers.grpo:GRPOTrainer", build_online, OnlineScriptArguments,
+             "GRPO: online RL with group-relative advantages."),
+    "rloo": ("posttrain.trainers.rloo:RLOOTrainer", build_online, OnlineScriptArguments,
+             "RLOO: REINFORCE with a leave-one-out baseline."),
+    "ppo": ("posttrain.trainers.ppo:PPOTrainer", build_online, OnlineScriptArguments,
+            "PPO with a critic (value head or separate value model)."),
+    "reward": ("posttrain.trainers.reward:RewardTrainer", build_reward, ScriptArguments,
+               "Reward model (Bradley-Terry) on preference pairs."),
+    "dpo": ("posttrain.trainers.dpo:DPOTrainer", build_offline, ScriptArguments,
+            "DPO and its pairwise variants on preference pairs."),
+    "bco": ("posttrain.trainers.bco:BCOTrainer", build_offline, ScriptArguments,
+            "BCO on unpaired (or paired) feedback."),
+    "kto": ("posttrain.trainers.kto:KTOTrainer", build_offline, ScriptArguments,
+            "KTO on unpaired (or paired) feedback."),
+}
+
+
+def _imported(path: str):
+    """The object a "module:Name" path names."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _trainer_command(trainer: str, build: Callable) -> Callable:
+    def run_trainer(script_args, config):
+        return build(_imported(trainer), script_args, config)
+    return run_trainer
+
+
+for _name, (_trainer, _build, _script_args, _help) in TRAINERS.items():
+    command(_name, config=_trainer.replace("Trainer", "Config"), script_args=_script_args,
+            help=_help)(_trainer_command(_trainer, _build))
 
 
 OPTIONAL_ENGINES = ("deepspeed", "peft", "liger-kernel", "vllm", "bitsandbytes", "wandb", "trackio")
@@ -320,8 +388,8 @@ def _accelerate_default_config() -> str:
     return f"{path} (distributed_type: {str(kind).split('.')[-1]})"
 
 
-@command(config=None, script_args=None, help="Print the versions, accelerate config, optional engines and "
-                                             "hardware posttrain sees.")
+@command("env", config=None, script_args=None, help="Print the versions, accelerate config, optional engines and "
+                                                    "hardware posttrain sees.")
 def run_env(script_args=None, config=None):
     import platform
 
@@ -351,103 +419,6 @@ def run_env(script_args=None, config=None):
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return None
-
-
-COMMANDS.update({"sft": run_sft, "env": run_env})
-
-
-# ---- online RL commands (GRPO, RLOO, PPO): the rewards come from --reward_funcs and/or --reward_model_path
-
-@dataclass
-class OnlineScriptArguments(ScriptArguments):
-    """Script arguments of the online RL commands: model, dataset and reward functions."""
-
-    reward_funcs: list[str] | None = field(
-        default=None, metadata={"help": "Reward functions: built-in names (exact_match, digit_match, final_answer), "
-                                        "'module:function' paths, or reward-model names/paths. "
-                                        "--reward_model_path adds a reward model. A 'module:function' is "
-                                        "imported and run in this process: it executes that module's code, "
-                                        "so name only your own or trusted modules."})
-
-
-def build_online(trainer_class, script_args, config):
-    """A trainer for `posttrain grpo|rloo|ppo`: rewards from --reward_funcs plus --reward_model_path. With the
-    classic --sft_model_path (rloo, ppo) the policy starts from it and the tokenizer comes from
-    --model_name_or_path, as the classic TRL scripts loaded them."""
-    train, evaluation = load_datasets(script_args, config)
-    rewards = list(script_args.reward_funcs or []) + ([config.reward_model_path] if config.reward_model_path else [])
-    model = getattr(config, "sft_model_path", None) or script_args.model_name_or_path
-    return trainer_class(model=model, reward_funcs=rewards, args=config, train_dataset=train,
-                         eval_dataset=evaluation, processing_class=tokenizer(script_args, script_args.model_name_or_path
-                                                                             or model),
-                         peft_config=peft_config(script_args))
-
-
-@command(config="posttrain.trainers.grpo:GRPOConfig", script_args=OnlineScriptArguments,
-         help="GRPO: online RL with group-relative advantages.")
-def run_grpo(script_args, config):
-    from posttrain.trainers.grpo import GRPOTrainer
-
-    return build_online(GRPOTrainer, script_args, config)
-
-
-@command(config="posttrain.trainers.rloo:RLOOConfig", script_args=OnlineScriptArguments,
-         help="RLOO: REINFORCE with a leave-one-out baseline.")
-def run_rloo(script_args, config):
-    from posttrain.trainers.rloo import RLOOTrainer
-
-    return build_online(RLOOTrainer, script_args, config)
-
-
-@command(config="posttrain.trainers.ppo:PPOConfig", script_args=OnlineScriptArguments,
-         help="PPO with a critic (value head or separate value model).")
-def run_ppo(script_args, config):
-    from posttrain.trainers.ppo import PPOTrainer
-
-    return build_online(PPOTrainer, script_args, config)
-
-
-COMMANDS.update({"grpo": run_grpo, "rloo": run_rloo, "ppo": run_ppo})
-
-
-# ---- offline preference commands (reward model, DPO, BCO, KTO): preference or unpaired datasets
-
-def build_preference(trainer_class, script_args, config, task_type: str = "CAUSAL_LM"):
-    """A trainer for `posttrain reward|dpo|bco|kto`: model and datasets from the script arguments."""
-    train, evaluation = load_datasets(script_args, config)
-    return trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
-                         processing_class=tokenizer(script_args), peft_config=peft_config(script_args, task_type))
-
-
-@command(config="posttrain.trainers.reward:RewardConfig", help="Reward model (Bradley-Terry) on preference pairs.")
-def run_reward(script_args, config):
-    from posttrain.trainers.reward import RewardTrainer
-
-    return build_preference(RewardTrainer, script_args, config, task_type="SEQ_CLS")
-
-
-@command(config="posttrain.trainers.dpo:DPOConfig", help="DPO and its pairwise variants on preference pairs.")
-def run_dpo(script_args, config):
-    from posttrain.trainers.dpo import DPOTrainer
-
-    return build_preference(DPOTrainer, script_args, config)
-
-
-@command(config="posttrain.trainers.bco:BCOConfig", help="BCO on unpaired (or paired) feedback.")
-def run_bco(script_args, config):
-    from posttrain.trainers.bco import BCOTrainer
-
-    return build_preference(BCOTrainer, script_args, config)
-
-
-@command(config="posttrain.trainers.kto:KTOConfig", help="KTO on unpaired (or paired) feedback.")
-def run_kto(script_args, config):
-    from posttrain.trainers.kto import KTOTrainer
-
-    return build_preference(KTOTrainer, script_args, config)
-
-
-COMMANDS.update({"reward": run_reward, "dpo": run_dpo, "bco": run_bco, "kto": run_kto})
 
 
 # ---------------------------------------------------------------------------- flags from dataclasses
@@ -639,10 +610,7 @@ def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
 
 
 def _config_class(fn):
-    if fn.config_path is None:
-        return None
-    module, _, name = fn.config_path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return None if fn.config_path is None else _imported(fn.config_path)
 
 
 def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
@@ -813,12 +781,10 @@ def launch_command(name: str, argv: list[str]) -> list[str] | None:
             "-m", "posttrain.cli", name, *rest]
 
 
+@command("demo", config=None, script_args=None,
+         help="End-to-end pipeline on the built-in task: every method, accuracy before -> after.")
 def run_demo(script_args=None, config=None):
     """Placeholder entry: `run` hands `posttrain demo ...` to posttrain.demo.main with its own flags."""
-
-
-run_demo.help = "End-to-end pipeline on the built-in task: every method, accuracy before -> after."
-COMMANDS["demo"] = run_demo
 
 
 def run(argv: list[str]):

@@ -57,10 +57,10 @@ def test_model_flags_go_into_model_init_kwargs():
 def test_trust_remote_code_runs_the_model_folders_own_classes_only_when_given(tmp_path, remote_code_model):
     folder = remote_code_model
     argv = ["--model_name_or_path", str(folder), "--dataset_name", "zen", "--output_dir", str(tmp_path / "out")]
-    trainer = cli.run_sft(*cli.parse("sft", argv))  # off by default: transformers' own Qwen2 classes
+    trainer = cli.COMMANDS["sft"](*cli.parse("sft", argv))  # off by default: transformers' own Qwen2 classes
     assert type(trainer.model).__name__ == "Qwen2ForCausalLM"
     assert type(trainer.processing_class).__name__ != "RemoteTokenizer"
-    trainer = cli.run_sft(*cli.parse("sft", [*argv, "--trust_remote_code"]))
+    trainer = cli.COMMANDS["sft"](*cli.parse("sft", [*argv, "--trust_remote_code"]))
     assert (type(trainer.model).__name__, type(trainer.processing_class).__name__) == ("RemoteLM", "RemoteTokenizer")
 
 
@@ -222,10 +222,10 @@ def test_sft_model_path_is_the_policy_and_model_name_the_tokenizer(tmp_path, mon
     monkeypatch.setattr(RLOOTrainer, "__init__", lambda self, **kwargs: seen.update(kwargs))
     base = ["--dataset_name", "reverse", "--output_dir", str(tmp_path), "--reward_funcs", "digit_match"]
     script_args, config = cli.parse("rloo", [*base, "--sft_model_path", "sft-folder", *TINY])
-    cli.run_rloo(script_args, config)
+    cli.COMMANDS["rloo"](script_args, config)
     assert seen["model"] == "sft-folder" and seen["processing_class"] == "posttrain/tiny-qwen2"
     script_args, config = cli.parse("rloo", [*base, "--sft_model_path", "sft-folder"])  # no model name needed
-    cli.run_rloo(script_args, config)
+    cli.COMMANDS["rloo"](script_args, config)
     assert seen["model"] == "sft-folder" and seen["processing_class"] == "sft-folder"
     _, config = cli.parse("rloo", [*base, *TINY, "--exp_name", "pythia-rloo"])
     assert config.run_name == "pythia-rloo"
