@@ -122,7 +122,10 @@ class PPOTrainer(OnlineTrainer):
     """PPO on the online engine. Signature as TRL's: `PPOTrainer(args, processing_class, model, ref_model,
     reward_model, train_dataset, value_model=None, data_collator=None, eval_dataset=None, optimizers=(None, None),
     callbacks=None, peft_config=None)`; `reward_funcs` may replace or join `reward_model`. Without a reward, only
-    the manual loop (`generate` / `step`) is available."""
+    the manual loop (`generate` / `step`) is available. `tools=`, `environment_factory=` and `rollout_func=` work
+    as in GRPOTrainer (multi-turn rollouts, `rollout/multiturn.py`): the fed tool turns are out of the policy
+    loss, the KL and the value loss, and GAE steps over them (the critic's value is read only where the model
+    acted)."""
 
     config_class = PPOConfig
     _tag = "PPO"
@@ -137,7 +140,8 @@ class PPOTrainer(OnlineTrainer):
 
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
-                 optimizers=(None, None), callbacks=None, peft_config=None, reward_funcs=None, **classic):
+                 optimizers=(None, None), callbacks=None, peft_config=None, reward_funcs=None, tools=None,
+                 environment_factory=None, rollout_func=None, **classic):
         if isinstance(processing_class, torch.nn.Module):  # classic positional (config, model, ref_model, tokenizer,
             # dataset): a model where the tokenizer goes
             model, ref_model, processing_class, reward_model, train_dataset = (
@@ -155,12 +159,15 @@ class PPOTrainer(OnlineTrainer):
         funcs = [f for f in ([reward_model] + (reward_funcs if isinstance(reward_funcs, (list, tuple)) else
                                                [reward_funcs])) if f is not None]
         by_path = (args.reward_model_path if args else None) or rest.get("reward_model_path")
-        self._manual_only = not funcs and not by_path
+        # an environment's get_reward() is a reward too (OnlineTrainer adds it, or says that there is none)
+        self._manual_only = not funcs and not by_path and environment_factory is None
         # None lets OnlineTrainer load reward_model_path; _no_reward stands in for a reward only the manual loop gives
-        super().__init__(model, funcs or (None if by_path else [_no_reward]), args=args, train_dataset=_with_prompt(train_dataset),
+        super().__init__(model, funcs or (None if by_path or environment_factory is not None else [_no_reward]),
+                         args=args, train_dataset=_with_prompt(train_dataset),
                          eval_dataset=_with_prompt(eval_dataset), processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, ref_model=ref_model,
-                         value_model=value_model, **rest)  # rest: PPOConfig fields, see OnlineTrainer
+                         value_model=value_model, tools=tools, environment_factory=environment_factory,
+                         rollout_func=rollout_func, **rest)  # rest: PPOConfig fields, see OnlineTrainer
         if head is not None and isinstance(self.model, CausalLMWithValueHead):
             self.model.v_head = head.to(self.args.device)  # the user's head is the critic that trains
         self.kl_ctl = (AdaptiveKLController(self.args.kl_coef, self.args.target, self.args.horizon)

@@ -244,6 +244,39 @@ def test_advantages_ignore_masked_holes(estimator):
         assert (a[i][~holey[i].bool()] == 0).all()
 
 
+def test_gae_steps_over_masked_holes():
+    """PPO's GAE over a completion with a tool result in its middle: the critic's values on the hole are
+    never read (garbage there changes nothing), and the trained tokens get the advantages and returns of
+    the same completion without the hole (KL rewards per token included)."""
+    scores = torch.tensor([1.0, -0.5, 2.0])
+    holey = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 1, 0]])
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 6, generator=g)
+    kl = torch.randn(3, 6, generator=g) * 0.1
+    compact, c_values, c_kl = torch.zeros_like(holey), torch.zeros(3, 6), torch.zeros(3, 6)
+    for i, row in enumerate(holey):
+        n = int(row.sum())
+        compact[i, :n] = 1
+        c_values[i, :n], c_kl[i, :n] = values[i][row.bool()], kl[i][row.bool()]
+    garbage = torch.where(holey.bool(), values, 100.0)
+    a, ra = compute_advantages("gae", AdvantageInput(scores, holey, group_size=1, values=garbage,
+                                                     token_rewards=torch.where(holey.bool(), kl, 50.0)),
+                               gamma=0.9, lam=0.8, whiten_advantages=False)
+    b, rb = compute_advantages("gae", AdvantageInput(scores, compact, group_size=1, values=c_values, token_rewards=c_kl),
+                               gamma=0.9, lam=0.8, whiten_advantages=False)
+    for i in range(3):
+        torch.testing.assert_close(a[i][holey[i].bool()], b[i][compact[i].bool()])
+        torch.testing.assert_close(ra[i][holey[i].bool()], rb[i][compact[i].bool()])
+        assert (a[i][~holey[i].bool()] == 0).all()
+    # by hand, row 1 (trained tokens 0, 3, 4; its score -0.5 joins the last one's reward): A_t = delta_t + 0.72 A_t+1
+    v, r = c_values[1, :3].tolist(), (c_kl[1, :3] + torch.tensor([0.0, 0.0, -0.5])).tolist()
+    d2 = r[2] - v[2]
+    d1 = r[1] + 0.9 * v[2] - v[1]
+    d0 = r[0] + 0.9 * v[1] - v[0]
+    a2, a1 = d2, d1 + 0.72 * d2
+    assert a[1, [0, 3, 4]].tolist() == pytest.approx([d0 + 0.72 * a1, a1, a2], abs=1e-6)
+
+
 def test_replayed_linear_outputs_of_a_multi_turn_rollout(model, tok):
     """The trainer's forward may take the sampler's recorded linear outputs (fed tokens included):
     it must give the log-probs of the plain forward."""

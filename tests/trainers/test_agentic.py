@@ -5,13 +5,14 @@ turns out of the loss, and the same engine under GRPO, RLOO and REINFORCE++."""
 
 import pytest
 import torch
-from online_helpers import online_args, train_and_check
+from online_helpers import CRITIC_METRICS, online_args, train_and_check
 
 from posttrain.data.tokenize import encode_prompt
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rollout.environments import GuessNumberEnv, environment_tools
 from posttrain.rollout.tools import tool_schemas
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 from posttrain.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
@@ -137,6 +138,37 @@ def test_guess_number_environment(caller, tmp_path):
     logged = train_and_check(trainer, metrics=TOOL_METRICS, reward_names=("GuessNumberEnv",))
     assert max(logged["tools/calls_per_completion"]) > 0
     assert max(logged["rewards/GuessNumberEnv/mean"]) > 0  # some rollouts found the number through the tool
+
+
+def test_ppo_with_tools_masks_the_critic_on_tool_turns(caller, tmp_path):
+    """PPO on the same engine: tools= trains the policy and the critic (every parameter changes, tool and
+    critic metrics logged); on a batch, the fed tool turns are out of the loss mask, and their advantages
+    and returns are 0 (GAE steps over them, reading no value there)."""
+    def answered_two(completions, **kwargs):
+        return [float(bool(c) and c[-1]["role"] == "assistant" and c[-1]["content"].strip() == "2") for c in completions]
+
+    args = PPOConfig(**online_args(tmp_path, num_generations=1, max_completion_length=96, max_tool_calling_iterations=2,
+                                   num_ppo_epochs=1, per_device_train_batch_size=4, gradient_accumulation_steps=1))
+    trainer = PPOTrainer(args=args, processing_class=load_tokenizer("posttrain/tiny-qwen2"), model=_model(caller),
+                         reward_funcs=answered_two, train_dataset=_dataset(GO), tools=[ping])
+    batch = trainer._collate([trainer.train_dataset[i] for i in range(4)])
+    rollout, _ = trainer.roll_out(batch, batch["prompt"], {})
+    mb = trainer.build_experience(rollout, torch.arange(4.0))[0]
+    tool = rollout.tool_mask[:, : mb["loss_mask"].shape[1]].bool()
+    assert tool.any(), "no rollout called the tool"
+    assert mb["loss_mask"].tolist() == (rollout.completion_mask[:, : tool.shape[1]] * ~tool).tolist()
+    assert (mb["advantages"][tool] == 0).all() and (mb["returns"][tool] == 0).all()
+    logged = train_and_check(trainer, metrics=TOOL_METRICS + CRITIC_METRICS, reward_names=("answered_two",))
+    assert max(logged["tools/calls_per_completion"]) > 0
+
+
+def test_ppo_takes_an_environment_as_its_only_reward(caller, tmp_path):
+    args = PPOConfig(**online_args(tmp_path, num_generations=1, max_completion_length=96, num_ppo_epochs=1))
+    trainer = PPOTrainer(args=args, processing_class=load_tokenizer("posttrain/tiny-qwen2"), model=_model(caller),
+                         train_dataset=_dataset(FIND, secret=1, low=1, high=1), environment_factory=GuessNumberEnv)
+    assert trainer.reward_scorer.names == ["GuessNumberEnv"]  # no reward_funcs: get_reward scores the episodes
+    logged = train_and_check(trainer, metrics=TOOL_METRICS + CRITIC_METRICS, reward_names=("GuessNumberEnv",))
+    assert max(logged["rewards/GuessNumberEnv/mean"]) > 0
 
 
 def test_rollout_func_replaces_the_sampler(tmp_path):
