@@ -22,6 +22,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from posttrain.core.preference_losses import bco_loss
 from posttrain.models.embedding import DensityRatioClassifier, embed_texts
 from posttrain.trainers.base import BaseConfig, classic_arguments, is_streamed
@@ -100,19 +102,26 @@ class BCOTrainer(PreferenceTrainer):
         decode = self.processing_class.decode
         labels = self.train_dataset["label"]
         rng = random.Random(args.seed)
+        self._embedding = (embedding_func, embedding_tokenizer)
         classes = []
         for wanted in (True, False):
             rows = [i for i, label in enumerate(labels) if label == wanted]
             rows = rng.sample(rows, min(args.prompt_sample_size, len(rows)))
             texts = [decode(ids, skip_special_tokens=True) for ids in self.train_dataset.select(rows)["prompt_ids"]]
-            classes.append(embed_texts(embedding_func, embedding_tokenizer, texts, device=self.accelerator.device))
+            classes.append(self.embed(texts))
         self.density_classifier = DensityRatioClassifier.fit(*classes)
-        self._embedding = (embedding_func, embedding_tokenizer)
         self.train_dataset = self.add_udm_weights(self.train_dataset)
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {k: self.add_udm_weights(v) for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self.add_udm_weights(self.eval_dataset)
+
+    def embed(self, texts: list[str]) -> Tensor:
+        """(N, D) prompt embeddings, each process embedding its share of `texts` (shared_pass)."""
+        def compute(rows):
+            return embed_texts(*self._embedding, [texts[i] for i in rows], device=self.accelerator.device)
+
+        return self.shared_pass(len(texts), compute, 64, "prompt embeddings")
 
     def add_udm_weights(self, dataset):
         """The dataset plus `udm_weight`: the density ratio of each undesirable row's prompt, 1 for desirable rows
@@ -125,7 +134,7 @@ class BCOTrainer(PreferenceTrainer):
         unique = sorted(set(undesirable.values()))
         ratio = {}
         if unique:
-            emb = embed_texts(*self._embedding, unique, device=self.accelerator.device)
+            emb = self.embed(unique)
             values = self.density_classifier.density_ratio(emb, args.min_density_ratio, args.max_density_ratio)
             ratio = dict(zip(unique, values.tolist()))
         weights = [ratio[undesirable[i]] if i in undesirable else 1.0 for i in range(len(dataset))]

@@ -514,21 +514,41 @@ class PreferenceTrainer(BaseTrainer):
     @torch.no_grad()
     def add_reference_columns(self, dataset):
         """The dataset plus `reference_columns`: the collated rows' reference log-probs, split into one
-        block per column (DPO: chosen, rejected; KTO: the rows, their KL rows)."""
+        block per column (DPO: chosen, rejected; KTO: the rows, their KL rows). Each process scores its share."""
         collate = PreferenceCollator(self.processing_class.pad_token_id, self.paired, self.kl_pairs, self.args.max_length)
-        columns: dict[str, list[float]] = {name: [] for name in self.reference_columns}
-        size = self.args.per_device_eval_batch_size
-        for start in range(0, len(dataset), size):
-            batch = collate([dataset[i] for i in range(start, min(start + size, len(dataset)))])
-            batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        blocks = len(self.reference_columns)
+
+        def score(rows: list[int]) -> Tensor:  # (len(rows), blocks)
+            batch = {k: v.to(self.accelerator.device) for k, v in collate([dataset[i] for i in rows]).items()}
             logps = self.reference_logps(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
-            for name, block in zip(columns, logps.chunk(len(columns))):
-                columns[name] += block.tolist()
-        for name, values in columns.items():
-            dataset = dataset.add_column(name, values)
+            return torch.stack(logps.chunk(blocks), dim=1)
+
+        values = self.shared_pass(len(dataset), score, self.args.per_device_eval_batch_size, "reference log-probs")
+        for j, name in enumerate(self.reference_columns):
+            dataset = dataset.add_column(name, values[:, j].tolist())
         return dataset
 
-    # ------------------------------------------------------------------ metrics
+    def shared_pass(self, n: int, compute, batch_size: int, desc: str) -> Tensor:
+        """`compute(rows) -> Tensor (len(rows), ...)` for rows 0..n-1, each process computing one contiguous share
+        (with a progress bar), gathered in row order on every process.
+
+        Every process runs the same number of batches (the last shares padded with repeats of row n-1, dropped
+        after the gather): under ZeRO-3 or FSDP a forward gathers weights from all processes."""
+        from tqdm.auto import tqdm
+
+        acc = self.accelerator
+        share = math.ceil(n / acc.num_processes)
+        rows = [min(acc.process_index * share + i, n - 1) for i in range(share)]
+        starts = range(0, share, batch_size)
+        pieces = [compute(rows[start:start + batch_size]).to(acc.device)
+                  for start in tqdm(starts, desc=desc, disable=self.args.disable_tqdm or not acc.is_local_main_process)]
+        if not pieces:
+            return torch.zeros(0)
+        values = torch.cat(pieces)
+        if acc.num_processes > 1:
+            values = acc.gather(values)  # (num_processes * share, ...), rank by rank
+        return values[:n].cpu()
+
     def count_tokens(self, attention_mask: Tensor, mode: str) -> None:
         """Cumulative non-padding tokens seen, over all processes (logged as num_tokens)."""
         n = attention_mask.sum().reshape(1)

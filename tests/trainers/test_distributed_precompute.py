@@ -1,0 +1,52 @@
+"""The one-off passes over the dataset before training (DPO's precompute_ref_log_probs, BCO's prompt
+embeddings) on 2 CPU processes (accelerate launch, gloo): each process scores only its share, and the gathered
+columns equal a 1-process run's."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_precompute.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "bco"])
+def test_each_process_scores_its_share_and_the_columns_match_one_process(tmp_path, trainer):
+    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+    _run([sys.executable, SCRIPT, one, trainer], tmp_path)
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+          "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+          SCRIPT, two, trainer], tmp_path)
+    single = json.load(open(one + ".0"))
+    ranks = [json.load(open(f"{two}.{rank}")) for rank in (0, 1)]
+    assert single["processes"] == 1 and all(r["processes"] == 2 for r in ranks)
+    if trainer == "dpo":
+        # 11 pairs: one process scores all 11; two score 6 each (the second share is rows 6-10 plus a repeat)
+        assert single["scored"] == 11 and [r["scored"] for r in ranks] == [6, 6]
+    else:
+        # the 11 pairs become 22 labelled rows; 5 sampled prompts of each label, then the 11 distinct
+        # undesirable prompts: 21 texts alone,
+        # 3 + 3 + 6 per process (every share rounded up)
+        assert single["scored"] == 21 and [r["scored"] for r in ranks] == [12, 12]
+    for r in ranks:  # every process holds the whole columns, as one process computed them
+        assert r["columns"].keys() == single["columns"].keys()
+        for name, values in single["columns"].items():
+            assert len(r["columns"][name]) == len(values) == {"dpo": 11, "bco": 22}[trainer]  # BCO: pairs unpaired
+            assert r["columns"][name] == pytest.approx(values, rel=1e-5, abs=1e-5), name
+    if trainer == "bco":
+        assert len(set(single["columns"]["udm_weight"])) > 2  # the weights vary: the test compares something
