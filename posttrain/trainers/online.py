@@ -38,13 +38,15 @@ Resuming (`train(resume_from_checkpoint=...)`) is bit-identical to never stoppin
 is a function of (seed, epoch), so transformers skips the micro-batches already trained on, and each
 checkpoint also holds, per process, the sampler's and the shuffle's generators, the episode count and
 the generation batch's micro-batches not yet trained on (`checkpointed`); with a critic, the critic
-is saved next to the policy and read back by `load_critic`.
+is saved next to the policy and read back by `load_critic`. A streamed train_dataset (IterableDataset)
+is read in order (`_PromptStream`), and its place in the stream is checkpointed too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import time
@@ -128,6 +130,56 @@ def _collate_tagged(collate, items: list[tuple[dict, int]]) -> dict:
     return {**collate([row for row, _ in items]), "micro_index": items[0][1]}
 
 
+def new_stream_position() -> dict:
+    """Where a `_PromptStream` stands: its pass over the stream, the prompts of that pass before the current
+    generation batch, the batch's next micro-batch, and the micro-batches handed out since training began."""
+    return {"passes": 0, "prompts": 0, "micro": 0, "yielded": 0}
+
+
+class _PromptStream(torch.utils.data.IterableDataset):
+    """The prompts of a streamed dataset (`datasets.IterableDataset`) in stream order. Each run of
+    `per_process * num_processes` consecutive prompts is one generation batch, of which this process takes
+    the prompts at positions rank, rank + num_processes, ...; each share is yielded once per micro-batch it
+    feeds (`repeat`), with its micro_index. At the end of the stream an incomplete batch is dropped and a new
+    pass begins (`set_epoch(pass)` reshuffles a shuffled stream), so the stream never ends: max_steps does.
+
+    `position` (see `new_stream_position`) is updated as items are handed out and saved with checkpoints.
+    A resumed run reads on from there, skipping the prompts already consumed without tokenising them; since
+    transformers then skips the micro-batches already trained on by iterating past them, `placeholders`
+    empty items (None) come first."""
+
+    def __init__(self, dataset, per_process: int, num_processes: int, rank: int, repeat: int, position: dict,
+                 placeholders: int = 0):
+        self.dataset, self.per_process, self.num_processes, self.rank = dataset, per_process, num_processes, rank
+        self.repeat, self.position, self.placeholders = repeat, position, placeholders
+
+    def __iter__(self):
+        pos, size = self.position, self.per_process * self.num_processes
+        yield from itertools.repeat(None, self.placeholders)
+        self.placeholders = 0
+        while True:
+            if hasattr(self.dataset, "set_epoch"):
+                self.dataset.set_epoch(pos["passes"])
+            rows, batches = itertools.islice(iter(self.dataset), pos["prompts"], None), 0
+            while len(batch := list(itertools.islice(rows, size))) == size:
+                mine = batch[self.rank::self.num_processes]
+                for micro in range(pos["micro"], self.repeat):
+                    last = micro == self.repeat - 1  # the position after this item: the next batch's start
+                    pos.update(micro=0 if last else micro + 1, prompts=pos["prompts"] + size * last,
+                               yielded=pos["yielded"] + 1)
+                    yield mine, micro
+                batches += 1
+            if batches == 0 and pos["prompts"] == 0:
+                raise ValueError(f"the streamed train_dataset holds {len(batch)} prompts, fewer than one generation "
+                                 f"batch needs ({size}); add prompts or lower per_device_train_batch_size / "
+                                 "steps_per_generation")
+            pos.update(passes=pos["passes"] + 1, prompts=0, micro=0)
+
+
+def _collate_streamed(collate, item: tuple[list[dict], int] | None) -> dict | None:
+    return None if item is None else {**collate(item[0]), "micro_index": item[1]}
+
+
 class OnlineTrainer(BaseTrainer):
     """Rollout -> score -> advantages -> clipped policy update, configured by an `OnlineConfig`."""
 
@@ -186,16 +238,12 @@ class OnlineTrainer(BaseTrainer):
                              "(or set reward_model_path, or give an environment_factory whose environments "
                              "have get_reward)")
         train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset, "eval_dataset")
-        if is_streamed(train_dataset) or is_streamed(eval_dataset):
-            raise ValueError("a streamed dataset (IterableDataset) cannot feed the online trainers: their prompt "
-                             "sampler shuffles and splits the prompts by index, which needs their number; "
-                             "take a fixed set first, e.g. Dataset.from_list(list(stream.take(n)))")
         if train_dataset is not None:  # None is allowed: PPO's manual loop (generate / step) needs no prompts
             check_datasets(args, train_dataset, eval_dataset)
         self._check_dataset(train_dataset, "train_dataset")
         for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if data is not None and not isinstance(data, dict):  # prompts refused here, not at a later step
-                check_prompts(data, processing_class, what)
+            if data is not None and not isinstance(data, dict) and not is_streamed(data):  # here, not at a step
+                check_prompts(data, processing_class, what)  # (a stream's prompts: when they are tokenised)
         super().__init__(wrapped, args, processing_class=processing_class, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers,
                          data_collator=lambda rows: rows)
@@ -246,7 +294,8 @@ class OnlineTrainer(BaseTrainer):
         if args.total_episodes:  # steps_per_generation need not be a multiple of gradient_accumulation_steps
             args.max_steps = math.ceil(math.ceil(args.total_episodes / per_generation) * args.steps_per_generation
                                        * args.num_iterations / args.gradient_accumulation_steps)
-        if train_dataset is not None and len(self.get_train_dataloader()) == 0:
+        self._stream_pos, self._stream_resumed = new_stream_position(), False  # a streamed train_dataset's place
+        if train_dataset is not None and not is_streamed(train_dataset) and len(self.get_train_dataloader()) == 0:
             raise ValueError(f"train_dataset has {len(train_dataset)} prompts, fewer than one generation batch needs "
                              f"({per_generation // args.num_generations}); add prompts or lower "
                              "per_device_train_batch_size / steps_per_generation")
@@ -256,7 +305,10 @@ class OnlineTrainer(BaseTrainer):
     def _check_dataset(dataset, what: str):
         if dataset is None:
             return
-        columns = getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else [])
+        if is_streamed(dataset):  # the first row's columns (a stream may not know its features)
+            columns = dataset.column_names or list(next(iter(dataset), {}))
+        else:
+            columns = getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else [])
         if "prompt" not in columns and "input_ids" not in columns:
             raise ValueError(f"{what} needs a 'prompt' column (text or chat messages) or a tokenised 'input_ids' "
                              f"column; it has {columns}")
@@ -280,6 +332,17 @@ class OnlineTrainer(BaseTrainer):
 
     def get_train_dataloader(self):
         args = self.args
+        if is_streamed(self.train_dataset):
+            # a resumed run (`_stream_position` restored) reads on from the checkpoint's place; a fresh one from the start
+            resumed, self._stream_resumed = self._stream_resumed and not args.ignore_data_skip, False
+            if not resumed:
+                self._stream_pos = new_stream_position()
+            stream = _PromptStream(self.train_dataset, args.per_process_generation // args.num_generations,
+                                   self.accelerator.num_processes, self.accelerator.process_index,
+                                   args.steps_per_generation * args.num_iterations, self._stream_pos,
+                                   placeholders=self._stream_pos["yielded"] if resumed else 0)
+            return torch.utils.data.DataLoader(stream, batch_size=None,
+                                               collate_fn=functools.partial(_collate_streamed, self._collate))
         return PromptBatches(self.train_dataset, self._collate, args.per_process_generation // args.num_generations,
                              self.accelerator.num_processes, self.accelerator.process_index,
                              args.steps_per_generation * args.num_iterations, args.shuffle_dataset, args.seed)
@@ -636,12 +699,15 @@ class OnlineTrainer(BaseTrainer):
             raise ValueError("evaluate() needs an eval_dataset: give one here or to the trainer")
         self._check_dataset(dataset, "eval_dataset")
         acc, bs = self.accelerator, self.args.per_device_eval_batch_size
-        mine = list(range(acc.process_index, len(dataset), acc.num_processes))
+        if is_streamed(dataset):  # every process reads the stream and keeps the rows at its positions
+            mine = list(itertools.islice(dataset, acc.process_index, None, acc.num_processes))
+        else:
+            mine = [dataset[i] for i in range(acc.process_index, len(dataset), acc.num_processes)]
         k = self.args.num_generations_eval or 1
         sampling = dataclasses.replace(self.sampling, num_generations=k)
         rows, losses = [], []  # (total reward, per-function rewards, length) per completion; loss per batch
         for s in range(0, len(mine), bs):
-            batch = self._collate([dataset[i] for i in mine[s:s + bs]])
+            batch = self._collate(mine[s:s + bs])
             prompts = [p for p in batch["prompt"] for _ in range(k)]
             columns = {key: [v for v in values for _ in range(k)] for key, values in batch["columns"].items()}
             rollout, episodes = self.roll_out(batch, prompts, columns, sampling, mode="eval")
@@ -708,7 +774,16 @@ class OnlineTrainer(BaseTrainer):
     # the episode count and the generation batch in progress: BaseTrainer saves these attributes with each
     # checkpoint, per process. The critic is saved with the policy (`save_model`).
     checkpointed = BaseTrainer.checkpointed + ("generator", "_shuffle", "_episodes", "_last_sample_step",
-                                               "_generation_in_progress")
+                                               "_generation_in_progress", "_stream_position")
+
+    @property
+    def _stream_position(self) -> dict | None:
+        """A streamed train_dataset's place (`_PromptStream`); None (not saved) for other datasets."""
+        return dict(self._stream_pos) if is_streamed(self.train_dataset) else None
+
+    @_stream_position.setter
+    def _stream_position(self, position: dict):
+        self._stream_pos, self._stream_resumed = dict(position), True
 
     @property
     def _generation_in_progress(self) -> dict:

@@ -1,5 +1,5 @@
 """The online trainers as drop-ins for TRL's older calls: tokenizer=, config fields given to the trainer, a
-list of dicts as the dataset, a streamed dataset refused with a reason, and a model card on every save."""
+list of dicts as the dataset, and a model card on every save (streamed datasets: test_online_streaming.py)."""
 
 import os
 
@@ -74,13 +74,6 @@ def test_a_list_whose_column_changes_type_names_the_rows(tmp_path):
     rows = [{"prompt": "Reverse 12:"}, {"prompt": ["not", "text"]}]
     with pytest.raises(ValueError, match=r"column 'prompt' is a str in row 0 but a list of str in row 1"):
         build(GRPOTrainer, GRPOConfig(**online_args(tmp_path, num_generations=4)), train_dataset=rows)
-
-
-@pytest.mark.parametrize("which", ["train_dataset", "eval_dataset"])
-def test_a_streamed_dataset_is_refused_with_the_reason(tmp_path, which):
-    data = {"train_dataset": prompts(8), which: prompts(8).to_iterable_dataset()}
-    with pytest.raises(ValueError, match=r"IterableDataset\) cannot feed the online trainers.*stream.take"):
-        build(GRPOTrainer, GRPOConfig(**online_args(tmp_path, num_generations=4)), **data)
 
 
 def test_a_transformed_dataset_is_refused(tmp_path):
