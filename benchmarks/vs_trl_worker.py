@@ -128,6 +128,9 @@ def main():
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_train_mib": rss_before,
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
         "dtype": str(next(trainer.model.parameters()).dtype),
+        # the arithmetic the steps ran in: the weights' dtype, or the autocast dtype over it
+        "precision": "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else
+        str(next(trainer.model.parameters()).dtype),
     }
     with open(spec["out"], "w") as f:
         json.dump(result, f)

@@ -47,6 +47,17 @@ def test_same_work_needs_equal_first_loss_and_tokens_per_step():
     assert vs_trl.same_work("grpo", g, g)[0] and not vs_trl.same_work("grpo", g, h)[0]
 
 
+def test_same_work_needs_the_same_precision():
+    # TRL's configs default to bf16 autocast: a run under it is not the same work as an fp32 run,
+    # even where the first losses happen to agree
+    fp32 = vs_trl.summarise(_run([2.0, 3.0], [4, 4], 3.0, losses=(0.77,)), "pairs")
+    bf16 = vs_trl.summarise({**_run([2.0, 3.0], [4, 4], 3.0, losses=(0.77,)), "precision": "bf16 autocast"}, "pairs")
+    assert fp32["precision"] == "torch.float32"
+    assert vs_trl.same_work("reward", fp32, fp32)[0]
+    ok, note = vs_trl.same_work("reward", bf16, fp32)
+    assert not ok and "bf16 autocast" in note
+
+
 @pytest.mark.parametrize("name", ["posttrain/tiny-qwen2", "posttrain/tiny-llama"])
 def test_weights_in_matrix_products_match_the_models_linear_layers(name):
     model = load_causal_lm(name)
