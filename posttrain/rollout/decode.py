@@ -1,31 +1,40 @@
-"""A lean one-token decoding step for Llama-style causal LMs (LlamaForCausalLM, Qwen2ForCausalLM).
+"""The sampler's CPU backend (`CPUDecoder`) and its lean one-token decoding step for Llama-style causal
+LMs (LlamaForCausalLM, Qwen2ForCausalLM).
 
+On CPU in float32, a one-token step of a few rows is bound by streaming the weights from memory,
+and PyTorch's GEMM does that poorly for a few rows (it repacks each weight on every call); and
 transformers' forward serves every use (training, masks of any shape, hooks, caches of any kind),
-and for a one-token step of a few rows on CPU that generality costs more than the arithmetic:
-SmolLM2-135M spends about 35 ms per step (8 rows, 2 threads) outside its matrix products, in
-module calls, mask building, per-layer rotary tables and attention dispatch, against about 40 ms in
-the products themselves. `LeanDecoder.step` computes the same function as one call of the compiled
-`lean_decode_step` (`decode_kernels.c`, one OpenMP team for the whole step): RMSNorm, q, k and v
-from one product with the three weights stacked (once per `generate` call), rotary from tables
-computed once per `generate`, keys and values written into the room-made cache
-(`generate._make_room`), grouped-query attention (AVX2: eight positions' scores at a time, its
-own vectorised exp), the SiLU MLP and the output layer, every product streaming its weight once
-(as `few_rows.few_rows_linear`). Measured on SmolLM2, 2 prompts x 4 samples x 32 tokens, 2
-threads: 1.45 s per `generate` against 2.69 s through the model's forward (with the product
-kernel) and 4.28 s with PyTorch's ops alone. Where the C step cannot run (more than
-`few_rows.MAX_ROWS` rows, no compiler, a head size that is not a multiple of 8) the same step runs
-as about 20 PyTorch ops per layer, still faster than the model's forward. Same values as the
-model's own forward up to float rounding (tested token for token against it). Given a `record`
-buffer, a step also writes every layer's linear outputs into it (q, k, v before the rotary
-embedding, o, gate and up before the SiLU, down), for the training forward to replay (`replay.py`).
+so for such a step its generality (module calls, mask building, per-layer rotary tables, attention
+dispatch) costs about as much as the arithmetic. `CPUDecoder` therefore prefills through the
+model's forward, then decodes through `LeanDecoder.step` where the architecture allows, else through
+the model's forward with every `nn.Linear` on the few-rows kernel (`few_rows.few_rows_linears`), or,
+where the kernels cannot be built, with the output layer computed as (W x^T)^T (`transposed_head`).
+The KV cache gets room for the whole completion up front (`backends.make_room`), so a step writes
+its keys and values in place instead of copying the cache. Timings: benchmarks/README.md ("Where
+time goes in the sampler").
 
-`lean_decoder(model)` returns None (and `generate` uses the model's forward) for any other
+`LeanDecoder.step` computes the model's function as one call of the compiled `lean_decode_step`
+(`decode_kernels.c`, one OpenMP team for the whole step): RMSNorm, q, k and v from one product with
+the three weights stacked (once per `generate` call), rotary from tables computed once per
+`generate`, keys and values written into the room-made cache, grouped-query attention (AVX2: eight
+positions' scores at a time, its own vectorised exp), the SiLU MLP and the output layer, every
+product streaming its weight once (as `few_rows.few_rows_linear`). Where the C step cannot run (more
+than `few_rows.MAX_ROWS` rows, no compiler or POSTTRAIN_NO_KERNELS=1, a head size that is not a
+multiple of 8) the same step runs as about 20 PyTorch ops per layer, still cheaper than the model's
+forward. Same values as the model's own forward up to float rounding (tested token for token
+against it). Given a `record` buffer, a step also writes every layer's linear outputs into it (q, k,
+v before the rotary embedding, o, gate and up before the SiLU, down), for the training forward to
+replay (`replay.py`).
+
+`lean_decoder(model)` returns None (and `CPUDecoder` steps through the model's forward) for any other
 architecture or configuration: another activation, sliding-window layers, modules with hooks or
-adapters (PEFT), non-float32 or non-CPU weights.
+adapters (PEFT), non-float32 or non-CPU weights, sharded weights (FSDP, ZeRO-3: the step reads
+weights outside any forward, where they are never whole).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -33,11 +42,70 @@ import torch
 from torch import Tensor
 
 from posttrain.rollout import few_rows
+from posttrain.rollout.backends import ModelForward, roomy_layer_class
 from posttrain.rollout.few_rows import few_rows_linear
+from posttrain.rollout.replay import LinearRecord, recording_prefill
 
 SUPPORTED = {"LlamaForCausalLM": "LlamaModel", "Qwen2ForCausalLM": "Qwen2Model"}
 _WEIGHTS = ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate", "gate_bias", "up", "up_bias", "down",
             "down_bias")
+
+
+class CPUDecoder(ModelForward):
+    """The sampler's backend on CPU: the prefill and the KV cache of `ModelForward`, then each step through
+    the lean decoder where one is given and every cache layer could be given room, else through the model's
+    forward with every linear layer on the few-rows kernel (without the kernels: the transposed head).
+
+    lean: `lean_decoder(model)`, or None to step through the model's forward; always None under lock-step
+    (the lean step calls no forward, so it cannot keep pace with processes whose forwards gather weights).
+    record: a `LinearRecord` for the prefill and the lean steps to fill, or None; it is dropped with the
+    lean step when that cannot run (`linear_outputs` is then None)."""
+
+    def __init__(self, model, lean: LeanDecoder | None = None, record: LinearRecord | None = None):
+        super().__init__(model)
+        self.lean = lean
+        self.linear_outputs = record if lean is not None else None
+        self._patched = contextlib.ExitStack()  # the model's linear layers, while steps run through its forward
+
+    def __exit__(self, *exc) -> None:
+        self._patched.close()
+        super().__exit__(*exc)
+
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
+        self._lengths, self._width = prompt_mask.sum(1), prompt_mask.shape[1]
+        recording = contextlib.nullcontext() if self.linear_outputs is None else recording_prefill(self.linear_outputs)
+        with recording:
+            return super().prefill(prompt_ids, prompt_mask, positions)
+
+    def expand(self, group: int, capacity: int) -> None:
+        super().expand(group, capacity)
+        layers = getattr(self.cache, "layers", None)
+        if self.lean is not None and isinstance(layers, list) and all(
+                type(layer) is roomy_layer_class() for layer in layers):
+            first = self._lengths.repeat_interleave(group)[:, None]  # (N, 1) position of each row's first new token
+            self.lean.set_positions(first + torch.arange(capacity - self._width, device=self.device))
+            self.lean.bind(self.cache)
+            self._rows = torch.arange(len(first), device=self.device)  # rollout row of each decoded row (record)
+            return
+        self.lean = self.linear_outputs = None
+        self._patched.enter_context(few_rows.few_rows_linears(self.net) if few_rows.available()
+                                    else transposed_head(self.net))
+
+    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
+        if self.lean is None:
+            return super().step(tokens, t, attention, positions)
+        record = self.linear_outputs
+        outputs = None if record is None else torch.empty(len(self.lean.linears), len(tokens), self.lean.record_width)
+        logits = self.lean.step(tokens, t, attention, self.cache, record=outputs)
+        if record is not None:
+            record.keep_step(t, self._rows, outputs)
+        return logits
+
+    def select(self, keep: Tensor) -> None:
+        super().select(keep)
+        if self.lean is not None:
+            self._rows = self._rows[keep]
+            self.lean.select(keep, self.cache)
 
 
 class _CLayer(ctypes.Structure):  # LeanLayer in decode_kernels.c
@@ -244,3 +312,32 @@ class LeanDecoder:
 
 def _detach(t):
     return None if t is None else t.detach()
+
+
+def _head_forward(head: torch.nn.Linear, x: Tensor) -> Tensor:
+    weight, bias = head.weight, head.bias  # looked up per call: FSDP gathers the weight only within a forward
+    if not few_rows.whole(weight, (weight.shape[0], x.shape[-1])):
+        return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(weight, flat.t()).t().contiguous()  # (W x^T)^T: MKL splits the vocabulary rows over threads
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@contextlib.contextmanager
+def transposed_head(model):
+    """Within the block, a CPU float32 `nn.Linear` output layer computes (W x^T)^T instead of x W^T.
+    For the few rows of a decoding step over a large vocabulary this streams the weight faster (within
+    a transformer layer's small matrices x W^T stays the faster order; figures in benchmarks/README.md).
+    Same values up to float rounding. No-grad decoding only; any other head is left alone."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not (type(head) is torch.nn.Linear and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
+            and "forward" not in head.__dict__ and not torch.is_autocast_enabled("cpu")):
+        yield False
+        return
+    try:
+        head.forward = functools.partial(_head_forward, head)
+        yield True
+    finally:
+        head.__dict__.pop("forward", None)

@@ -1,11 +1,10 @@
 """CPU kernels for the sampler's decoding step, and y = x W^T + b when x has only a few rows.
 
 A one-token decoding step multiplies every weight matrix by a handful of rows (2 prompts x 4
-samples: 8). PyTorch's float32 GEMM packs the weight into panels on each call and is tuned for
-many rows; on a 2-core AVX2 EPYC it streams SmolLM2's weights at 5-8 GB/s when the memory gives
-about 25. `decode_kernels.c` loads each weight element once and multiplies it with all rows
-held in L1 (measured at 8 rows, 2 threads: 1536 x 576 in 0.27-0.30 ms instead of 0.6; the
-49152 x 576 output layer in 8-11 ms instead of 29).
+samples: 8), so it is bound by streaming the weights from memory. PyTorch's float32 GEMM packs
+the weight into panels on each call and is tuned for many rows; it streams weights well below
+what the memory gives. `decode_kernels.c` loads each weight element once and multiplies it with
+all rows held in L1 (figures in benchmarks/README.md, "Where time goes in the sampler").
 
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into the
 posttrain cache folder, and loaded with ctypes; its OpenMP threads come from the runtime
@@ -31,7 +30,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_kernels.c")
-MAX_ROWS = 16  # beyond this PyTorch's GEMM is as fast (measured: about equal at 32 rows)
+MAX_ROWS = 16  # beyond this PyTorch's GEMM is about as fast (benchmarks/README.md)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]  # expf: the library then loads outside Python too
 

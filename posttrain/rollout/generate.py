@@ -1,25 +1,29 @@
 """The sampler of the online engine: prompts in, completions with their log-probs out.
 
-One prefill per prompt (B rows), then the KV cache is repeated for the `num_generations`
-samples of each prompt, so a group of G samples costs one prompt forward, not G. Decoding is a
-plain loop of one-token forwards with `logits_to_keep=1`; positions come from the attention
-mask because prompts are left-padded. We do not call `model.generate`: the trainer needs the
-log-prob of every sampled token under the sampling distribution (before any filtering), the
-exact stop mask, and a sampler whose randomness depends only on the seed and the row.
-Rows that have stopped are dropped from the decoding batch (and their KV cache) once they are a
-quarter of it, so long-tail samples do not keep the whole group computing. With sharded weights
-(FSDP, ZeRO-3) every forward is a collective, so the processes decode in lock-step until all have
-stopped (`_decodes_in_lockstep`); a rollout is the same as without it.
+`generate` is one loop over a backend (`backends.SamplerBackend`; docs/sampler.md), in numbered phases:
 
-On CPU in float32, a one-token step of a few rows is bound by streaming the weights from memory,
-and PyTorch's GEMM does that poorly for a few rows (it repacks each weight on every call). During
-decoding every `nn.Linear`, the output layer included, therefore runs through `few_rows.py`, a small
-C kernel that streams each weight once (SmolLM2-135M, 2 prompts x 4 samples x 32 tokens, 2 threads on
-an AVX2 EPYC: 4.3 s -> 2.7 s per generate), and for Llama- and Qwen2-style models the whole step is
-one call of a compiled lean step (`decode.py`: 2.7 s -> 1.45 s). Where the kernels cannot be built,
-the output layer is computed as (W x^T)^T (`transposed_head`), the faster order for few rows. The
-KV cache gets room for the whole completion up front (`_make_room`), so a step writes its keys and
-values in place instead of copying the cache.
+1. prefill: each prompt once (B rows), whatever the number of samples per prompt;
+2. expand: the KV cache is repeated for the `num_generations` samples of each prompt, so a group of G
+   samples costs one prompt forward, not G, and gets room for the whole completion;
+3. step: the decoded rows' last tokens in, their next-token logits out;
+4. sample: one token per row (filtered, penalised), with its log-prob under the unfiltered distribution;
+5. stop: EOS, a stop token or a stop string ends a row, or only its turn when `continue_turn` feeds it more;
+6. drop: rows that have stopped leave the decoding batch (and their KV cache) once they are a quarter of
+   it, so long-tail samples do not keep the whole group computing.
+
+The backend computes logits and holds the model's state; the loop owns the rest, so a sampling or
+stopping rule is read and changed in one place whatever computes the logits. `default_backend` picks
+the built-in one: off the CPU (and for any model) `backends.ModelForward`, the model's own forward with
+`logits_to_keep=1`; on CPU `decode.CPUDecoder`, the same forward with the few-rows kernels, or for
+Llama- and Qwen2-style models a lean compiled step, optionally recording every linear output for
+the training forward to replay (`record_linears`, `replay.py`). A third backend (an inference server,
+vLLM) is passed in place of the model.
+
+We do not call `model.generate`: the trainer needs the log-prob of every sampled token under the
+sampling distribution (before any filtering), the exact stop mask, and a sampler whose randomness
+depends only on the seed and the row. With sharded weights (FSDP, ZeRO-3) every forward is a
+collective, so the processes decode in lock-step until all have stopped (`backends.decodes_in_lockstep`,
+`_keep_pace`); a rollout is the same as without it.
 
 `completion_logprobs` is the teacher-forced counterpart the trainers use: the log-probs of given
 completions, computing each distinct prompt once per forward (with gradients under autograd).
@@ -35,7 +39,6 @@ can therefore use them as the "old policy" log-probs when the policy has not mov
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from dataclasses import dataclass
 
@@ -43,10 +46,10 @@ import torch
 from torch import Tensor
 
 from posttrain.core.logprobs import pack_groups, packed_logps, plain_lm_head, selective_log_softmax, token_logprobs
-from posttrain.rollout import few_rows
-from posttrain.rollout.decode import lean_decoder
-from posttrain.rollout.replay import LinearRecord, replaying
 from posttrain.data.collate import pad
+from posttrain.rollout.backends import ModelForward, SamplerBackend, decodes_in_lockstep, model_device, unwrap
+from posttrain.rollout.decode import CPUDecoder, lean_decoder
+from posttrain.rollout.replay import LinearRecord, replaying
 
 
 @dataclass
@@ -139,101 +142,6 @@ def _sample(logits: Tensor, u: Tensor) -> Tensor:
     return idx.clamp_(max=logits.shape[-1] - 1).squeeze(-1)
 
 
-def _expand_cache(cache, repeats: int):
-    """Repeat every layer's keys/values `repeats` times along the batch (prompt-major)."""
-    if repeats == 1:
-        return cache
-    if hasattr(cache, "batch_repeat_interleave"):  # transformers Cache objects (DynamicCache, ...)
-        cache.batch_repeat_interleave(repeats)
-        return cache
-    if isinstance(cache, (tuple, list)):  # legacy tuple-of-tuples caches of older remote-code models
-        return type(cache)(tuple(t.repeat_interleave(repeats, dim=0) for t in layer) for layer in cache)
-    raise TypeError(f"cannot expand a KV cache of type {type(cache).__name__} for num_generations > 1")
-
-
-@functools.cache
-def _roomy_layer_class():
-    from transformers.cache_utils import DynamicLayer
-
-    class RoomyLayer(DynamicLayer):
-        """A DynamicLayer whose keys and values live in buffers with room for `capacity` positions: a
-        decoding step writes its new position in place instead of copying the whole cache (torch.cat)."""
-
-        def __init__(self, keys: Tensor, values: Tensor, capacity: int):
-            super().__init__()
-            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-            self.length = keys.shape[-2]
-            self._keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
-            self._values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
-            self._keys[..., : self.length, :], self._values[..., : self.length, :] = keys, values
-            self._views()
-
-        def _views(self):
-            self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-            end = self.length + key_states.shape[-2]
-            if end > self._keys.shape[-2]:  # out of room: grow like a DynamicLayer
-                self._keys = torch.cat([self.keys, key_states], dim=-2)
-                self._values = torch.cat([self.values, value_states], dim=-2)
-            else:
-                self._keys[..., self.length: end, :] = key_states
-                self._values[..., self.length: end, :] = value_states
-            self.length = end
-            self._views()
-            return self.keys, self.values
-
-        def advance(self, steps: int) -> None:  # positions written into the buffers by someone else
-            self.length += steps
-            self._views()
-
-        def batch_select_indices(self, indices: Tensor) -> None:
-            self._keys, self._values = self._keys[indices], self._values[indices]
-            self._views()
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            self._keys = self._keys.repeat_interleave(repeats, dim=0)
-            self._values = self._values.repeat_interleave(repeats, dim=0)
-            self._views()
-
-        def crop(self, tokens_to_remove: int) -> None:
-            super().crop(tokens_to_remove)
-            self.length = self.keys.shape[-2]
-            self._keys, self._values = self.keys, self.values
-
-    return RoomyLayer
-
-
-def _make_room(cache, capacity: int):
-    """Give each plain DynamicLayer of a transformers cache room for `capacity` positions (other
-    layer types, e.g. sliding-window ones, and legacy tuple caches are left as they are)."""
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    if not isinstance(layers, list):
-        return cache
-    for i, layer in enumerate(layers):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
-            layers[i] = _roomy_layer_class()(layer.keys, layer.values, capacity)
-    return cache
-
-
-def _select_cache(cache, index: Tensor):
-    """Keep only the batch rows `index` of the KV cache (rows that finished are dropped)."""
-    if hasattr(cache, "batch_select_indices"):
-        cache.batch_select_indices(index)
-        return cache
-    return type(cache)(tuple(t[index] for t in layer) for layer in cache)
-
-
-def _unwrap(model):
-    # DDP's forward may broadcast buffers (a collective): ranks that stop decoding at different
-    # steps would hang, so sample with the wrapped module. PEFT and FSDP wrappers are kept.
-    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        return model.module
-    return model
-
-
 def _stop_string_hits(tokenizer, rows: list[list[int]], stop_strings: tuple[str, ...], window: int) -> list[bool]:
     """Whether each row's decoded tail contains one of the stop strings.
 
@@ -244,51 +152,21 @@ def _stop_string_hits(tokenizer, rows: list[list[int]], stop_strings: tuple[str,
     return [any(s in text for s in stop_strings) for text in texts]
 
 
-def _head_forward(head: torch.nn.Linear, x: Tensor) -> Tensor:
-    weight, bias = head.weight, head.bias  # looked up per call: FSDP gathers the weight only within a forward
-    if not few_rows.whole(weight, (weight.shape[0], x.shape[-1])):
-        return torch.nn.functional.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.mm(weight, flat.t()).t().contiguous()  # (W x^T)^T: MKL splits the vocabulary rows over threads
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+def default_backend(model, record: tuple[int, int, int, int] | None = None) -> SamplerBackend:
+    """The built-in backend for `model`: on CPU `decode.CPUDecoder`, with the lean step where `lean_decoder`
+    allows it and the processes need not decode in lock-step (the lean step calls no forward, so it cannot
+    keep pace with processes whose forwards gather weights); elsewhere `backends.ModelForward`.
 
-
-@contextlib.contextmanager
-def transposed_head(model):
-    """Within the block, a CPU float32 `nn.Linear` output layer computes (W x^T)^T instead of x W^T.
-    For the few rows of a decoding step over a large vocabulary this streams the weight about twice
-    as fast with 2 threads (SmolLM2's 49152 x 576 head, 8 rows: 8.9 ms instead of 19.8 ms; within
-    a transformer layer's small matrices x W^T stays the faster order). Same values up to float
-    rounding. No-grad decoding only; any other head is left alone."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not (type(head) is torch.nn.Linear and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
-            and "forward" not in head.__dict__ and not torch.is_autocast_enabled("cpu")):
-        yield False
-        return
-    try:
-        head.forward = functools.partial(_head_forward, head)
-        yield True
-    finally:
-        head.__dict__.pop("forward", None)
-
-
-def _decodes_in_lockstep(model) -> bool:
-    """Whether the processes must decode in lock-step: under torch.distributed with sharded parameters
-    (FSDP, FSDP2, ZeRO-3, tensor parallel), every forward is a collective that gathers weights from all
-    processes, so each must run as many forwards as the others. Lock-step rather than gathering the whole
-    policy for generation: the weights stay sharded (a model that needs sharding to train may not fit
-    whole on one device), at the cost of one all-reduce of a flag per step and of the discarded forwards
-    of a process whose rows have all stopped (`_keep_pace`)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return (any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
-            or any(type(p) not in (torch.Tensor, torch.nn.Parameter) or hasattr(p, "ds_id")
-                   for p in model.parameters()))
+    record: (prompts, prompt width, num_generations, max_new_tokens) of a call whose linear outputs the lean
+    step should record (`replay.LinearRecord`), or None."""
+    net = unwrap(model)
+    if model_device(net).type != "cpu":
+        return ModelForward(net)
+    lean = None if decodes_in_lockstep(net) else lean_decoder(net)
+    if lean is None or record is None:
+        return CPUDecoder(net, lean)
+    B, P, G, T = record
+    return CPUDecoder(net, lean, LinearRecord(lean.linears, B, P, B * G, T, G))
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -298,25 +176,18 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def _keep_pace(net, tokens: Tensor, attention: Tensor, positions: Tensor, cache, t: int, max_new: int,
-               device: torch.device) -> None:
-    """Lock-step decoding once this process's rows have all stopped at step t: the one-token forwards the
-    other processes still run, with their outputs discarded, until every process has stopped (the flag
-    each step, as in the decoding loop) or the length limit is reached. tokens (A, 1) the last ones fed."""
+def _keep_pace(backend: SamplerBackend, tokens: Tensor, t: int, attention: Tensor, positions: Tensor,
+               max_new: int) -> None:
+    """Lock-step decoding once this process's rows have all stopped at step t: the steps the other processes
+    still run, with their outputs discarded, until every process has stopped (the flag each step, as in the
+    decoding loop) or the length limit is reached. tokens (A,) the last ones sampled, positions (A, 1) the
+    position of each row's first new token."""
     P = attention.shape[1] - max_new
     while True:
-        cache = net(input_ids=tokens, attention_mask=attention[:, : P + t + 1], position_ids=positions + t,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+        backend.step(tokens, t, attention[:, : P + t + 1], positions + t)
         t += 1
-        if t == max_new - 1 or not _any_rank(False, device):
+        if t == max_new - 1 or not _any_rank(False, backend.device):
             return
-
-
-def _model_device(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
 
 
 @torch.no_grad()
@@ -326,7 +197,8 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
              continue_turn=None) -> Rollout:
     """Sample `sampling.num_generations` completions for each prompt (token-id lists, no padding).
 
-    The model is put in eval mode for the duration and restored. Greedy decoding
+    model: a causal LM, decoded by `default_backend(model)` and put in eval mode for the duration (then
+    restored); or a `SamplerBackend` to decode through (docs/sampler.md). Greedy decoding
     (`do_sample=False`) picks the argmax; log-probs are still those of softmax(logits / temperature).
     With `record_linears`, the rollout keeps every decoder layer's linear outputs (`replay.LinearRecord`)
     when the lean decoding step runs (Llama/Qwen2-style models on CPU), else `linear_outputs` is None.
@@ -346,143 +218,104 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         raise ValueError("stop_strings need the tokenizer: pass tokenizer= to generate()")
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     G, max_new = sampling.num_generations, sampling.max_new_tokens
-    net = _unwrap(model)
-    device = _model_device(net)
-    pad_token_id = _embeddable_pad(net, pad_token_id, eos)
+    B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
+    N = B * G
+    backend = model if isinstance(model, SamplerBackend) else default_backend(
+        model, (B, P, G, max_new) if record_linears else None)
+    device = backend.device
+    pad_token_id = _embeddable_pad(backend.input_vocab_size, pad_token_id, eos)
 
     # Prompt batch, left-padded; the mask comes from the lengths (pad may equal EOS or occur in prompts).
     lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
     prompts = pad(prompt_ids, pad_token_id, side="left").to(device)
-    B, P = prompts.shape
     prompt_mask = (torch.arange(P, device=device) >= (P - lengths)[:, None]).long()
-    positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
-
-    N = B * G
-    # The full attention mask is allocated once; step t sees its first P + t columns.
+    # The full attention mask is allocated once; the step that feeds token t sees its first P + t + 1 columns.
     attention = torch.ones(N, P + max_new, dtype=prompt_mask.dtype, device=device)
     attention[:, :P] = prompt_mask.repeat_interleave(G, dim=0)
     next_position = lengths.repeat_interleave(G)[:, None]  # (N, 1) position of the first new token
     stop_ids = torch.tensor(eos + list(sampling.stop_token_ids), dtype=torch.long, device=device)
     window = 4 * max((len(s) for s in sampling.stop_strings), default=0) + 4
+    gen_device = generator.device if generator is not None else device
 
-    modes = [m.training for m in net.modules()]  # restored one by one: a submodule may be kept in eval on purpose
-    net.eval()
-    linears = contextlib.nullcontext(False)
-    if device.type == "cpu" and few_rows.available():
-        linears = few_rows.few_rows_linears(net)  # every linear, the output layer included
-    elif device.type == "cpu":
-        linears = transposed_head(net)
-    lockstep = _decodes_in_lockstep(net)
-    # the lean decoding step, where it can run; it calls no forward, so it cannot keep pace with sharded ranks
-    lean = lean_decoder(net) if device.type == "cpu" and not lockstep else None
-    record = None
-    hooks = []
-    try:
-        if record_linears and lean is not None:  # the prefill's outputs, as the hooks see them
-            record = LinearRecord(lean.linears, B, P, N, max_new, G)
-            for i, modules in enumerate(lean.linears):
-                for module, part in zip(modules, record.prompt):
-                    hooks.append(module.register_forward_hook(functools.partial(_keep_output, part[i])))
-        try:
-            out = net(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                      logits_to_keep=1)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        cache = _make_room(_expand_cache(out.past_key_values, G), P + max_new)
-        if lean is not None and isinstance(getattr(cache, "layers", None), list) and all(
-                type(layer) is _roomy_layer_class() for layer in cache.layers):
-            lean.set_positions(next_position + torch.arange(max_new, device=device))
-            lean.bind(cache)
-        else:
-            lean = record = None
-        logits = out.logits[:, -1, :].repeat_interleave(G, dim=0)  # (A, V), A = rows still decoded
-        rows = torch.arange(N, device=device)  # (A,) index in the output of each decoded row
-        finished = torch.zeros(N, dtype=torch.bool, device=device)
-        tokens, logps, masks = [], [], []
-        history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings and continue_turn
-        pending: dict[int, list[int]] = {}  # row -> ids still to feed (continue_turn)
-        fed_masks = []
-        gen_device = generator.device if generator is not None else device
+    rows = torch.arange(N, device=device)  # (A,) output row of each decoded row; A shrinks as rows are dropped
+    finished = torch.zeros(N, dtype=torch.bool, device=device)
+    tokens, logps, masks, fed_masks = [], [], [], []
+    history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings and continue_turn
+    pending: dict[int, list[int]] = {}  # row -> ids still to feed (continue_turn)
+    with backend:
+        # 1. prefill: each prompt once -> (B, V) logits after its last token
+        logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0))
+        # 2. expand: each prompt's state becomes its G rows', with room for the whole completion
+        backend.expand(G, P + max_new)
+        logits = logits.repeat_interleave(G, dim=0)  # (A, V)
         seen = None  # (N, V) bool: tokens in each row's prompt or completion so far, for repetition_penalty
         if sampling.repetition_penalty != 1.0:
             V = logits.shape[-1]  # padding is sent to an extra column, dropped after
             ids = torch.where(attention[:, :P].bool(), prompts.repeat_interleave(G, dim=0), V)
             seen = torch.zeros(N, V + 1, dtype=torch.bool, device=device).scatter_(1, ids, True)[:, :V]
-        with linears:
-            for t in range(max_new):
-                scaled = logits.float()
-                if sampling.temperature != 1.0:
-                    scaled = scaled / sampling.temperature
-                if sampling.do_sample:
-                    u = torch.rand(N, generator=generator, device=gen_device).to(device)[rows]
-                    penalised = scaled if seen is None else _penalise(scaled, seen[rows], sampling.repetition_penalty)
-                    picked = _sample(filter_logits(penalised, sampling.top_k, sampling.top_p, sampling.min_p), u)
-                else:
-                    picked = (scaled if seen is None else _penalise(scaled, seen[rows], sampling.repetition_penalty)
-                              ).argmax(-1)
-                alive = ~finished
-                token = torch.full((N,), pad_token_id, dtype=torch.long, device=device).index_copy_(0, rows, picked)
-                token = torch.where(alive, token, pad_token_id)
-                logp = torch.zeros(N, device=device).index_copy_(0, rows, selective_log_softmax(scaled, picked))
-                fed = torch.zeros(N, dtype=torch.bool, device=device)
-                if pending:  # rows inside a tool result take its next id instead of their sample
-                    for i in list(pending):
-                        token[i], fed[i] = pending[i].pop(0), True
-                        if not pending[i]:
-                            del pending[i]
-                    logp.masked_fill_(fed, 0.0)
-                fed_masks.append(fed)
-                if seen is not None:
-                    seen[rows, token[rows]] = True
-                tokens.append(token)
-                logps.append(logp.masked_fill_(finished, 0.0))
-                masks.append(alive)
-                stopped = torch.isin(token, stop_ids) if len(stop_ids) else torch.zeros_like(finished)
-                if sampling.stop_strings or continue_turn is not None:
-                    for row, tok in zip(history, token.tolist()):
-                        row.append(tok)
-                if sampling.stop_strings:
-                    live = alive.nonzero().flatten().tolist()
-                    hits = _stop_string_hits(tokenizer, [history[i] for i in live], sampling.stop_strings, window)
-                    hit_rows = [i for i, hit in zip(live, hits) if hit]
-                    if hit_rows:
-                        stopped[hit_rows] = True
-                stopped &= ~fed  # a fed EOS closes a tool turn, not the completion
-                if continue_turn is not None and bool((stopped & alive).any()):
-                    ended = (stopped & alive).nonzero().flatten().tolist()
-                    for i, ids in zip(ended, continue_turn(ended, [history[i][:t + 1] for i in ended])):
-                        if ids:
-                            stopped[i], pending[i] = False, list(ids)
-                finished = finished | (stopped & alive)
-                num_finished = int(finished.sum())  # the loop's one host sync per step
-                if t == max_new - 1 or not (_any_rank(num_finished < N, device) if lockstep else num_finished < N):
-                    break
-                if num_finished == N:  # lock-step: stopped here, not everywhere
-                    _keep_pace(net, token[rows, None], attention, next_position, cache, t, max_new, device)
-                    break
-                # Stop computing finished rows once they are a quarter of the batch (the copy of the
-                # cache this costs is then paid back within a few steps).
-                done_in_batch = num_finished - (N - len(rows))
-                if done_in_batch and 4 * done_in_batch >= len(rows):
-                    keep = (~finished[rows]).nonzero().flatten()
-                    cache, rows = _select_cache(cache, keep), rows[keep]
-                    attention, next_position = attention[keep], next_position[keep]
-                    if lean is not None:
-                        lean.select(keep, cache)
-                if lean is not None:
-                    fed = None if record is None else torch.empty(len(lean.linears), len(rows), lean.record_width)
-                    logits = lean.step(token[rows], t, attention[:, : P + t + 1], cache, record=fed)
-                    if fed is not None:
-                        record.keep_step(t, rows, fed)
-                    continue
-                out = net(input_ids=token[rows, None], attention_mask=attention[:, : P + t + 1],
-                          position_ids=next_position + t, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                cache = out.past_key_values
-                logits = out.logits[:, -1, :]
-    finally:
-        for m, mode in zip(net.modules(), modes):
-            m.training = mode
+        for t in range(max_new):
+            if t:  # 3. step: feed each decoded row its last token (t - 1), for the logits of token t
+                logits = backend.step(tokens[-1][rows], t - 1, attention[:, : P + t], next_position + (t - 1))
+
+            # 4. sample: from the penalised, filtered distribution; the log-prob is under softmax(logits / T)
+            scaled = logits.float()
+            if sampling.temperature != 1.0:
+                scaled = scaled / sampling.temperature
+            penalised = scaled if seen is None else _penalise(scaled, seen[rows], sampling.repetition_penalty)
+            if sampling.do_sample:  # one uniform per row, decoded or not: a row's draws depend only on the seed
+                u = torch.rand(N, generator=generator, device=gen_device).to(device)[rows]
+                picked = _sample(filter_logits(penalised, sampling.top_k, sampling.top_p, sampling.min_p), u)
+            else:
+                picked = penalised.argmax(-1)
+            alive = ~finished
+            token = torch.full((N,), pad_token_id, dtype=torch.long, device=device).index_copy_(0, rows, picked)
+            token = torch.where(alive, token, pad_token_id)
+            logp = torch.zeros(N, device=device).index_copy_(0, rows, selective_log_softmax(scaled, picked))
+            fed = torch.zeros(N, dtype=torch.bool, device=device)
+            for i in list(pending):  # rows inside a tool result take its next id instead of their sample
+                token[i], fed[i] = pending[i].pop(0), True
+                if not pending[i]:
+                    del pending[i]
+            if seen is not None:
+                seen[rows, token[rows]] = True
+            tokens.append(token)
+            logps.append(logp.masked_fill_(fed | finished, 0.0))
+            masks.append(alive)
+            fed_masks.append(fed)
+
+            # 5. stop: EOS, a stop token or a stop string; a fed EOS closes a tool turn, not the completion, and
+            # a row whose turn ended goes on when continue_turn gives it ids to feed
+            stopped = torch.isin(token, stop_ids) if len(stop_ids) else torch.zeros_like(finished)
+            if sampling.stop_strings or continue_turn is not None:
+                for row, tok in zip(history, token.tolist()):
+                    row.append(tok)
+            if sampling.stop_strings:
+                live = alive.nonzero().flatten().tolist()
+                hits = _stop_string_hits(tokenizer, [history[i] for i in live], sampling.stop_strings, window)
+                hit_rows = [i for i, hit in zip(live, hits) if hit]
+                if hit_rows:
+                    stopped[hit_rows] = True
+            stopped &= ~fed
+            if continue_turn is not None and bool((stopped & alive).any()):
+                ended = (stopped & alive).nonzero().flatten().tolist()
+                for i, ids in zip(ended, continue_turn(ended, [history[i][:t + 1] for i in ended])):
+                    if ids:
+                        stopped[i], pending[i] = False, list(ids)
+            finished = finished | (stopped & alive)
+            num_finished = int(finished.sum())  # the loop's one host sync per step
+            if t == max_new - 1 or not (_any_rank(num_finished < N, device) if backend.lockstep else num_finished < N):
+                break
+            if num_finished == N:  # lock-step: stopped here, not everywhere
+                _keep_pace(backend, token[rows], t, attention, next_position, max_new)
+                break
+
+            # 6. drop finished rows once they are a quarter of the batch (the copy of the cache this costs is
+            # then paid back within a few steps)
+            done_in_batch = num_finished - (N - len(rows))
+            if done_in_batch and 4 * done_in_batch >= len(rows):
+                keep = (~finished[rows]).nonzero().flatten()
+                backend.select(keep)
+                rows, attention, next_position = rows[keep], attention[keep], next_position[keep]
 
     return Rollout(
         prompt_ids=prompts.repeat_interleave(G, dim=0),
@@ -491,17 +324,15 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         completion_mask=torch.stack(masks, dim=1).long(),
         logprobs=torch.stack(logps, dim=1),
         is_truncated=~finished,
-        linear_outputs=record,
+        linear_outputs=backend.linear_outputs,
         tool_mask=torch.stack(fed_masks, dim=1).long() if continue_turn is not None else None,
     )
 
 
-def _embeddable_pad(net, pad_token_id: int | None, eos: list[int]) -> int:
-    """The id padding is written with: the tokenizer's pad id, unless the model cannot embed it (a `[PAD]`
+def _embeddable_pad(input_vocab_size: int | None, pad_token_id: int | None, eos: list[int]) -> int:
+    """The id padding is written with: the tokenizer's pad id, unless the backend cannot take it (a `[PAD]`
     added past the embedding matrix), then the first EOS (or 0). Masks mark padding, so its id is never read."""
-    embeddings = net.get_input_embeddings() if hasattr(net, "get_input_embeddings") else None
-    rows = getattr(embeddings, "num_embeddings", None)
-    if pad_token_id is not None and (rows is None or 0 <= pad_token_id < rows):
+    if pad_token_id is not None and (input_vocab_size is None or 0 <= pad_token_id < input_vocab_size):
         return pad_token_id
     return eos[0] if eos else 0
 
@@ -510,10 +341,6 @@ def _penalise(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
     """transformers' repetition penalty: (A, V) logits of seen tokens divided by `penalty` where positive,
     multiplied where negative (sampling only; log-probs stay the policy's own)."""
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-
-
-def _keep_output(destination: Tensor, module, inputs, output):
-    destination.copy_(output)
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
@@ -548,7 +375,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         taken[u] = taken.get(u, -1) + 1
         owner.append(u)
         block.append(taken[u])
-    config = getattr(_unwrap(model), "config", None)
+    config = getattr(unwrap(model), "config", None)
     attn, hidden = getattr(config, "_attn_implementation", None), getattr(config, "hidden_size", None) or 1024
     U, k = len(first), max(block) + 1
 
@@ -571,7 +398,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     slot_mask = torch.zeros(U * k, C, dtype=torch.bool, device=device)
     slot_mask[rows] = completion_mask.bool()
     packed = pack_groups(prompt_ids[lead], prompt_mask[lead], slot_ids.view(U, k, C), slot_mask.view(U, k, C), block=B)
-    head = plain_lm_head(_unwrap(model), packed.input_ids)  # on the bare module; the forward keeps any DDP wrapper
+    head = plain_lm_head(unwrap(model), packed.input_ids)  # on the bare module; the forward keeps any DDP wrapper
 
     def known(record, rollout_rows):  # the rollout row in each slot, -1 in empty ones
         slots = torch.full((U * k,), -1, dtype=torch.long)

@@ -13,11 +13,13 @@ dx = dy W, dW = dy^T x, db = sum dy, with x the input that the training forward 
 recorded outputs. Values are the sampler's, which equal the forward's up to float rounding (the
 decoding kernels sum in another order); the gradients agree to the same precision (tested).
 
-SmolLM2-135M, 2 prompts x 4 samples x 32 tokens, 2 threads: the training forward takes about
-0.36 s instead of about 0.9 s (medians of 6); the backward is unchanged (about 1.7-1.9 s). The
-record costs about 0.06 s of sampling and holds 30 layers x 5184 outputs x 4 bytes per position
-(about 210 MB for the 336 positions here) until the generation batch's last micro-batch has run
-its forward; the trainer lets it go before that backward.
+The record holds layers x (sum of the recorded modules' widths) x 4 bytes per prompt and completion
+position until the generation batch's last micro-batch has run its forward; the trainer lets it go
+before that backward. What it saves and costs is measured in benchmarks/README.md ("Where time goes
+in the sampler").
+
+The record is filled by the sampler's CPU backend (`decode.CPUDecoder`): the prefill's outputs through
+forward hooks (`recording_prefill`), each decoding step's from the lean step's own buffer (`keep_step`).
 
 Positions the sampler never fed (a completion's last token, where a layout has it, and the tokens
 of rows that stopped and were dropped from the decoding batch) read a row of zeros. Nothing that
@@ -89,6 +91,25 @@ class LinearRecord:
         """Module `modules[layer][kind]`'s outputs for the sequences of `layout`: (S, length, width), one row
         gather made on demand (so only the outputs that autograd keeps stay alive, as in an ordinary forward)."""
         return self.outputs[kind][layer].index_select(0, layout.flatten()).view(*layout.shape, -1)
+
+
+@contextlib.contextmanager
+def recording_prefill(record: LinearRecord):
+    """Within the block, each recorded module's forward writes its output into `record.prompt`: run the
+    prefill of the record's B prompts (B, P) inside it. The hooks are removed on leaving."""
+    hooks = []
+    try:
+        for layer, modules in enumerate(record.modules):
+            for module, part in zip(modules, record.prompt):
+                hooks.append(module.register_forward_hook(functools.partial(_keep_output, part[layer])))
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _keep_output(destination: Tensor, module, inputs, output):
+    destination.copy_(output)
 
 
 class _KnownLinear(torch.autograd.Function):

@@ -298,7 +298,7 @@ def test_completion_logprobs_equal_the_plain_forward_with_gradients(tok, prompt_
 
 def test_transposed_head_matches_the_plain_head_and_is_removed(model):
     """The decoding head computed as (W x^T)^T gives the plain logits; the head gets its own forward back."""
-    from posttrain.rollout.generate import transposed_head
+    from posttrain.rollout.decode import transposed_head
 
     ids = torch.randint(0, 1000, (8, 3))
     head = model.get_output_embeddings()

@@ -1,0 +1,228 @@
+"""What computes next-token logits for the sampler: `SamplerBackend`, and the generic one, `ModelForward`.
+
+`rollout.generate` owns everything about sampling: the prompt batch, the uniforms drawn from the
+seed, filtering, stop tokens and strings, tool turns, which rows are still decoded, the output.
+A backend owns the model's state (its KV cache, compiled-step bindings, patched layers) and
+turns fed tokens into logits. The loop calls it in this order (docs/sampler.md):
+
+    with backend:                                   set-up and tear-down (eval mode, patched layers)
+        backend.prefill(prompt_ids, mask, positions)    1. once per prompt, whatever the group size
+        backend.expand(group, capacity)                 2. each prompt's state becomes `group` rows
+        backend.step(tokens, t, attention, positions)   3. one token per decoded row -> next logits
+        backend.select(keep)                            6. rows that finished leave the batch
+
+Built in: `ModelForward` (here), the model's own forward over a transformers KV cache: the
+generic path, the only one off the CPU; `decode.CPUDecoder`, the same on CPU with the few-rows
+kernels, the lean compiled step and its optional record of linear outputs (`replay.py`).
+A third backend (an inference server, vLLM) subclasses `SamplerBackend`; the loop does not change.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from posttrain.rollout.replay import LinearRecord
+
+
+class SamplerBackend(abc.ABC):
+    """The interface `generate` decodes through. Rows are prompt-major: after `expand(group, ...)`, row n
+    continues prompt n // group. Logits may be of any float dtype on `device`; the loop reads them in
+    float32. One object serves one `generate` call (it holds that call's cache)."""
+
+    device: torch.device = torch.device("cpu")  # where the loop keeps its ids, masks and the logits it reads
+    lockstep: bool = False  # every process must call `step` as often as the others (sharded weights)
+    input_vocab_size: int | None = None  # ids `step` can take (padding is written with one); None: any
+    linear_outputs: LinearRecord | None = None  # what the backend recorded for `replay.py`; read after the loop
+
+    def __enter__(self) -> SamplerBackend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    @abc.abstractmethod
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
+        """Phase 1. prompt_ids, prompt_mask, positions (B, P), left-padded (mask 1 on real tokens, positions
+        count real tokens from 0) -> the logits (B, V) that follow each prompt's last token."""
+
+    @abc.abstractmethod
+    def expand(self, group: int, capacity: int) -> None:
+        """Phase 2. Repeat each prompt's state `group` times (prompt-major), with room for `capacity`
+        positions per row (the prompt width P plus the most new tokens)."""
+
+    @abc.abstractmethod
+    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
+        """Phase 3. Feed one token per decoded row, in the rows' current order -> the next logits (A, V).
+
+        tokens (A,): completion token t of each row (0 = the first new one), at cache position P + t.
+        attention (A, P + t + 1): 1 on the positions each row may see (its prompt's real tokens, then all).
+        positions (A, 1): the fed token's position id."""
+
+    @abc.abstractmethod
+    def select(self, keep: Tensor) -> None:
+        """Phase 6. Keep only the decoded rows `keep` (A',) of the current A, in that order."""
+
+
+class ModelForward(SamplerBackend):
+    """The model's own forward (`logits_to_keep=1`) over a transformers KV cache: any causal LM, any device,
+    sharded weights included (each step is one forward, so lock-step processes stay in step)."""
+
+    def __init__(self, model):
+        self.net = unwrap(model)
+        self.device = model_device(self.net)
+        self.lockstep = decodes_in_lockstep(self.net)
+        embeddings = self.net.get_input_embeddings() if hasattr(self.net, "get_input_embeddings") else None
+        self.input_vocab_size = getattr(embeddings, "num_embeddings", None)
+        self.cache = None
+
+    def __enter__(self) -> ModelForward:
+        self._modes = [m.training for m in self.net.modules()]  # restored one by one: a submodule may be kept in eval on purpose
+        self.net.eval()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, mode in zip(self.net.modules(), self._modes):
+            m.training = mode
+
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
+        out = self.net(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                       logits_to_keep=1)
+        self.cache = out.past_key_values
+        return out.logits[:, -1, :]
+
+    def expand(self, group: int, capacity: int) -> None:
+        self.cache = make_room(expand_cache(self.cache, group), capacity)
+
+    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
+        out = self.net(input_ids=tokens[:, None], attention_mask=attention, position_ids=positions,
+                       past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = out.past_key_values
+        return out.logits[:, -1, :]
+
+    def select(self, keep: Tensor) -> None:
+        self.cache = select_cache(self.cache, keep)
+
+
+def unwrap(model):
+    # DDP's forward may broadcast buffers (a collective): ranks that stop decoding at different
+    # steps would hang, so sample with the wrapped module. PEFT and FSDP wrappers are kept.
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return model
+
+
+def model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def decodes_in_lockstep(model) -> bool:
+    """Whether the processes must decode in lock-step: under torch.distributed with sharded parameters
+    (FSDP, FSDP2, ZeRO-3, tensor parallel), every forward is a collective that gathers weights from all
+    processes, so each must run as many forwards as the others. Lock-step rather than gathering the whole
+    policy for generation: the weights stay sharded (a model that needs sharding to train may not fit
+    whole on one device), at the cost of one all-reduce of a flag per step and of the discarded forwards
+    of a process whose rows have all stopped (`generate._keep_pace`)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return (any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+            or any(type(p) not in (torch.Tensor, torch.nn.Parameter) or hasattr(p, "ds_id")
+                   for p in model.parameters()))
+
+
+def expand_cache(cache, repeats: int):
+    """Repeat every layer's keys/values `repeats` times along the batch (prompt-major)."""
+    if repeats == 1:
+        return cache
+    if hasattr(cache, "batch_repeat_interleave"):  # transformers Cache objects (DynamicCache, ...)
+        cache.batch_repeat_interleave(repeats)
+        return cache
+    if isinstance(cache, (tuple, list)):  # legacy tuple-of-tuples caches of older remote-code models
+        return type(cache)(tuple(t.repeat_interleave(repeats, dim=0) for t in layer) for layer in cache)
+    raise TypeError(f"cannot expand a KV cache of type {type(cache).__name__} for num_generations > 1")
+
+
+@functools.cache
+def roomy_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomyLayer(DynamicLayer):
+        """A DynamicLayer whose keys and values live in buffers with room for `capacity` positions: a
+        decoding step writes its new position in place instead of copying the whole cache (torch.cat)."""
+
+        def __init__(self, keys: Tensor, values: Tensor, capacity: int):
+            super().__init__()
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+            self.length = keys.shape[-2]
+            self._keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
+            self._values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
+            self._keys[..., : self.length, :], self._values[..., : self.length, :] = keys, values
+            self._views()
+
+        def _views(self):
+            self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+            end = self.length + key_states.shape[-2]
+            if end > self._keys.shape[-2]:  # out of room: grow like a DynamicLayer
+                self._keys = torch.cat([self.keys, key_states], dim=-2)
+                self._values = torch.cat([self.values, value_states], dim=-2)
+            else:
+                self._keys[..., self.length: end, :] = key_states
+                self._values[..., self.length: end, :] = value_states
+            self.length = end
+            self._views()
+            return self.keys, self.values
+
+        def advance(self, steps: int) -> None:  # positions written into the buffers by someone else
+            self.length += steps
+            self._views()
+
+        def batch_select_indices(self, indices: Tensor) -> None:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self._views()
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self._keys = self._keys.repeat_interleave(repeats, dim=0)
+            self._values = self._values.repeat_interleave(repeats, dim=0)
+            self._views()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            super().crop(tokens_to_remove)
+            self.length = self.keys.shape[-2]
+            self._keys, self._values = self.keys, self.values
+
+    return RoomyLayer
+
+
+def make_room(cache, capacity: int):
+    """Give each plain DynamicLayer of a transformers cache room for `capacity` positions (other
+    layer types, e.g. sliding-window ones, and legacy tuple caches are left as they are)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return cache
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
+            layers[i] = roomy_layer_class()(layer.keys, layer.values, capacity)
+    return cache
+
+
+def select_cache(cache, index: Tensor):
+    """Keep only the batch rows `index` of the KV cache (rows that finished are dropped)."""
+    if hasattr(cache, "batch_select_indices"):
+        cache.batch_select_indices(index)
+        return cache
+    return type(cache)(tuple(t[index] for t in layer) for layer in cache)
