@@ -77,7 +77,7 @@ def ours(model_name: str, algo: str):
         trainer.training_step(trainer.model, next(batches))
         trainer.optimizer.step()
         trainer.optimizer.zero_grad()
-        return trainer._metrics["train"]["completions/mean_length"][-1]
+        return trainer.recorded_metrics()["completions/mean_length"][-1]
 
     return step
 

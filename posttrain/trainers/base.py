@@ -578,6 +578,11 @@ class BaseTrainer(Trainer):
                 value = self.accelerator.gather_for_metrics(value.reshape(1) if value.dim() == 0 else value).mean().item()
             self._metrics[mode][name].append(float(value))
 
+    def recorded_metrics(self, mode: str = "train") -> dict[str, list[float]]:
+        """What `record` buffered since the last `log`, name -> values (a copy); `log` reports their means
+        and `state.log_history` keeps what was logged."""
+        return {name: list(values) for name, values in self._metrics[mode].items()}
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
         prefix = "eval_" if mode == "eval" else ""

@@ -47,7 +47,7 @@ def test_kl_reference_point_from_mismatched_pairs(tmp_path):
              for m in (trainer.model, trainer.ref_model)]
     z = (logps[0][4:] - logps[1][4:]).mean().clamp(min=0)
     expected, _ = kto_loss(logps[0][:4], logps[1][:4], batch["label"], z, beta=0.5, undesirable_weight=1.5)
-    assert trainer._metrics[trainer.mode()]["kl"][-1] == pytest.approx(z.item(), rel=1e-4, abs=1e-6)
+    assert trainer.recorded_metrics(trainer.mode())["kl"][-1] == pytest.approx(z.item(), rel=1e-4, abs=1e-6)
     assert loss.item() == pytest.approx(expected.mean().item(), rel=1e-5)
 
 

@@ -35,8 +35,8 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce(tmp_path):
     model.zero_grad()
     trainer.compute_loss(model, mb).backward()
     engine = grads(model)
-    assert trainer._metrics["train"]["val/ratio"][-1] == 1.0
-    assert trainer._metrics["train"]["val/ratio_var"][-1] == 0.0
+    assert trainer.recorded_metrics()["val/ratio"][-1] == 1.0
+    assert trainer.recorded_metrics()["val/ratio_var"][-1] == 0.0
     # plain REINFORCE with a token-mean ("dapo") normaliser: -sum(A * log pi) / #tokens
     model.zero_grad()
     ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
@@ -219,7 +219,7 @@ def test_mask_truncated_completions_and_missing_eos_penalty(tmp_path):
     micro = trainer.build_experience(rollout, torch.zeros(len(truncated)))
     mask = torch.cat([mb["loss_mask"] for mb in micro])
     assert not mask[truncated].any()
-    assert trainer._metrics["train"]["objective/scores"][-1] == pytest.approx(-truncated.float().mean().item())
+    assert trainer.recorded_metrics()["objective/scores"][-1] == pytest.approx(-truncated.float().mean().item())
 
 
 def test_config_checks():
