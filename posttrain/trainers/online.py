@@ -569,6 +569,16 @@ class OnlineTrainer(BaseTrainer):
         values = out.value[:, -(C + 1):-1].float() if with_values else None
         return logp, entropy, values
 
+    @property
+    def experience(self) -> tuple[dict, ...]:
+        """The current generation batch's micro-batches (`make_experience`), in training order."""
+        return tuple(self._buffer)
+
+    @property
+    def holds_replay_record(self) -> bool:
+        """Whether the sampler's recorded linear outputs (`replay.py`) are still kept for the micro-batches to come."""
+        return self._replay is not None
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         index = inputs["micro_index"]
         if index == 0 or not self._buffer:

@@ -176,8 +176,8 @@ def test_replayed_training_forward_gives_the_same_update(tmp_path, monkeypatch):
         losses = []
         for index in range(2):
             losses.append(trainer.training_step(trainer.model, {**inputs, "micro_index": index}).item())
-            assert (trainer._replay is not None) == (replay and index == 0)  # let go after the last forward
-        results.append((losses, grads(trainer.model), trainer._buffer[0]["completion_ids"]))
+            assert trainer.holds_replay_record == (replay and index == 0)  # let go after the last forward
+        results.append((losses, grads(trainer.model), trainer.experience[0]["completion_ids"]))
     assert len(replayed) == 2
     (losses1, grads1, ids1), (losses0, grads0, ids0) = results
     assert torch.equal(ids1, ids0)  # the same samples (recording does not change sampling)
@@ -199,7 +199,7 @@ def test_no_replay_when_the_sampler_outputs_may_not_be_the_forwards(tmp_path, ov
     trainer = grpo(tmp_path, **overrides)
     assert not trainer.replays
     _, micro = first_batch(trainer)
-    assert trainer._replay is None
+    assert not trainer.holds_replay_record
 
 
 def test_no_replay_with_dropout(tmp_path):
