@@ -76,9 +76,15 @@ def resolve(name: str, task: str = "causal-lm") -> str:
 
 
 def _from_pretrained(auto_cls, name: str, **kwargs):
-    path = resolve(name, kwargs.pop("_task", "causal-lm"))
+    task = kwargs.pop("_task", "causal-lm")
+    path = resolve(name, task)
+    base = builtin_adapter_base(path)
+    if base is not None:  # an adapter of a built-in model: its base is resolved here, not on the hub
+        loaded = _from_pretrained(auto_cls, base, _task=task, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded).load_adapter(path)
+        return loaded
     try:
-        return auto_cls.from_pretrained(path, **kwargs)
+        loaded = auto_cls.from_pretrained(path, **kwargs)
     except OSError as err:
         if os.path.isdir(path):
             raise
@@ -86,6 +92,29 @@ def _from_pretrained(auto_cls, name: str, **kwargs):
             f"could not load {name!r}: it is not a local folder and the hub could not be reached ({err}). "
             f"Download it where you have a network and pass the local folder path instead, "
             f"or use a built-in model such as 'posttrain/tiny-qwen2'.") from err
+    if name.startswith(BUILTIN_PREFIX):
+        # record the built-in name, not this machine's cache folder: it names the base of a PEFT adapter
+        # (adapter_config.json's base_model_name_or_path) and the model card's base model
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if task == "seq-cls" and not name.endswith("-seqcls"):
+            name += "-seqcls"  # the built-in name that resolves to this classifier
+        if hasattr(model, "name_or_path"):
+            model.name_or_path = name
+        if getattr(model, "config", None) is not None:
+            model.config._name_or_path = name
+    return loaded
+
+
+def builtin_adapter_base(path: str) -> str | None:
+    """The built-in base model's name (`posttrain/...`) if `path` is a PEFT adapter folder of one, else None."""
+    config = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    import json
+
+    with open(config) as f:
+        base = json.load(f).get("base_model_name_or_path") or ""
+    return base if base.startswith(BUILTIN_PREFIX) else None
 
 
 def _dtype(dtype):
