@@ -54,7 +54,7 @@ def main(out_path: str, algorithm: str):
     ref = getattr(trainer, "ref_model", None)
     with open(out_path, "w") as f:
         json.dump({"loss": [log["loss"] for log in steps], "grad_norm": [log["grad_norm"] for log in steps],
-                   "kl": [log.get("kl") for log in steps],
+                   "kl": [log.get("objective/kl") for log in steps], "reward": [log.get("reward") for log in steps],
                    "engine": trainer.accelerator.distributed_type.value,
                    "policy_partitioned": zero3_partitioned(trainer.model),
                    "ref_partitioned": ref is not None and zero3_partitioned(ref)}, f)

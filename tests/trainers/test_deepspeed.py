@@ -60,10 +60,11 @@ def test_zero_matches_a_plain_process(tmp_path, plain_runs, algorithm, stage):
     if algorithm == "dpo":
         assert plain["loss"][0] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the first step
     if algorithm == "grpo":
-        assert plain["kl"][0] == pytest.approx(0.0, abs=1e-7) and plain["kl"][1] > 0
+        assert plain["kl"][0] == pytest.approx(0.0, abs=1e-6) and plain["kl"][1] > 1e-3
     assert len(zero["loss"]) == len(plain["loss"]) == 2
     # both steps: the second one shows the first update was the same
     assert zero["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-6)
     assert zero["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4, abs=1e-6)
-    if algorithm == "grpo":
+    if algorithm == "grpo":  # the same completions, and the reference scores them as in the plain run
+        assert zero["reward"] == pytest.approx(plain["reward"], abs=1e-6)
         assert zero["kl"] == pytest.approx(plain["kl"], rel=1e-3, abs=1e-6)
