@@ -18,10 +18,15 @@
              which removes GSPO's bias towards short responses. Here: the GSPO-token loss per token,
              aggregated by "seq_mean_token_sum" (each sequence's token sum = |o_i| x its token mean);
              `loss_type="luspo"` sets both.
+  vespo      VESPO (Shen et al. 2026, "Variational Sequence-level Soft Policy Optimization"):
+             -sg(φ(W)) A log π, W = π(o)/π_old(o) the whole completion's importance ratio (a product
+             over its tokens: no length normalisation) and φ(W) = W^k exp(λ (1 - W)), a gamma-shaped
+             kernel with φ(1) = 1 that fades stale samples smoothly; (k, λ) are set apart for
+             A >= 0 and A < 0. Token mean, as TRL aggregates it.
 
-CISPO's and SAPO's values are shifted by a constant (no gradient) so that, as for the others, a token
-sampled by the current policy (ρ = 1) has loss -A: CISPO -sg(w) A (1 + log π - sg(log π)), SAPO
--(f(ρ) - f(1) + 1) A. Gradients are the papers'; only the logged loss reads on one scale.
+CISPO's, SAPO's and VESPO's values are shifted by a constant (no gradient) so that, as for the others, a
+token sampled by the current policy (ρ = 1) has loss -A: CISPO -sg(w) A (1 + log π - sg(log π)), SAPO
+-(f(ρ) - f(1) + 1) A, VESPO -sg(φ(W)) A (1 + log π - sg(log π)). Gradients are the papers'; only the logged loss reads on one scale.
 
 `delta` (INTELLECT-2, Prime Intellect 2025) bounds the clipped surrogate's ratio from above
 also where the advantage is negative (there PPO's clip leaves ρ unbounded): ρ -> min(ρ, δ).
@@ -205,6 +210,32 @@ def luspo(
     summed over the sequence's tokens, not averaged)."""
     return clipped_surrogate(logp, old_logp, advantages, mask, epsilon=epsilon, epsilon_high=epsilon_high,
                              importance_sampling_level="sequence", delta=delta)
+
+
+@register_policy_loss("vespo", aggregation="token_mean")
+def vespo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+) -> tuple[Tensor, dict]:
+    """-sg(φ(W)) A log π per token, log W = Σ_t log π/π_old over the completion's tokens and
+    φ(W) = W^k exp(λ (1 - W)); (k, λ) = (vespo_k_pos, vespo_lambda_pos) where A >= 0, else the _neg pair
+    (A is one number per sequence in GRPO; a per-token advantage picks per token). No token is clipped."""
+    log_ratio = _log_ratio(logp, old_logp, mask, "token")  # (B, T), 0 on padding
+    log_w = log_ratio.sum(-1, keepdim=True).detach().clamp(-20.0, 20.0)  # (B, 1); exp stays finite
+    positive = advantages >= 0
+    k = torch.where(positive, vespo_k_pos, vespo_k_neg)
+    lam = torch.where(positive, vespo_lambda_pos, vespo_lambda_neg)
+    phi = torch.exp(k * log_w + lam * (1.0 - torch.exp(log_w)))  # (B, T) φ(W), 1 at W = 1
+    log_pi = 1.0 + logp - logp.detach()  # log π up to a constant: value 1, gradient ∇log π
+    per_token = torch.where(mask.bool(), -phi * advantages * log_pi, 0.0)
+    return per_token, _stats(torch.exp(log_ratio), torch.zeros_like(mask, dtype=torch.bool), logp, old_logp, mask)
 
 
 def entropy_bonus(logp: Tensor, entropy: Tensor, ratio: Tensor | None = None) -> Tensor:

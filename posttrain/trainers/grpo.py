@@ -14,10 +14,9 @@ policy_loss="clipped", KL in the loss. Variants are config values, not other tra
   epsilon_high              DAPO's asymmetric clip ("clip-higher");
   importance_sampling_level "sequence" for GSPO (Zheng et al. 2025);
   mask_truncated_completions, scale_rewards ("group" | "batch" | "none");
-  loss_type   "cispo" / "sapo" / "luspo" also pick their policy loss (core.policy_losses);
+  loss_type   "cispo" / "sapo" / "luspo" / "vespo" also pick their policy loss (core.policy_losses);
   delta (INTELLECT-2), entropy_coef, top_entropy_quantile, use_bias_correction_kl,
   off_policy_mask_threshold, multi_objective_aggregation="normalize_then_sum" (GDPO), as TRL 1.16.
-TRL's loss type "vespo" is not provided: its reshaping kernel was not at hand to verify.
 
 Departures: the old-policy log-probs are the sampler's own (no extra forward pass), and when the
 policy cannot have moved since sampling, old = current (detached), so the ratio is exactly 1.

@@ -166,6 +166,11 @@ class OnlineConfig(BaseConfig):
                                         "advantages (loss_type 'sapo')."})
     sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO's gate temperature for other "
                                         "advantages (loss_type 'sapo')."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO's shape k of the kernel phi(W) = W^k "
+                               "exp(lambda (1 - W)) on the sequence ratio W, for advantages >= 0 (loss_type 'vespo')."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO's rate lambda for advantages >= 0."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO's shape k for negative advantages."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO's rate lambda for negative advantages."})
     entropy_coef: float = field(default=0.0, metadata={"help": "Weight of an entropy bonus: loss -= entropy_coef * "
                                 "the aggregated token entropy (0: off)."})
     top_entropy_quantile: float = field(default=1.0, metadata={"help": "Train only on the top this share of "
@@ -262,6 +267,9 @@ class OnlineConfig(BaseConfig):
         if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
             raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; choose "
                              "'sum_then_normalize' or 'normalize_then_sum'")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            if not getattr(self, name) >= 0:  # a negative rate would grow phi without bound as W grows
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
         if self.delta is not None and not self.delta > 1 + self.epsilon:
