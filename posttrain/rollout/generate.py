@@ -261,12 +261,9 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
             scaled = logits.float()
             if sampling.temperature != 1.0:
                 scaled = scaled / sampling.temperature
-            penalised = scaled if seen is None else _penalise(scaled, seen[rows], sampling.repetition_penalty)
-            if sampling.do_sample:  # one uniform per row, decoded or not: a row's draws depend only on the seed
-                u = torch.rand(N, generator=generator, device=gen_device).to(device)[rows]
-                picked = _sample(filter_logits(penalised, sampling.top_k, sampling.top_p, sampling.min_p), u)
-            else:
-                picked = penalised.argmax(-1)
+            # one uniform per row, decoded or not: a row's draws depend only on the seed
+            u = torch.rand(N, generator=generator, device=gen_device).to(device)[rows] if sampling.do_sample else None
+            picked = _pick(scaled, sampling, None if seen is None else seen[rows], u)
             alive = ~finished
             token = torch.full((N,), pad_token_id, dtype=torch.long, device=device).index_copy_(0, rows, picked)
             token = torch.where(alive, token, pad_token_id)
@@ -335,6 +332,16 @@ def _embeddable_pad(input_vocab_size: int | None, pad_token_id: int | None, eos:
     if pad_token_id is not None and (input_vocab_size is None or 0 <= pad_token_id < input_vocab_size):
         return pad_token_id
     return eos[0] if eos else 0
+
+
+def _pick(scaled: Tensor, sampling: SamplingConfig, seen: Tensor | None, u: Tensor | None) -> Tensor:
+    """Each row's token from its (A, V) logits / temperature: the repetition penalty on the tokens `seen` (A, V),
+    then top-k / top-p / min-p, then inverse-CDF sampling with the uniforms u (A,); the argmax for greedy."""
+    if seen is not None:
+        scaled = _penalise(scaled, seen, sampling.repetition_penalty)
+    if not sampling.do_sample:
+        return scaled.argmax(-1)
+    return _sample(filter_logits(scaled, sampling.top_k, sampling.top_p, sampling.min_p), u)
 
 
 def _penalise(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
