@@ -220,8 +220,10 @@ class PPOTrainer(OnlineTrainer):
                         "input_ids": [torch.tensor(ids) for ids in batch["prompt_ids"]], **batch["columns"]}
 
             size = self.args.per_process_generation // self.args.num_generations
+            streamed = isinstance(self.train_dataset, torch.utils.data.IterableDataset)  # read in stream order
             self._manual_loader = torch.utils.data.DataLoader(self.train_dataset, batch_size=size, collate_fn=collate,
-                                                              shuffle=self.args.shuffle_dataset, drop_last=True)
+                                                              shuffle=self.args.shuffle_dataset and not streamed,
+                                                              drop_last=True)
         return self._manual_loader
 
     def _ids(self, items, prompts: bool = True) -> list[list[int]]:

@@ -92,3 +92,14 @@ def test_max_steps_is_required_and_a_short_stream_is_refused(tmp_path):
         grpo(stream(1), output_dir=str(tmp_path)).train()
     with pytest.raises(ValueError, match=r"needs a 'prompt' column"):
         grpo(IterableDataset.from_generator(lambda: iter([{"text": "a"}])), output_dir=str(tmp_path))
+
+
+def test_ppo_trains_from_a_stream_and_its_manual_loop_reads_it_in_order(tmp_path):
+    from posttrain.trainers.ppo import PPOConfig, PPOTrainer
+
+    trainer = PPOTrainer(args=PPOConfig(**online_args(tmp_path, max_steps=1)), model=MODEL,
+                         reward_funcs=first_token_reward, train_dataset=stream(8))
+    trainer.train()
+    assert trainer.state.global_step == 1
+    batches = list(trainer.dataloader)  # the classic loop: batches of prompts, in stream order, never shuffled
+    assert [q for b in batches for q in b["query"]] == list(prompts(8)["prompt"])
