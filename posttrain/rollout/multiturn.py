@@ -104,7 +104,8 @@ class Tooling:
 
     environment_factory: a callable returning a fresh environment, or {name: callable} with an
     `environment` column naming each row's. `schemas_for(row)` gives the chat template's tools for a
-    dataset row; `episodes(...)` starts a batch of rollouts (fresh environments, `reset(**row)`).
+    dataset row; `episodes(...)` starts a batch of rollouts (fresh environments, `reset(**row)`);
+    `reset_dataset(args)` stands in for a missing train_dataset (reset() then writes every prompt).
     """
 
     def __init__(self, tools: Sequence[Callable] | None = None, environment_factory=None,
@@ -119,6 +120,7 @@ class Tooling:
                 raise TypeError(f"environment_factory[{name!r}] must be a callable returning an environment, "
                                 f"got {factory!r}")
         self.max_iterations, self.timeout = max_iterations, timeout
+        self.prompt_from_reset = False  # set by `reset_dataset`: no train_dataset, reset() writes each prompt
         # the schemas of each environment kind, from one probe instance (same methods on every instance)
         self._schemas = ({name: tool_schemas(environment_tools(factory())) for name, factory in self.factories.items()}
                          if self.factories else {None: tool_schemas(list(self.tools.values()))})
@@ -131,6 +133,23 @@ class Tooling:
             raise ValueError(f"the 'environment' column must name one of {sorted(self.factories)} "
                              f"(the keys of environment_factory), got {kind!r}")
         return kind
+
+    def reset_dataset(self, args):
+        """The prompts of a run without a train_dataset: one generation batch of empty user messages, which
+        each environment's `reset()` (called without a `prompt`) fills with its text; `max_steps` (required)
+        says how long to train, cycling over them."""
+        from datasets import Dataset
+
+        if self.factories is None or None not in self.factories:
+            raise ValueError("train_dataset is required with tools= or a dict environment_factory (its "
+                             "'environment' column chooses each row's environment); only a single "
+                             "environment_factory can supply the prompts through reset()")
+        if args.max_steps <= 0:
+            raise ValueError("environment_factory without a train_dataset: set max_steps (the number of training "
+                             "steps), since reset() supplies the prompts and there is no dataset to count epochs over")
+        self.prompt_from_reset = True
+        size = max(1, args.per_process_generation // args.num_generations) * max(1, args.world_size)
+        return Dataset.from_list([{"prompt": [{"role": "user", "content": ""}]} for _ in range(size)])
 
     def schemas_for(self, row: Mapping) -> list[dict]:
         return self._schemas[self._kind(row)]
@@ -174,7 +193,13 @@ class Tooling:
         if env_list is not None:
             for i, (env, row) in enumerate(zip(env_list, rows)):
                 reset = getattr(env, "reset", None)
-                text = reset(**row) if callable(reset) else None
+                if self.prompt_from_reset:  # no dataset: the row is a stand-in, reset() writes the prompt
+                    text = reset(**{k: v for k, v in row.items() if k != "prompt"}) if callable(reset) else None
+                    if not text or not isinstance(text, str):
+                        raise ValueError(f"without a train_dataset, {type(env).__name__}.reset() must return the "
+                                         f"prompt (a non-empty string, the user message); it returned {text!r}")
+                else:
+                    text = reset(**row) if callable(reset) else None
                 if text:
                     last = max(j for j, m in enumerate(prompts[i]) if m.get("role") == "user")
                     prompts[i][last] = {**prompts[i][last], "content": f"{prompts[i][last]['content']}{text}"}

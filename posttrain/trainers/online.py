@@ -230,6 +230,8 @@ class OnlineTrainer(BaseTrainer):
                 given = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
                     else [reward_funcs]
                 reward_funcs = given + env_rewards
+            if train_dataset is None and environment_factory is not None:  # reset() supplies the prompts
+                train_dataset = tooling.reset_dataset(args)
         if rollout_func is not None and tooling is not None:
             raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
                              "rollout_func or tools= / environment_factory=, not both")
@@ -377,6 +379,7 @@ class OnlineTrainer(BaseTrainer):
         episodes, environments, prompt_ids = self.tooling.episodes(tok, prompts, columns, G, self.args.max_prompt_length)
         if environments is not None:
             columns["environments"] = environments
+            prompts[:] = episodes.prompts  # with reset()'s text: the reward functions get the prompts the model saw
         rollout = self.sample_completions(prompt_ids or inputs["prompt_ids"], sampling, continue_turn=episodes)
         self.record(episodes.metrics(), mode)
         return rollout, episodes

@@ -171,6 +171,43 @@ def test_ppo_takes_an_environment_as_its_only_reward(caller, tmp_path):
     assert max(logged["rewards/GuessNumberEnv/mean"]) > 0
 
 
+class FindOne(GuessNumberEnv):
+    """The guessing game on [1, 1], whose prompt the fixture's model has learned to answer."""
+
+    def reset(self, **row):
+        return super().reset(secret=1, low=1, high=1, **row)
+
+
+def test_environment_without_a_dataset_writes_the_prompts_through_reset(caller, tmp_path):
+    """No train_dataset: each rollout's prompt is the text reset() returns (GuessNumberEnv states its range),
+    reward functions see that prompt, and max_steps bounds training; without max_steps, or with a reset()
+    that returns no text, a clear error."""
+    seen = []
+
+    def prompts_seen(prompts, completions, **kwargs):
+        seen.extend(prompts)
+        return [0.0] * len(completions)
+
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, max_completion_length=96, max_steps=3))
+    trainer = GRPOTrainer(_model(caller), prompts_seen, args=args, environment_factory=FindOne)
+    logged = train_and_check(trainer, metrics=TOOL_METRICS, reward_names=("prompts_seen", "FindOne"))
+    assert trainer.state.global_step == 3
+    assert len(seen) == 3 * 8 and all(p == FIND for p in seen)
+    assert max(logged["rewards/FindOne/mean"]) > 0
+    with pytest.raises(ValueError, match="set max_steps"):
+        GRPOTrainer(_model(caller), prompts_seen, args=GRPOConfig(**online_args(tmp_path, max_steps=-1)),
+                    environment_factory=FindOne)
+
+    class Silent(GuessNumberEnv):
+        def reset(self, **row):
+            super().reset(**row)
+
+    trainer = GRPOTrainer(_model(caller), prompts_seen, args=GRPOConfig(**online_args(tmp_path, num_generations=4)),
+                          environment_factory=Silent)
+    with pytest.raises(ValueError, match=r"Silent.reset\(\) must return the prompt"):
+        trainer.train()
+
+
 def test_rollout_func_replaces_the_sampler(tmp_path):
     tok = load_tokenizer("posttrain/tiny-qwen2")
     given = []
