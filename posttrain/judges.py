@@ -9,7 +9,8 @@ item never raises; misuse (lists of different lengths, a pair that is not a pair
   library only (no `openai` package).
 * `win_rate(judge, prompts, completions, reference_completions)`: fraction of decided
   comparisons that the completions win.
-* `WinRateCallback`: logs `eval_win_rate` of the model being trained at every evaluation.
+* `WinRateCallback` (in `posttrain.callbacks`, importable from here): logs `eval_win_rate` of the
+  model being trained at every evaluation.
 
 Position bias: LLM judges tend to prefer whichever answer comes first (or second). With
 `shuffle_order=True` (the default) each pair is swapped with probability 1/2 before judging and
@@ -36,8 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import torch
-from transformers import TrainerCallback
-
+from posttrain.callbacks import WinRateCallback  # noqa: F401  (its home is posttrain.callbacks)
 from posttrain.eval import generate_completions
 
 __all__ = ["PairwiseJudge", "BasePairwiseJudge", "RewardModelJudge", "OpenAIPairwiseJudge", "JudgeError", "win_rate",
@@ -419,83 +419,3 @@ def win_rate(judge: PairwiseJudge, prompts: Sequence[Any], completions: Sequence
     else:
         rate = float("nan") if failed else 0.5
     return {"win_rate": rate, "num_judged": judged, "num_failed": failed, "num_ties": ties}
-
-
-class WinRateCallback(TrainerCallback):
-    """At each evaluation, greedy-generate completions for `eval_prompts` and log `eval_win_rate` against
-    `reference_completions` (default: what the model generated for the same prompts when training began).
-
-    The value goes into the evaluation's metrics dict (so `trainer.evaluate()` returns it) and into
-    `trainer.state.log_history`: through `trainer.log` when the callback knows its trainer (pass
-    `trainer=` or call `set_trainer`; then TensorBoard and other reporters see it too), else straight
-    into the log history. A judge that fails on every item gives a warning, never a failed run.
-
-    TRL-style calls work too: `WinRateCallback(judge, trainer, generation_config=None, num_prompts=None)`
-    takes the prompts from the `prompt` column of `trainer.eval_dataset` (the first `num_prompts`).
-    Generation runs on the main process only, with the unwrapped model, so it does not suit
-    FSDP / ZeRO-3 sharded models.
-    """
-
-    def __init__(self, judge: PairwiseJudge, eval_prompts: Sequence[Any] | None = None,
-                 reference_completions: Sequence[str] | None = None, max_new_tokens: int = 32, batch_size: int = 16,
-                 generation_kwargs: dict | None = None, shuffle_order: bool = True, trainer=None,
-                 generation_config=None, num_prompts: int | None = None):
-        from transformers import Trainer
-
-        if isinstance(eval_prompts, Trainer):  # TRL's positional order: (judge, trainer, ...)
-            trainer, eval_prompts = eval_prompts, None
-        if eval_prompts is None:
-            dataset = getattr(trainer, "eval_dataset", None)
-            if dataset is None or "prompt" not in getattr(dataset, "column_names", ()):
-                raise ValueError("WinRateCallback needs eval_prompts=, or a trainer whose eval_dataset keeps a "
-                                 "'prompt' column (posttrain trainers tokenise theirs: pass the prompts)")
-            eval_prompts = dataset["prompt"]
-        eval_prompts = list(eval_prompts)[:num_prompts]
-        if reference_completions is not None and len(reference_completions) != len(eval_prompts):
-            raise ValueError(f"WinRateCallback: {len(reference_completions)} reference completions for "
-                             f"{len(eval_prompts)} eval prompts; pass one per prompt")
-        self.judge, self.eval_prompts = judge, eval_prompts
-        self.reference_completions = None if reference_completions is None else list(reference_completions)
-        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
-        self.generation_kwargs, self.shuffle_order = dict(generation_kwargs or {}), shuffle_order
-        if generation_config is not None:
-            self.generation_kwargs["generation_config"] = generation_config
-            self.max_new_tokens = getattr(generation_config, "max_new_tokens", None) or max_new_tokens
-        self.trainer = trainer
-
-    def set_trainer(self, trainer) -> None:
-        self.trainer = trainer
-
-    def _generate(self, model, tokenizer) -> list[str]:
-        if tokenizer is None:
-            raise ValueError("WinRateCallback needs the trainer's tokenizer (processing_class) to generate")
-        return generate_completions(model, tokenizer, self.eval_prompts, self.max_new_tokens, self.batch_size,
-                                    **self.generation_kwargs)
-
-    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if self.reference_completions is None and state.is_world_process_zero:
-            self.reference_completions = self._generate(model, processing_class or kwargs.get("tokenizer"))
-
-    def on_evaluate(self, args, state, control, model=None, processing_class=None, metrics=None, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        completions = self._generate(model, processing_class or kwargs.get("tokenizer"))
-        if self.reference_completions is None:  # evaluate() before any training: the model is its own reference
-            self.reference_completions = completions
-        try:
-            result = win_rate(self.judge, self.eval_prompts, completions, self.reference_completions,
-                              self.shuffle_order)
-        except JudgeError as err:
-            warnings.warn(f"WinRateCallback: no win rate at step {state.global_step}: {err}")
-            return
-        value = result["win_rate"]
-        if metrics is not None:
-            metrics["eval_win_rate"] = value
-        if self.trainer is not None:
-            self.trainer.log({"eval_win_rate": value})
-            return
-        last = state.log_history[-1] if state.log_history else None
-        if last is not None and last.get("step") == state.global_step and any(k.startswith("eval_") for k in last):
-            last["eval_win_rate"] = value  # the row this evaluation just logged
-        else:
-            state.log_history.append({"eval_win_rate": value, "step": state.global_step})

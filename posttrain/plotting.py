@@ -1,4 +1,4 @@
-"""Training curves as a PNG: `plot_log_history` and the `PlotCallback` that calls it when training ends.
+"""Training curves as a PNG: `plot_log_history`, which `callbacks.PlotCallback` calls when training ends.
 
 Needs matplotlib (the optional extra `posttrain[plot]`). The figure is drawn with matplotlib's
 object API on the Agg canvas, so the global pyplot backend of a notebook or script is left alone.
@@ -12,7 +12,7 @@ import os
 import warnings
 from typing import Any, Sequence
 
-from transformers import TrainerCallback
+from posttrain.callbacks import PlotCallback  # noqa: F401  (its home is posttrain.callbacks)
 
 __all__ = ["plot_log_history", "default_plot_keys", "PlotCallback", "DEFAULT_PLOT_KEYS"]
 
@@ -28,7 +28,8 @@ _NOT_CURVES = {"step", "epoch", "total_flos", "train_runtime", "train_samples_pe
                "train_steps_per_second", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
 
 
-def _require_matplotlib():
+def require_matplotlib():
+    """(Figure, FigureCanvasAgg) from matplotlib, or an ImportError that says how to install it."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -78,7 +79,7 @@ def plot_log_history(log_history, keys: Sequence[str] | None, path: str | os.Pat
     (weight `smoothing` on the past) is drawn over the raw curve. Returns the keys plotted; raises
     ValueError naming the keys that can be plotted when none of `keys` appears.
     """
-    Figure, FigureCanvasAgg = _require_matplotlib()
+    Figure, FigureCanvasAgg = require_matplotlib()
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
     rows = _rows(log_history)
@@ -117,29 +118,3 @@ def plot_log_history(log_history, keys: Sequence[str] | None, path: str | os.Pat
         os.makedirs(folder, exist_ok=True)
     fig.savefig(path, format="png")
     return list(series)
-
-
-class PlotCallback(TrainerCallback):
-    """At the end of training, draw the loss/reward curves to `<output_dir>/<filename>` (main process only).
-
-    `keys=None` plots whichever of DEFAULT_PLOT_KEYS the run logged. A run that logged none of the
-    keys gets a warning, not an error: plotting never fails a finished training run.
-    """
-
-    def __init__(self, keys: Sequence[str] | None = None, filename: str = "training_curves.png",
-                 title: str | None = None, smoothing: float = 0.0):
-        _require_matplotlib()  # fail now, not after hours of training
-        self.keys, self.filename, self.title, self.smoothing = keys, filename, title, smoothing
-        self.path: str | None = None
-        self.plotted: list[str] = []
-
-    def on_train_end(self, args, state, control, **kwargs: Any):
-        if not state.is_world_process_zero:
-            return
-        path = os.path.join(args.output_dir, self.filename)
-        try:
-            self.plotted = plot_log_history(state.log_history, self.keys, path, self.title, self.smoothing)
-        except ValueError as err:
-            warnings.warn(f"PlotCallback: nothing plotted: {err}")
-            return
-        self.path = path

@@ -41,3 +41,13 @@ def test_a_resumed_run_writes_only_what_follows_its_checkpoint(tmp_path, capsys)
         resumed.write(step, ["p"], [f"resumed run {step}"], {})
     assert rows(tmp_path / "completions.jsonl") == [(1, "killed run 1"), (2, "killed run 2"),
                                                     (3, "resumed run 3"), (4, "resumed run 4")]
+
+
+def test_callbacks_live_here_and_keep_their_old_import_paths():
+    import posttrain
+    from posttrain import callbacks, judges, plotting
+    from posttrain.trainers import base
+
+    assert (plotting.PlotCallback, judges.WinRateCallback, base.SyncRefModelCallback) == \
+        (callbacks.PlotCallback, callbacks.WinRateCallback, callbacks.SyncRefModelCallback)
+    assert (posttrain.PlotCallback, posttrain.WinRateCallback) == (callbacks.PlotCallback, callbacks.WinRateCallback)

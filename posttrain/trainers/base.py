@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, enable_full_determinism, rotate_checkpoints,
                                         set_seed)
 
+from posttrain.callbacks import SyncRefModelCallback
 from posttrain.memory import keep_freed_memory, make_adam_state
 from posttrain.models import loading
 
@@ -264,19 +265,6 @@ def latest_checkpoint(folder: str) -> str | None:
         logger.warning(f"skipping incomplete checkpoint(s) {skipped} in {folder} (no {TRAINER_STATE}: the run was "
                        f"stopped while saving); resuming from {latest and os.path.basename(latest)}")
     return latest
-
-
-class SyncRefModelCallback(TrainerCallback):
-    """Every `ref_model_sync_steps` steps: ref <- alpha * policy + (1 - alpha) * ref (TR-DPO style)."""
-
-    def __init__(self, ref_model, alpha: float, every: int):
-        self.ref_model, self.alpha, self.every = ref_model, alpha, every
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if model is not None and state.global_step % self.every == 0:
-            from posttrain.core.running import mix_into_
-
-            mix_into_(self.ref_model, model, self.alpha)
 
 
 class BaseTrainer(Trainer):
