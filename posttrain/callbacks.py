@@ -31,11 +31,18 @@ class CompletionsTable:
 
     The online trainers call `write` on the main process at their sampling points
     (`num_sample_generations` evenly spaced steps, or every logging step with `log_completions`).
+    With "wandb" or "trackio" among `report_to` (TrainingArguments' list), the rows also go to that
+    tracker as a table named `completions`, as TRL logs them.
     """
 
-    def __init__(self, output_dir: str | None, num_to_print: int | None = None, max_chars: int = 200):
+    TRACKERS = ("wandb", "trackio")  # report_to targets that take tables: module.log({name: module.Table(...)})
+
+    def __init__(self, output_dir: str | None, num_to_print: int | None = None, max_chars: int = 200,
+                 report_to: str | Sequence[str] | None = None):
         self.path = os.path.join(output_dir, COMPLETIONS_FILE) if output_dir else None
         self.num_to_print, self.max_chars = num_to_print, max_chars
+        targets = [report_to] if isinstance(report_to, str) else list(report_to or ())
+        self.trackers = [t for t in self.TRACKERS if t in targets]
         # console headings: prompt and completion columns; score columns are the reward names, or with a
         # score_heading "score" (one reward) / "score (<name>)" (several), as the classic RLOO docs show them
         self.headings, self.score_heading = ("prompt", "completion"), None
@@ -75,7 +82,19 @@ class CompletionsTable:
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
         self.print(step, rows[: self.num_to_print] if self.num_to_print else rows, list(scores))
+        self.report(rows, list(scores))
         return rows
+
+    def report(self, rows: list[dict], names: list[str]):
+        """Log the rows as a `completions` table to each tracker in report_to that has a run."""
+        import importlib
+
+        columns = ["step", "prompt", "completion", *names]
+        for name in self.trackers:
+            tracker = importlib.import_module(name)
+            if name == "wandb" and tracker.run is None:  # no wandb.init (the run was set up elsewhere, or not)
+                continue
+            tracker.log({"completions": tracker.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])})
 
     def print(self, step: int, rows: list[dict], names: list[str]):
         from rich.console import Console

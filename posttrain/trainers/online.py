@@ -290,7 +290,7 @@ class OnlineTrainer(BaseTrainer):
         self._episodes, self._start_time, self._samples, self._last_sample_step = 0, None, None, -1
         from posttrain.callbacks import CompletionsTable
 
-        self.completions_table = CompletionsTable(args.output_dir, args.num_completions_to_print)
+        self.completions_table = CompletionsTable(args.output_dir, args.num_completions_to_print, report_to=args.report_to)
         per_generation = args.per_process_generation * self.accelerator.num_processes
         self.optimizer_steps_per_generation = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         if args.total_episodes:  # steps_per_generation need not be a multiple of gradient_accumulation_steps
