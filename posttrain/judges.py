@@ -5,8 +5,8 @@ or -1 when it could not decide for that item (a failed request, an unreadable an
 item never raises; misuse (lists of different lengths, a pair that is not a pair) does.
 
 * `RewardModelJudge`: a sequence-classification reward model scores both completions.
-* `OpenAIPairwiseJudge`: any OpenAI-compatible chat endpoint, spoken to with the standard
-  library only (no `openai` package).
+* `OpenAIPairwiseJudge`: any OpenAI-compatible chat endpoint, through the `openai` SDK when it is
+  installed (its retries honour Retry-After; Azure OpenAI), else a small standard-library client.
 * `win_rate(judge, prompts, completions, reference_completions)`: fraction of decided
   comparisons that the completions win.
 * `WinRateCallback` (in `posttrain.callbacks`, importable from here): logs `eval_win_rate` of the
@@ -37,8 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import torch
+
 from posttrain.callbacks import WinRateCallback  # noqa: F401  (its home is posttrain.callbacks)
 from posttrain.eval import generate_completions
+from posttrain.models.modes import eval_mode
 
 __all__ = ["PairwiseJudge", "BasePairwiseJudge", "RewardModelJudge", "OpenAIPairwiseJudge", "JudgeError", "win_rate",
            "WinRateCallback", "generate_completions"]
@@ -150,9 +152,7 @@ class RewardModelJudge(PairwiseJudge):
         out: list[float | None] = [None] * len(encoded)
         rows = [i for i, ids in enumerate(encoded) if ids]
         device = next(self.model.parameters()).device
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             for start in range(0, len(rows), self.batch_size):
                 chunk = rows[start:start + self.batch_size]
                 ids = pad([encoded[i] for i in chunk], self.tokenizer.pad_token_id, "right")
@@ -160,8 +160,6 @@ class RewardModelJudge(PairwiseJudge):
                 logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
                 for i, value in zip(chunk, logits[:, 0].float().tolist()):
                     out[i] = value
-        finally:
-            self.model.train(was_training)
         return out
 
     def compare(self, prompts, pairs):
@@ -264,6 +262,14 @@ class _TrackedHTTPS(urllib.request.HTTPSHandler):
 class OpenAIPairwiseJudge(PairwiseJudge):
     """Ask a chat model behind an OpenAI-compatible `/chat/completions` endpoint which response is better.
 
+    * Client: with the `openai` package installed (and `use_openai_sdk` not False) requests go through
+      its client, built with `base_url`, the key, `timeout` and `max_retries`: it retries connection
+      errors, 408/409/429 and 5xx, waiting what a Retry-After header asks. `client=` takes a ready SDK
+      client instead, e.g. `openai.AzureOpenAI(...)`; with `$AZURE_OPENAI_ENDPOINT` set and no
+      `base_url` / `$OPENAI_BASE_URL`, an `openai.AzureOpenAI()` is built from the environment
+      (`AZURE_OPENAI_API_KEY`, `OPENAI_API_VERSION`; `model` is the deployment name). Without the
+      package, the built-in client below is used; the points on timeouts, retries and redirects
+      describe it (the SDK has its own), the rest hold for both.
     * `base_url`: default `$OPENAI_BASE_URL`, else `https://api.openai.com/v1`.
     * The key is read from the environment variable `api_key_env` each time `judge` runs. When it is
       unset the call fails with an error naming the variable, except for a loopback `base_url`
@@ -285,9 +291,17 @@ class OpenAIPairwiseJudge(PairwiseJudge):
     def __init__(self, model: str, base_url: str | None = None, api_key_env: str = "OPENAI_API_KEY",
                  system_prompt: str | None = None, timeout: float = 30.0, max_retries: int = 3,
                  backoff: float = 0.5, temperature: float | None = 0.0, max_workers: int = 4,
-                 max_requests: int | None = None, seed: int | None = None):
+                 max_requests: int | None = None, seed: int | None = None, client=None,
+                 use_openai_sdk: bool | None = None):
         super().__init__(seed)
         self.model = model
+        self.azure = client is None and base_url is None and not os.environ.get("OPENAI_BASE_URL") \
+            and bool(os.environ.get("AZURE_OPENAI_ENDPOINT"))
+        if self.azure:
+            base_url = os.environ["AZURE_OPENAI_ENDPOINT"]
+            if api_key_env == "OPENAI_API_KEY":
+                api_key_env = "AZURE_OPENAI_API_KEY"
+        self.client, self.use_openai_sdk = client, use_openai_sdk
         self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1").rstrip("/")
         self.api_key_env, self.system_prompt = api_key_env, system_prompt or DEFAULT_JUDGE_SYSTEM_PROMPT
         self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
@@ -295,7 +309,25 @@ class OpenAIPairwiseJudge(PairwiseJudge):
         self._local = _is_local(self.base_url)
         self.max_requests, self.num_requests, self._count_lock = max_requests, 0, threading.Lock()
 
+    def _sdk_client(self, key: str | None):
+        """The OpenAI SDK client for this call, or None for the built-in client."""
+        if self.client is not None or self.use_openai_sdk is False:
+            return self.client
+        try:
+            import openai
+        except ImportError:
+            if self.use_openai_sdk:
+                raise ImportError("OpenAIPairwiseJudge(use_openai_sdk=True) needs the openai package: "
+                                  "pip install openai") from None
+            return None
+        options = dict(api_key=key or "none", timeout=self.timeout, max_retries=max(0, self.max_retries))
+        if self.azure:  # endpoint and api version from the environment
+            return openai.AzureOpenAI(azure_endpoint=self.base_url, **options)
+        return openai.OpenAI(base_url=self.base_url, **options)
+
     def _api_key(self) -> str | None:
+        if self.client is not None:
+            return None  # the given client carries its own credentials
         key = os.environ.get(self.api_key_env)
         if not key and not self._local:
             raise ValueError(f"OpenAIPairwiseJudge: the environment variable {self.api_key_env} is not set; "
@@ -345,7 +377,23 @@ class OpenAIPairwiseJudge(PairwiseJudge):
             raise ValueError(f"unexpected response (not an OpenAI chat completion): {text[:500]!r}") from None
         return content if isinstance(content, str) else str(content)
 
-    def _ask(self, prompt, first: str, second: str, key: str | None) -> tuple[int, str | None]:
+    @staticmethod
+    def _post_sdk(client, body: dict) -> str:
+        """The assistant's answer text through the SDK, which retried already; failures raise ValueError."""
+        import openai
+
+        try:
+            response = client.chat.completions.create(**body)
+        except openai.OpenAIError as err:
+            status = getattr(err, "status_code", None)
+            raise ValueError(f"HTTP {status}: {err}" if status else f"request failed: {err}") from err
+        try:
+            content = response.choices[0].message.content
+        except (AttributeError, IndexError, TypeError):
+            raise ValueError(f"unexpected response (not a chat completion): {str(response)[:500]!r}") from None
+        return content if isinstance(content, str) else str(content)
+
+    def _ask(self, prompt, first: str, second: str, key: str | None, client=None) -> tuple[int, str | None]:
         """(verdict, error message or None) for one pair."""
         if all(p in self.system_prompt for p in ("{prompt}", "{response0}", "{response1}")):
             text = self.system_prompt
@@ -364,7 +412,7 @@ class OpenAIPairwiseJudge(PairwiseJudge):
                     return -1, f"max_requests={self.max_requests} reached"
                 self.num_requests += 1
             try:
-                answer = self._post(body, key)
+                answer = self._post_sdk(client, body) if client is not None else self._post(body, key)
             except _Retryable as err:
                 if attempt == self.max_retries:
                     return -1, f"{err} (after {attempt + 1} attempts)"
@@ -380,8 +428,9 @@ class OpenAIPairwiseJudge(PairwiseJudge):
 
     def compare(self, prompts, pairs):
         key = self._api_key()
+        client = self._sdk_client(key)
         with ThreadPoolExecutor(max_workers=min(self.max_workers, len(pairs))) as pool:
-            results = list(pool.map(lambda item: self._ask(item[0], *item[1], key), zip(prompts, pairs)))
+            results = list(pool.map(lambda item: self._ask(item[0], *item[1], key, client), zip(prompts, pairs)))
         errors = [(i, err) for i, (_, err) in enumerate(results) if err is not None]
         if errors and len(errors) == len(results):
             raise JudgeError(f"all {len(results)} judge requests to {self.base_url} failed; "
