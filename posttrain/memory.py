@@ -1,13 +1,20 @@
 """Process memory habits for training on CPU: glibc's allocator and Adam's state made up front.
 
 Neither is trainer logic; `BaseTrainer` applies both when `keep_freed_memory` is set (the default
-on CPU). `keep_freed_memory()` changes malloc for the whole process, so it is a config field that
-can be turned off (`keep_freed_memory=False`).
+on CPU). `keep_freed_memory()` changes malloc for the whole process (the user's code included, for
+the rest of its life), so it can be turned off two ways: the config field (`keep_freed_memory=False`,
+CLI `--keep_freed_memory false`) or, for every trainer of a process without touching code,
+`POSTTRAIN_KEEP_FREED_MEMORY=0` in the environment. benchmarks/README.md has what it was measured to
+save.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+OFF_SWITCH = "POSTTRAIN_KEEP_FREED_MEMORY"  # "0", "false", "no" or "off": malloc is left as it is
 
 
 def keep_freed_memory() -> bool:
@@ -15,12 +22,15 @@ def keep_freed_memory() -> bool:
 
     By default glibc maps each block above 32 MiB (gradients, activations of a training step) fresh
     from the OS and unmaps it on free, so every step pays page faults to zero-fill them again.
-    Returns True when the settings took effect (glibc found), False elsewhere.
+    Returns True when the settings took effect (glibc found), False elsewhere or when the environment
+    variable POSTTRAIN_KEEP_FREED_MEMORY is 0 / false / no / off.
     """
     import ctypes
     import ctypes.util
     import sys
 
+    if os.environ.get(OFF_SWITCH, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
     if not sys.platform.startswith("linux"):
         return False
     try:

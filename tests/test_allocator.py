@@ -2,6 +2,7 @@
 step, the later steps reuse the heap instead of faulting in fresh pages from the OS (checked by
 counting minor page faults, in fresh processes)."""
 
+import os
 import subprocess
 import sys
 
@@ -10,9 +11,9 @@ import torch
 
 SCRIPT = """
 import resource, sys, torch
-if sys.argv[1] == "keep":
+if sys.argv[1] in ("keep", "switched off"):
     from posttrain.memory import keep_freed_memory
-    assert keep_freed_memory()
+    assert keep_freed_memory() == (sys.argv[1] == "keep")
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 counts = []
@@ -30,14 +31,17 @@ print(sum(counts[4:]) // 8)  # page faults per step once warm
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
 def test_freed_blocks_are_reused_without_page_faults():
     faults = {}
-    for mode in ("default", "keep"):
-        out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
+    for mode in ("default", "keep", "switched off"):
+        env = {**os.environ, "POSTTRAIN_KEEP_FREED_MEMORY": "0" if mode == "switched off" else "1"}
+        out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True, env=env)
         faults[mode] = int(out.stdout.strip().splitlines()[-1])
     pages = 2 * 128 * 2**20 // 4096  # two 128 MiB tensors a step
     assert faults["default"] > pages // 2, faults  # glibc mapped both afresh: a fault per page (or huge page)
     # the freed heap memory was reused (most steps fault nothing; now and then a block that a small
     # allocation split has to be extended)
     assert faults["keep"] < faults["default"] // 3, faults
+    # POSTTRAIN_KEEP_FREED_MEMORY=0: malloc untouched, glibc maps and unmaps as by default
+    assert faults["switched off"] > pages // 2, faults
 
 
 # ------------------------------------------------------------------ Adam state made before the first step

@@ -71,7 +71,7 @@ class BaseConfig(TrainingArguments):
                           "An Adam/AdamW optimizer's state is then made at trainer creation, below the steps' "
                           "memory (same values as made lazily), so the second step does not fault in new pages. "
                           "The process keeps its peak memory reserved, as a GPU caching allocator does. False "
-                          "leaves the C allocator untouched."})
+                          "(or POSTTRAIN_KEEP_FREED_MEMORY=0 in the environment) leaves the C allocator untouched."})
 
     def __post_init__(self):
         super().__post_init__()
