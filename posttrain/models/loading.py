@@ -327,14 +327,16 @@ def _zero3_inference_engine(model, training_config: dict):
 
 
 def fully_shard_frozen(model):
-    """FSDP2-shard a frozen model: each block named in `_no_split_modules` (the decoder layers), then the whole."""
+    """FSDP2-shard a frozen model: each block named in `_no_split_modules` (the decoder layers), then the whole.
+    Every forward reshards afterwards, the root's too (whose default keeps its weights whole for a backward
+    that a frozen model never runs)."""
     from torch.distributed.fsdp import fully_shard
 
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)
     return model.eval()
 
 

@@ -1,6 +1,7 @@
 """Two optimizer steps of SFT, DPO or GRPO (beta > 0), run by tests/trainers/test_deepspeed.py under
-`accelerate launch` with a DeepSpeed ZeRO config (one CPU process) and as a plain single process; writes each
-step's loss and gradient norm, and whether the policy and the reference model were ZeRO-3 partitioned.
+`accelerate launch` with a DeepSpeed ZeRO config (2 CPU processes) and as a plain single process with the same
+global batch; writes each step's loss and gradient norm, and whether the policy and the reference model were
+ZeRO-3 partitioned.
 
 DPO's first loss is log 2 only if the reference scores exactly as the policy does (both start from the same
 weights), and GRPO's first KL is 0 only then: a reference that is not prepared for ZeRO-3 fails or differs.
@@ -13,13 +14,9 @@ from posttrain.data.builtin import task_dataset, task_preference_dataset
 from posttrain.models.loading import zero3_partitioned
 
 
-def first_token_reward(completion_ids, **kwargs):
-    return [float(ids[0] % 5) if ids else 0.0 for ids in completion_ids]
-
-
 def _skip_shm_build():
     """DeepSpeed's CPU backend compiles a shared-memory all-reduce op on first use (minutes, once per machine);
-    one process never all-reduces through it, so the test does without it."""
+    it only speeds up all-reduces, which then go through torch.distributed (gloo), so the test does without it."""
     try:
         import deepspeed.comm.torch as ds_torch
     except ImportError:
@@ -27,9 +24,10 @@ def _skip_shm_build():
     ds_torch.build_shm_op = lambda: None
 
 
-def main(out_path: str, algorithm: str):
+def main(out_path: str, algorithm: str, processes: int):
     _skip_shm_build()
-    common = dict(output_dir=out_path + ".run", per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+    # the same global batch (4 rows, GRPO 2 prompts x 4 completions) however many processes share it
+    common = dict(output_dir=out_path + ".run", per_device_train_batch_size=4 // processes, max_steps=2, logging_steps=1,
                   optim="sgd", learning_rate=0.5, report_to="none", disable_tqdm=True, use_cpu=True,
                   save_strategy="no", seed=0)
     if algorithm == "sft":
@@ -43,22 +41,25 @@ def main(out_path: str, algorithm: str):
         trainer = DPOTrainer("posttrain/tiny-qwen2", args=DPOConfig(**common),
                              train_dataset=task_preference_dataset("reverse", size=16))
     else:
-        from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+        from distributed_grpo import PerPromptSeededGRPO, first_token_reward  # sampling independent of how the prompts are split
+        from posttrain.trainers.grpo import GRPOConfig
 
-        args = GRPOConfig(**{**common, "per_device_train_batch_size": 8}, num_generations=4, max_completion_length=6,
-                          beta=0.1, shuffle_dataset=False)
-        trainer = GRPOTrainer("posttrain/tiny-qwen2", first_token_reward, args=args,
+        args = GRPOConfig(**{**common, "per_device_train_batch_size": 8 // processes}, num_generations=4,
+                          max_completion_length=6, beta=0.1, shuffle_dataset=False, replay_linear_outputs=False)
+        trainer = PerPromptSeededGRPO("posttrain/tiny-qwen2", first_token_reward, args=args,
                               train_dataset=task_dataset("reverse", size=16).remove_columns("completion"))
     trainer.train()
     steps = [log for log in trainer.state.log_history if "loss" in log]
     ref = getattr(trainer, "ref_model", None)
+    if not trainer.accelerator.is_main_process:
+        return
     with open(out_path, "w") as f:
         json.dump({"loss": [log["loss"] for log in steps], "grad_norm": [log["grad_norm"] for log in steps],
                    "kl": [log.get("objective/kl") for log in steps], "reward": [log.get("reward") for log in steps],
-                   "engine": trainer.accelerator.distributed_type.value,
+                   "engine": trainer.accelerator.distributed_type.value, "processes": trainer.accelerator.num_processes,
                    "policy_partitioned": zero3_partitioned(trainer.model),
                    "ref_partitioned": ref is not None and zero3_partitioned(ref)}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])  # out.json, sft | dpo | grpo
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | grpo, number of processes
