@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from posttrain.data.builtin import check
+from posttrain.models.modes import eval_mode
 
 
 @torch.no_grad()
@@ -28,18 +29,14 @@ def generate_completions(model, tokenizer, prompts: Sequence[Any], max_new_token
         kwargs.update(do_sample=False, max_new_tokens=max_new_tokens)
     kwargs.update(generation_kwargs)
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     texts = []
-    try:
+    with eval_mode(model):
         for start in range(0, len(prompts), batch_size):
             encoded = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
             ids = pad(encoded, pad_id, "left").to(device)
             mask = pad([[1] * len(e) for e in encoded], 0, "left").to(device)
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
             texts += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
-    finally:
-        model.train(was_training)
     return texts
 
 

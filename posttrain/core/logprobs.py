@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.masked import shared_prefix_attention_mask
+from posttrain.models.modes import eval_mode
 
 CHUNK_ROWS = 1024  # rows of (V,) logits processed at once; bounds the temporary to CHUNK_ROWS * V floats
 
@@ -149,15 +150,10 @@ def plain_lm_head(model, input_ids: Tensor):
     plain = type(head) is torch.nn.Linear and head.bias is None and head.weight.dim() == 2 and all(
         getattr(config, k, None) in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
     if plain:
-        training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
-                out = model(input_ids=input_ids[:1, :8], output_hidden_states=True, use_cache=False)
-                plain = bool(out.hidden_states) and torch.allclose(head(out.hidden_states[-1]).float(),
-                                                                   out.logits.float(), rtol=1e-4, atol=1e-4)
-        finally:
-            model.train(training)
+        with eval_mode(model), torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
+            out = model(input_ids=input_ids[:1, :8], output_hidden_states=True, use_cache=False)
+            plain = bool(out.hidden_states) and torch.allclose(head(out.hidden_states[-1]).float(),
+                                                               out.logits.float(), rtol=1e-4, atol=1e-4)
     _PLAIN_HEADS[model] = (head, head if plain else None)
     return head if plain else None
 

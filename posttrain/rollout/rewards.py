@@ -38,6 +38,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from posttrain.models.modes import eval_mode
+
 REWARD_MODEL_BATCH = 64  # rows per reward-model forward
 
 
@@ -365,15 +367,11 @@ class RewardScorer:
         model, tokenizer = self.funcs[i], self.tokenizers[i]
         texts, templated = self._texts(tokenizer, prompts, completions)
         device = next(model.parameters()).device
-        was_training = model.training
-        model.eval()
         scores = []
-        try:
+        with eval_mode(model):
             for start in range(0, len(texts), REWARD_MODEL_BATCH):
                 batch = tokenizer(texts[start:start + REWARD_MODEL_BATCH], padding=True, truncation=True,
                                   add_special_tokens=not templated, return_tensors="pt").to(device)
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 scores.append(logits[:, 0].float().cpu())
-        finally:
-            model.train(was_training)
         return torch.cat(scores).tolist() if scores else []

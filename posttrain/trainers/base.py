@@ -143,6 +143,16 @@ def _value_kind(value) -> str:
     return type(value).__name__
 
 
+def map_datasets(fn, data, name: str | None = None):
+    """`fn(dataset)` for a dataset, or for each dataset of a dict of them (an eval_dataset may be one); None
+    stays None. With `name`, fn also gets the dataset's name for its messages: `name`, or `name[key]`."""
+    if data is None:
+        return None
+    if isinstance(data, dict):
+        return {k: fn(v) if name is None else fn(v, f"{name}[{k}]") for k, v in data.items()}
+    return fn(data) if name is None else fn(data, name)
+
+
 def as_dataset(data, name: str = "train_dataset"):
     """A plain Python list of row dicts -> `datasets.Dataset` (a dict of them for a dict of lists); other
     data is returned as it is.

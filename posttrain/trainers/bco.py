@@ -26,7 +26,7 @@ from torch import Tensor
 
 from posttrain.core.preference_losses import bco_loss
 from posttrain.models.embedding import DensityRatioClassifier, embed_texts
-from posttrain.trainers.base import BaseConfig, classic_arguments, is_streamed
+from posttrain.trainers.base import BaseConfig, classic_arguments, is_streamed, map_datasets
 from posttrain.trainers.preference_base import PreferenceTrainer, check_beta_and_lengths, completion_logps
 
 
@@ -111,10 +111,7 @@ class BCOTrainer(PreferenceTrainer):
             classes.append(self.embed(texts))
         self.density_classifier = DensityRatioClassifier.fit(*classes)
         self.train_dataset = self.add_udm_weights(self.train_dataset)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self.add_udm_weights(v) for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self.add_udm_weights(self.eval_dataset)
+        self.eval_dataset = map_datasets(self.add_udm_weights, self.eval_dataset)
 
     def embed(self, texts: list[str]) -> Tensor:
         """(N, D) prompt embeddings, each process embedding its share of `texts` (shared_pass)."""

@@ -63,6 +63,7 @@ from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entr
 from posttrain.core.shaping import RewardShaping, shape_rewards
 from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.models import loading
+from posttrain.models.modes import disable_dropout
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, completion_logprobs, generate
 from posttrain.rollout.multiturn import Tooling, rollout_from_func
@@ -200,9 +201,7 @@ class OnlineTrainer(BaseTrainer):
         policy = loading.load_causal_lm(model, **init_kwargs)
         processing_class = loading.load_tokenizer(processing_class, model=model if isinstance(model, str) else policy)
         if args.disable_dropout:
-            for module in policy.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+            disable_dropout(policy)
         if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
             policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
         policy = loading.apply_peft(policy, peft_config)

@@ -40,8 +40,9 @@ from posttrain.data import formats
 from posttrain.data.collate import pad
 from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.models import loading
+from posttrain.models.modes import disable_dropout, eval_mode
 from posttrain.trainers.base import (BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
-                                     is_streamed, latest_checkpoint)
+                                     is_streamed, latest_checkpoint, map_datasets)
 
 logger = logging.getLogger(__name__)
 
@@ -399,16 +400,15 @@ def preference_accuracy(model, tokenizer, dataset, batch_size: int = 64) -> floa
     """Fraction of preference pairs for which the policy gives the chosen completion the higher
     log-probability, log π(chosen|x) > log π(rejected|x) (e.g. on held-out data)."""
     data = prepare_preference_dataset(dataset, tokenizer, paired=True, max_length=None, name="evaluation")
-    collate, device, was_training = PreferenceCollator(tokenizer.pad_token_id), next(model.parameters()).device, model.training
-    model.eval()
+    collate, device = PreferenceCollator(tokenizer.pad_token_id), next(model.parameters()).device
     wins = 0
-    for start in range(0, len(data), batch_size):
-        batch = collate([data[i] for i in range(start, min(start + batch_size, len(data)))])
-        logps = completion_logps(model, *(batch[k].to(device) for k in ("input_ids", "attention_mask", "completion_mask")),
-                                 paired=True)[0]
-        chosen, rejected = logps.chunk(2)
-        wins += int((chosen > rejected).sum())
-    model.train(was_training)
+    with eval_mode(model):
+        for start in range(0, len(data), batch_size):
+            batch = collate([data[i] for i in range(start, min(start + batch_size, len(data)))])
+            logps = completion_logps(model, *(batch[k].to(device) for k in ("input_ids", "attention_mask",
+                                                                            "completion_mask")), paired=True)[0]
+            chosen, rejected = logps.chunk(2)
+            wins += int((chosen > rejected).sum())
     return wins / len(data)
 
 
@@ -458,10 +458,7 @@ class PreferenceTrainer(BaseTrainer):
                              keep=self.keep_columns, truncation_mode=getattr(args, "truncation_mode", "keep_start"))
         self.ref_precomputed = False
         train_dataset = prepare_preference_dataset(train_dataset, **self._prepare)
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self.prepare_eval_dataset(v, f"eval[{k}]") for k, v in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset = self.prepare_eval_dataset(eval_dataset)
+        eval_dataset = map_datasets(self.prepare_eval_dataset, eval_dataset, name="eval")
         collator = data_collator or PreferenceCollator(tokenizer.pad_token_id, self.paired, self.kl_pairs, args.max_length)
         super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, data_collator=collator, peft_config=peft_config,
@@ -470,9 +467,7 @@ class PreferenceTrainer(BaseTrainer):
         # compute_loss returns the micro-batch mean; let Trainer divide by the accumulation steps
         self.loss_is_scaled_for_ga = False
         if getattr(args, "disable_dropout", False):
-            for module in self.model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+            disable_dropout(self.model)
         self.ref_model = self.make_reference(ref_model, needs_reference)
         if sync:
             self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
@@ -505,10 +500,7 @@ class PreferenceTrainer(BaseTrainer):
         """precompute_ref_log_probs: score the train and eval data once with the reference, store the
         log-probs as `reference_columns`, and free the reference model."""
         self.train_dataset = self.add_reference_columns(self.train_dataset)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self.add_reference_columns(v) for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self.add_reference_columns(self.eval_dataset)
+        self.eval_dataset = map_datasets(self.add_reference_columns, self.eval_dataset)
         self.ref_model, self.ref_precomputed = None, True
 
     @torch.no_grad()

@@ -57,7 +57,7 @@ from posttrain.data.packing import STRATEGIES, pack_dataset, pack_rows
 from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
 from posttrain.models import loading
 from posttrain.trainers.base import (BaseConfig, BaseTrainer, as_dataset, check_datasets, classic_arguments,
-                                     seed_run)
+                                     map_datasets, seed_run)
 
 DATASET_KWARGS = ("skip_prepare_dataset",)  # the `dataset_kwargs` keys SFT reads
 STREAM_PACK_ROWS = 1000  # a streamed dataset is packed this many rows at a time (bins never see further)
@@ -205,10 +205,7 @@ class SFTTrainer(BaseTrainer):
         self.formatting_func = formatting_func
         prepare = lambda data, pack: self.prepare_dataset(data, tokenizer, args, pack, formatting_func)  # noqa: E731
         train_dataset = prepare(train_dataset, args.packing)
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {k: prepare(v, args.eval_packing) for k, v in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset = prepare(eval_dataset, args.eval_packing)
+        eval_dataset = map_datasets(lambda data: prepare(data, args.eval_packing), eval_dataset)
         if args.padding_free is None:  # one flat row only pays off with varlen (flash) attention kernels
             attention = str(getattr(model.config, "_attn_implementation", "") or "")
             args.padding_free = bool(args.packing and "flash" in attention)
