@@ -297,14 +297,22 @@ def prepare_frozen(accelerator, model):
     shards the policy, for the same reason (a model that needs sharding to train may not fit twice whole).
     Otherwise (one process, DDP, ZeRO-1/2, which keep whole weights) accelerate places it on the device.
     """
+    engine = shards_weights(accelerator)
+    if engine == "zero3":
+        return _zero3_inference_engine(model, accelerator.state.deepspeed_plugin.deepspeed_config)
+    if engine == "fsdp2":
+        return fully_shard_frozen(model)
+    return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+def shards_weights(accelerator) -> str | None:
+    """"zero3" or "fsdp2" when the accelerator's engine shards the weights of the policy, else None."""
     from accelerate.utils import DistributedType
 
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3:
-        return _zero3_inference_engine(model, plugin.deepspeed_config)
-    if getattr(accelerator, "is_fsdp2", False):
-        return fully_shard_frozen(model)
-    return accelerator.prepare_model(model, evaluation_mode=True)
+        return "zero3"
+    return "fsdp2" if getattr(accelerator, "is_fsdp2", False) else None
 
 
 def _zero3_inference_engine(model, training_config: dict):

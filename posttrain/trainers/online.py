@@ -256,6 +256,9 @@ class OnlineTrainer(BaseTrainer):
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
                                           tokenizer=processing_class, device=self.accelerator.device)
         self.reward_processing_classes = reward_processing_classes  # as TRL's trainer exposes them
+        if loading.shards_weights(self.accelerator):  # ZeRO-3 / FSDP2: reward models sharded like the policy
+            self.reward_scorer.funcs = [loading.prepare_frozen(self.accelerator, f) if isinstance(f, torch.nn.Module)
+                                        else f for f in self.reward_scorer.funcs]
         needs_ref = args.beta > 0
         if needs_ref and ref_model is None and not loading.is_peft_model(policy):
             ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic

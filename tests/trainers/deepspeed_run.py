@@ -1,4 +1,4 @@
-"""Two optimizer steps of SFT, DPO or GRPO (beta > 0), run by tests/trainers/test_deepspeed.py under
+"""Two optimizer steps of SFT, DPO or GRPO (beta > 0; grpo_rm: with a reward model too), run by tests/trainers/test_deepspeed.py under
 `accelerate launch` with a DeepSpeed ZeRO config (2 CPU processes) and as a plain single process with the same
 global batch; writes each step's loss and gradient norm, and whether the policy and the reference model were
 ZeRO-3 partitioned.
@@ -9,6 +9,8 @@ weights), and GRPO's first KL is 0 only then: a reference that is not prepared f
 
 import json
 import sys
+
+import torch
 
 from posttrain.data.builtin import task_dataset, task_preference_dataset
 from posttrain.models.loading import zero3_partitioned
@@ -46,7 +48,8 @@ def main(out_path: str, algorithm: str, processes: int):
 
         args = GRPOConfig(**{**common, "per_device_train_batch_size": 8 // processes}, num_generations=4,
                           max_completion_length=6, beta=0.1, shuffle_dataset=False, replay_linear_outputs=False)
-        trainer = PerPromptSeededGRPO("posttrain/tiny-qwen2", first_token_reward, args=args,
+        rewards = [first_token_reward] + (["posttrain/tiny-qwen2-seqcls"] if algorithm == "grpo_rm" else [])
+        trainer = PerPromptSeededGRPO("posttrain/tiny-qwen2", rewards, args=args,
                               train_dataset=task_dataset("reverse", size=16).remove_columns("completion"))
     trainer.train()
     steps = [log for log in trainer.state.log_history if "loss" in log]
@@ -58,8 +61,11 @@ def main(out_path: str, algorithm: str, processes: int):
                    "kl": [log.get("objective/kl") for log in steps], "reward": [log.get("reward") for log in steps],
                    "engine": trainer.accelerator.distributed_type.value, "processes": trainer.accelerator.num_processes,
                    "policy_partitioned": zero3_partitioned(trainer.model),
-                   "ref_partitioned": ref is not None and zero3_partitioned(ref)}, f)
+                   "ref_partitioned": ref is not None and zero3_partitioned(ref),
+                   "reward_models_partitioned": [zero3_partitioned(m) for m in getattr(trainer, "reward_scorer", None)
+                                                 and trainer.reward_scorer.funcs or () if isinstance(m, torch.nn.Module)]},
+                  f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | grpo, number of processes
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | grpo | grpo_rm, number of processes

@@ -47,8 +47,8 @@ def plain_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("algorithm", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("algorithm,stage", [(a, stage) for stage in (2, 3) for a in ("sft", "dpo", "grpo")]
+                         + [("grpo_rm", 3)])  # GRPO with a reward model loaded by name (partitioned under ZeRO-3)
 def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algorithm, stage):
     pytest.importorskip("deepspeed")
     out = str(tmp_path / "zero.json")
@@ -60,14 +60,15 @@ def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algori
     assert zero["policy_partitioned"] == (stage == 3) and not plain["policy_partitioned"]
     # ZeRO-3 partitions the reference (DPO, GRPO with beta > 0) like the policy; ZeRO-2 keeps whole weights
     assert zero["ref_partitioned"] == (stage == 3 and algorithm != "sft")
+    assert zero["reward_models_partitioned"] == ([True] if algorithm == "grpo_rm" else [])
     if algorithm == "dpo":
         assert plain["loss"][0] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the first step
-    if algorithm == "grpo":
+    if algorithm.startswith("grpo"):
         assert plain["kl"][0] == pytest.approx(0.0, abs=1e-6) and plain["kl"][1] > 1e-3
     assert len(zero["loss"]) == len(plain["loss"]) == 2
     # both steps: the second one shows the first update was the same (SGD: the update is the gradient itself)
     assert zero["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-6)
     assert zero["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4, abs=1e-6)
-    if algorithm == "grpo":  # the same completions, and the reference scores them as in the plain run
+    if algorithm.startswith("grpo"):  # the same completions, and the reference scores them as in the plain run
         assert zero["reward"] == pytest.approx(plain["reward"], abs=1e-6)
         assert zero["kl"] == pytest.approx(plain["kl"], rel=1e-3, abs=1e-6)
