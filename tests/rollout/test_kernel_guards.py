@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from rollout_helpers import varied
+from tests.helpers.rollout import varied
 
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rollout import few_rows

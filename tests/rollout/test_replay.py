@@ -3,7 +3,7 @@ training forward that replays it gives the log-probs and gradients of the ordina
 
 import pytest
 import torch
-from rollout_helpers import varied
+from tests.helpers.rollout import varied
 
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rollout import decode, few_rows

@@ -1,11 +1,6 @@
-"""Fixtures shared by the trainer tests."""
-
-import os
-import sys
+"""Fixtures shared by the trainer tests (helper functions: tests/helpers/)."""
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # plain helper modules next to the tests (online_helpers)
 
 
 def sft_reverse(steps: int = 150, batch_size: int = 32, lr: float = 3e-3, warmup: int = 10, seed: int = 0):

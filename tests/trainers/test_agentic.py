@@ -5,7 +5,7 @@ turns out of the loss, and the same engine under GRPO, RLOO and REINFORCE++."""
 
 import pytest
 import torch
-from online_helpers import CRITIC_METRICS, online_args, train_and_check
+from tests.helpers.online import CRITIC_METRICS, online_args, train_and_check
 
 from posttrain.data.tokenize import encode_prompt
 from posttrain.models.loading import load_causal_lm, load_tokenizer

@@ -4,7 +4,7 @@ reference, prints them as a table and appends them to eval_completions.jsonl."""
 import json
 
 import torch
-from preference_helpers import TINY, config_kwargs
+from tests.helpers.preference import TINY, config_kwargs
 
 from posttrain.data.builtin import zen
 from posttrain.models.loading import load_causal_lm

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from datasets import Dataset
-from preference_helpers import TINY, config_kwargs
+from tests.helpers.preference import TINY, config_kwargs
 from transformers import TrainerCallback
 
 from posttrain.data.builtin import zen
@@ -155,7 +155,7 @@ def test_an_empty_train_dataset_is_refused_at_construction(tmp_path, make):
 # ------------------------------------------------------------------ an online run's sample log
 
 def test_grpo_completions_log_one_file_per_run_and_markup_printed_literally(tmp_path, capsys):
-    from online_helpers import first_token_reward, online_args, prompts
+    from tests.helpers.online import first_token_reward, online_args, prompts
 
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 from datasets import Dataset
-from online_helpers import first_token_reward, online_args
-from preference_helpers import TINY, config_kwargs
+from tests.helpers.online import first_token_reward, online_args
+from tests.helpers.preference import TINY, config_kwargs
 
 from posttrain.data.formats import FormatError
 from posttrain.data.tokenize import TokenizeError

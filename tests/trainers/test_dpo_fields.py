@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from preference_helpers import TINY, assert_all_changed, assert_finite_metrics, config_kwargs, snapshot
+from tests.helpers.preference import TINY, assert_all_changed, assert_finite_metrics, config_kwargs, snapshot
 
 from posttrain.core.preference_losses import PreferenceInput, dpo_loss
 from posttrain.data.builtin import zen

@@ -5,7 +5,7 @@ model_init_kwargs, model tags and TRL's refusals."""
 import pytest
 import torch
 from datasets import Dataset, IterableDataset
-from preference_helpers import TINY, assert_all_changed, config_kwargs, snapshot
+from tests.helpers.preference import TINY, assert_all_changed, config_kwargs, snapshot
 
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.trainers.bco import BCOConfig, BCOTrainer

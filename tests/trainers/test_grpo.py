@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from online_helpers import assert_learns, learning_args, first_token_reward, online_args, prompts, train_and_check
+from tests.helpers.online import assert_learns, learning_args, first_token_reward, online_args, prompts, train_and_check
 
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
@@ -62,7 +62,7 @@ def test_cli_with_builtin_and_module_reward_functions(tmp_path):
     from posttrain.cli import run
 
     trainer = run(["grpo", "--model_name_or_path", "posttrain/tiny-qwen2", "--dataset_name", "reverse",
-                   "--reward_funcs", "digit_match", "online_helpers:first_token_reward", "--num_generations", "4",
+                   "--reward_funcs", "digit_match", "tests.helpers.online:first_token_reward", "--num_generations", "4",
                    "--per_device_train_batch_size", "8", "--max_completion_length", "6", "--max_steps", "1",
                    "--output_dir", str(tmp_path), "--disable_tqdm", "true"])
     assert trainer.reward_scorer.names == ["digit_match_reward", "first_token_reward"]

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from preference_helpers import (TINY, assert_all_changed, assert_finite_metrics, assert_split_invariant,
+from tests.helpers.preference import (TINY, assert_all_changed, assert_finite_metrics, assert_split_invariant,
                                 config_kwargs, snapshot, task_pairs)
 
 from posttrain.core.preference_losses import kto_loss

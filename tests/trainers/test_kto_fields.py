@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from preference_helpers import TINY, config_kwargs
+from tests.helpers.preference import TINY, config_kwargs
 
 from posttrain.data.builtin import zen
 from posttrain.trainers.base import SyncRefModelCallback

@@ -4,9 +4,9 @@ at construction with the reason, by offline and online trainers alike; other ada
 import importlib.util
 
 import pytest
-from online_helpers import first_token_reward, online_args, prompts
+from tests.helpers.online import first_token_reward, online_args, prompts
 from peft import LoraConfig, PromptTuningConfig
-from preference_helpers import TINY, config_kwargs
+from tests.helpers.preference import TINY, config_kwargs
 
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer

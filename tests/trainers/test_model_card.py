@@ -3,7 +3,7 @@
 import os
 
 import yaml
-from preference_helpers import TINY, config_kwargs
+from tests.helpers.preference import TINY, config_kwargs
 
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 from posttrain.trainers.kto import KTOConfig, KTOTrainer

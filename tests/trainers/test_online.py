@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from online_helpers import first_token_reward, online_args, prompts
+from tests.helpers.online import first_token_reward, online_args, prompts
 
 from posttrain.core.logprobs import token_logprobs
 from posttrain.trainers import online

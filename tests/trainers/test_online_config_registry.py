@@ -5,7 +5,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
-from online_helpers import first_token_reward, online_args, prompts, train_and_check
+from tests.helpers.online import first_token_reward, online_args, prompts, train_and_check
 
 import posttrain.core.advantages as advantages
 import posttrain.core.policy_losses as policy_losses

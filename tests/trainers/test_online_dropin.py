@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import yaml
-from online_helpers import first_token_reward, online_args, prompts
+from tests.helpers.online import first_token_reward, online_args, prompts
 
 from posttrain.models.loading import UntrainedHeadWarning, load_causal_lm, load_tokenizer
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic

@@ -3,7 +3,7 @@ fields, evaluate() on raw datasets and dicts, pad ids the model cannot embed, re
 
 import pytest
 import torch
-from online_helpers import first_token_reward, online_args, prompts, train_and_check
+from tests.helpers.online import first_token_reward, online_args, prompts, train_and_check
 
 from posttrain.rollout.generate import SamplingConfig, generate
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer

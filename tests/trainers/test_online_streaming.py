@@ -5,8 +5,8 @@ ends, and a run resumed from a checkpoint reads on from the prompts it had consu
 import pytest
 import torch
 from datasets import IterableDataset
-from online_helpers import first_token_reward, online_args, prompts
-from resume_helpers import assert_resumes_identically
+from tests.helpers.online import first_token_reward, online_args, prompts
+from tests.helpers.resume import assert_resumes_identically
 
 from posttrain.trainers.base import STATE_FILE
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from online_helpers import (assert_learns, CRITIC_METRICS, ONLINE_METRICS, first_token_reward, learning_args,
+from tests.helpers.online import (assert_learns, CRITIC_METRICS, ONLINE_METRICS, first_token_reward, learning_args,
                             online_args, prompts, train_and_check)
 
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic

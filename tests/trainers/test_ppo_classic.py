@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from online_helpers import online_args
+from tests.helpers.online import online_args
 
 from posttrain import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from posttrain.models.loading import load_causal_lm, load_tokenizer
@@ -125,8 +125,8 @@ def test_classic_value_head_model_is_the_policy_and_critic(tmp_path):
 
 
 def test_adaptive_kl_run_resumes_identically(tmp_path):
-    from online_helpers import first_token_reward, prompts
-    from resume_helpers import assert_resumes_identically
+    from tests.helpers.online import first_token_reward, prompts
+    from tests.helpers.resume import assert_resumes_identically
 
     # one optimizer step per batch; target and horizon small, so the coefficient moves a lot after every batch
     def make(**fields):

@@ -1,7 +1,7 @@
 """REINFORCE++: a smoke run and learning on `reverse`."""
 
 import pytest
-from online_helpers import assert_learns, learning_args, first_token_reward, online_args, prompts, train_and_check
+from tests.helpers.online import assert_learns, learning_args, first_token_reward, online_args, prompts, train_and_check
 
 from posttrain.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer
 

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 import torch
-from preference_helpers import TINY, config_kwargs
-from resume_helpers import assert_resumes_identically, logged_numbers, run_fields, trained_state
+from tests.helpers.preference import TINY, config_kwargs
+from tests.helpers.resume import assert_resumes_identically, logged_numbers, run_fields, trained_state
 
 from posttrain.data.builtin import zen
 from posttrain.trainers.bco import BCOConfig, BCOTrainer

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 import torch
-from online_helpers import first_token_reward, online_args, prompts
-from resume_helpers import assert_resumes_identically, assert_same_run, logged_numbers, run_fields, trained_state
+from tests.helpers.online import first_token_reward, online_args, prompts
+from tests.helpers.resume import assert_resumes_identically, assert_same_run, logged_numbers, run_fields, trained_state
 
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.base import STATE_FILE
@@ -136,11 +136,11 @@ def test_reinforce_pp_resumes(tmp_path):
 
 KILLED_RUN = """
 import os, signal, sys
-sys.path[:0] = [{tests!r}]
+sys.path[:0] = [{tests!r}, {root!r}]
 import torch
 torch.set_num_threads({threads})
 from transformers import TrainerCallback
-from resume_helpers import run_fields
+from tests.helpers.resume import run_fields
 from test_resume_online import grpo
 
 
@@ -163,10 +163,10 @@ def test_grpo_resumes_after_sigkill(tmp_path):
     del full
 
     script = tmp_path / "killed_run.py"
-    script.write_text(KILLED_RUN.format(tests=os.path.dirname(__file__), threads=torch.get_num_threads(),
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    script.write_text(KILLED_RUN.format(tests=os.path.dirname(__file__), root=root, threads=torch.get_num_threads(),
                                         output_dir=str(tmp_path / "killed")))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     checkpoint = tmp_path / "killed" / "checkpoint-2"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2

@@ -1,7 +1,7 @@
 import pytest
 import torch
 from datasets import Dataset
-from preference_helpers import (TINY, assert_all_changed, assert_finite_metrics, assert_split_invariant,
+from tests.helpers.preference import (TINY, assert_all_changed, assert_finite_metrics, assert_split_invariant,
                                 config_kwargs, snapshot, task_pairs)
 
 from posttrain.core.preference_losses import pairwise_reward_loss

@@ -3,7 +3,7 @@ by `scores`, `tokenizer=`, an unused `ref_model=`, and a causal-LM object given 
 
 import pytest
 import torch
-from preference_helpers import TINY, assert_all_changed, config_kwargs, snapshot
+from tests.helpers.preference import TINY, assert_all_changed, config_kwargs, snapshot
 from transformers import AutoModelForSequenceClassification
 
 from posttrain.models.loading import UntrainedHeadWarning, load_causal_lm, load_tokenizer, resolve

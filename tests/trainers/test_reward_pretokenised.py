@@ -3,7 +3,7 @@ or `chosen_ids` / `rejected_ids` with `prompt_ids`) trains exactly as on the sam
 
 import pytest
 from datasets import Dataset
-from preference_helpers import TINY, config_kwargs
+from tests.helpers.preference import TINY, config_kwargs
 
 from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError

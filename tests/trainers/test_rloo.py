@@ -1,7 +1,7 @@
 """RLOO: both call forms, a reward model as a module, a smoke run, and learning on `reverse`."""
 
 import pytest
-from online_helpers import assert_learns, learning_args, first_token_reward, online_args, prompts, train_and_check
+from tests.helpers.online import assert_learns, learning_args, first_token_reward, online_args, prompts, train_and_check
 
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 

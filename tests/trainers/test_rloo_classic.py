@@ -4,7 +4,7 @@ completions table has the classic headings."""
 
 import pytest
 import torch
-from online_helpers import online_args, prompts
+from tests.helpers.online import online_args, prompts
 
 from posttrain.core.shaping import clip_scores
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer

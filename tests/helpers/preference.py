@@ -1,4 +1,4 @@
-"""Helpers of the offline preference-trainer tests (reward, DPO, BCO, KTO); a plain module, see conftest.py."""
+"""Helpers of the offline preference-trainer tests (reward, DPO, BCO, KTO)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Helpers of the online-trainer tests (imported as a plain module; see conftest.py)."""
+"""Helpers of the online-trainer tests."""
 
 
 def greedy_reward(model, tok, dataset, reward_func, max_new_tokens: int = 8) -> float:

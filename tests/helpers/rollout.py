@@ -1,4 +1,4 @@
-"""Helpers of the rollout tests (imported as a plain module; see conftest.py)."""
+"""Helpers of the rollout tests."""
 
 
 def varied(name):

@@ -1,4 +1,4 @@
-"""Kill-or-stop-and-resume checks shared by the trainer tests (imported as a plain module; see conftest.py).
+"""Kill-or-stop-and-resume checks shared by the trainer tests.
 
 A run stopped after step k and resumed from `checkpoint-k` must end with the same weights and log the
 same numbers as the run that was never interrupted: bit-identical on CPU.
