@@ -143,8 +143,16 @@ class SyncRefModelCallback(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if model is not None and state.global_step % self.every == 0:
             from posttrain.core.running import mix_into_
+            from posttrain.models.loading import zero3_partitioned
 
-            mix_into_(self.ref_model, model, self.alpha)
+            if not zero3_partitioned(self.ref_model):
+                mix_into_(self.ref_model, model, self.alpha)
+                return
+            import deepspeed  # ZeRO-3: mix the whole weights, then the reference is partitioned again
+
+            with deepspeed.zero.GatheredParameters(list(self.ref_model.parameters()), modifier_rank=0), \
+                    deepspeed.zero.GatheredParameters(list(model.parameters())):
+                mix_into_(self.ref_model, model, self.alpha)
 
 
 # ---------------------------------------------------------------- training curves (plotting.py draws them)

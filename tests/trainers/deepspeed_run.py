@@ -1,4 +1,5 @@
-"""Two optimizer steps of SFT, DPO or GRPO (beta > 0; grpo_rm: with a reward model too), run by tests/trainers/test_deepspeed.py under
+"""Two optimizer steps of SFT, DPO (dpo_sync: its reference synced after each step) or GRPO (beta > 0;
+grpo_rm: with a reward model too), run by tests/trainers/test_deepspeed.py under
 `accelerate launch` with a DeepSpeed ZeRO config (2 CPU processes) and as a plain single process with the same
 global batch; writes each step's loss and gradient norm, and whether the policy and the reference model were
 ZeRO-3 partitioned.
@@ -37,10 +38,12 @@ def main(out_path: str, algorithm: str, processes: int):
 
         trainer = SFTTrainer("posttrain/tiny-qwen2", args=SFTConfig(**common),
                              train_dataset=task_dataset("reverse", size=16))
-    elif algorithm == "dpo":
+    elif algorithm in ("dpo", "dpo_sync"):
         from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
-        trainer = DPOTrainer("posttrain/tiny-qwen2", args=DPOConfig(**common),
+        sync = dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5) if algorithm == "dpo_sync" \
+            else {}
+        trainer = DPOTrainer("posttrain/tiny-qwen2", args=DPOConfig(**common, **sync),
                              train_dataset=task_preference_dataset("reverse", size=16))
     else:
         from distributed_grpo import PerPromptSeededGRPO, first_token_reward  # sampling independent of how the prompts are split
@@ -68,4 +71,4 @@ def main(out_path: str, algorithm: str, processes: int):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | grpo | grpo_rm, number of processes
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | dpo_sync | grpo | grpo_rm, processes

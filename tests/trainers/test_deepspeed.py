@@ -48,7 +48,9 @@ def plain_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm,stage", [(a, stage) for stage in (2, 3) for a in ("sft", "dpo", "grpo")]
-                         + [("grpo_rm", 3)])  # GRPO with a reward model loaded by name (partitioned under ZeRO-3)
+                         # GRPO with a reward model loaded by name (partitioned under ZeRO-3); DPO whose
+                         # reference moves towards the policy after every step (sync_ref_model)
+                         + [("grpo_rm", 3), ("dpo_sync", 3)])
 def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algorithm, stage):
     pytest.importorskip("deepspeed")
     out = str(tmp_path / "zero.json")
@@ -60,8 +62,10 @@ def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algori
     assert zero["policy_partitioned"] == (stage == 3) and not plain["policy_partitioned"]
     # ZeRO-3 partitions the reference (DPO, GRPO with beta > 0) like the policy; ZeRO-2 keeps whole weights
     assert zero["ref_partitioned"] == (stage == 3 and algorithm != "sft")
+    if algorithm == "dpo_sync":  # the synced reference changed the second loss
+        assert plain["loss"][1] != pytest.approx(plain_runs("dpo")["loss"][1], rel=1e-4)
     assert zero["reward_models_partitioned"] == ([True] if algorithm == "grpo_rm" else [])
-    if algorithm == "dpo":
+    if algorithm.startswith("dpo"):
         assert plain["loss"][0] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the first step
     if algorithm.startswith("grpo"):
         assert plain["kl"][0] == pytest.approx(0.0, abs=1e-6) and plain["kl"][1] > 1e-3
