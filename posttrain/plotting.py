@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
-from typing import Any, Sequence
+from typing import Sequence
 
 from posttrain.callbacks import PlotCallback  # noqa: F401  (its home is posttrain.callbacks)
 

@@ -7,6 +7,10 @@ logit and subtract a log-sum-exp computed a few rows at a time. Where the output
 plain linear map (`plain_lm_head`), `linear_selective_log_softmax` fuses it in: logits a
 vocabulary block at a time, online softmax statistics, and a backward that hands each block's
 gradient straight to the two matmuls.
+
+Completions that share a prompt are scored in one sequence per prompt, [prompt | completion 1 |
+... | completion k] with a block attention mask (`pack_groups`, `packed_logps`): the online
+trainers' groups of samples and the preference trainers' pairs (`pack_pairs`) alike.
 """
 
 from __future__ import annotations
