@@ -140,6 +140,42 @@ def test_guess_number_environment(caller, tmp_path):
     assert max(logged["rewards/GuessNumberEnv/mean"]) > 0  # some rollouts found the number through the tool
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_split_does_not_change_the_update_with_tool_turns(caller, tmp_path, loss_type):
+    """One multi-turn rollout (tool turns fed mid-completion) trained as batch 8 x accumulation 1, 4 x 2 and
+    2 x 4: the same summed loss and the same gradients (the masked holes leave the denominators global)."""
+    model = _model(caller)
+    rollout = scores = None
+    results = []
+    for bs, ga in [(8, 1), (4, 2), (2, 4)]:
+        args = GRPOConfig(**online_args(tmp_path, num_generations=4, max_completion_length=96, loss_type=loss_type,
+                                        per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+                                        steps_per_generation=8 // bs, replay_linear_outputs=False))
+        trainer = GRPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+                              train_dataset=_dataset(GO), tools=[ping])
+        if rollout is None:
+            batch = trainer._collate([trainer.train_dataset[i] for i in range(2)])
+            rollout, episodes = trainer.roll_out(batch, [p for p in batch["prompt"] for _ in range(4)], {})
+            assert rollout.tool_mask.any() and (rollout.completion_mask * (1 - rollout.tool_mask)).any()
+            scores = torch.tensor([float(len(c)) for c in episodes.completions(rollout)])
+            assert scores.unique().numel() > 1
+        micro = trainer.build_experience(rollout, scores)
+        assert len(micro) == ga
+        model.zero_grad()
+        total = 0.0
+        for mb in micro:
+            loss = trainer.compute_loss(model, mb)
+            loss.backward()
+            total += loss.item()
+        results.append((total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss0, grads0), *others = results
+    assert grads0 and any(g.abs().sum() > 0 for g in grads0.values())
+    for loss, grads in others:
+        assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-7)
+        for name in grads0:
+            torch.testing.assert_close(grads[name], grads0[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
 def test_ppo_with_tools_masks_the_critic_on_tool_turns(caller, tmp_path):
     """PPO on the same engine: tools= trains the policy and the critic (every parameter changes, tool and
     critic metrics logged); on a batch, the fed tool turns are out of the loss mask, and their advantages
