@@ -322,10 +322,10 @@ def _zero3_inference_engine(model, training_config: dict):
     for key in ("optimizer", "scheduler"):  # frozen: nothing to step
         config.pop(key, None)
     zero = config.setdefault("zero_optimization", {})
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or 1024
     # the bucket sizes transformers derives from the hidden size at train time ("auto" until then)
-    sizes = {"reduce_bucket_size": (hidden or 1024) ** 2, "stage3_prefetch_bucket_size": int(0.9 * (hidden or 1024) ** 2),
-             "stage3_param_persistence_threshold": 10 * (hidden or 1024)}
+    sizes = {"reduce_bucket_size": hidden ** 2, "stage3_prefetch_bucket_size": int(0.9 * hidden ** 2),
+             "stage3_param_persistence_threshold": 10 * hidden}
     for key, value in sizes.items():
         if zero.get(key, "auto") == "auto":
             zero[key] = value

@@ -30,9 +30,9 @@ def _skip_shm_build():
 def main(out_path: str, algorithm: str, processes: int):
     _skip_shm_build()
     # the same global batch (4 rows, GRPO 2 prompts x 4 completions) however many processes share it
-    common = dict(output_dir=out_path + ".run", per_device_train_batch_size=4 // processes, max_steps=2, logging_steps=1,
-                  optim="sgd", learning_rate=0.5, report_to="none", disable_tqdm=True, use_cpu=True,
-                  save_strategy="no", seed=0)
+    common = dict(output_dir=out_path + ".run", per_device_train_batch_size=4 // processes, max_steps=2,
+                  logging_steps=1, optim="sgd", learning_rate=0.5, report_to="none", disable_tqdm=True,
+                  use_cpu=True, save_strategy="no", seed=0)
     if algorithm == "sft":
         from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
@@ -46,7 +46,8 @@ def main(out_path: str, algorithm: str, processes: int):
         trainer = DPOTrainer("posttrain/tiny-qwen2", args=DPOConfig(**common, **sync),
                              train_dataset=task_preference_dataset("reverse", size=16))
     else:
-        from distributed_grpo import PerPromptSeededGRPO, first_token_reward  # sampling independent of how the prompts are split
+        # sampling independent of how the prompts are split over processes
+        from distributed_grpo import PerPromptSeededGRPO, first_token_reward
         from posttrain.trainers.grpo import GRPOConfig
 
         args = GRPOConfig(**{**common, "per_device_train_batch_size": 8 // processes}, num_generations=4,
@@ -57,6 +58,8 @@ def main(out_path: str, algorithm: str, processes: int):
     trainer.train()
     steps = [log for log in trainer.state.log_history if "loss" in log]
     ref = getattr(trainer, "ref_model", None)
+    scorer = getattr(trainer, "reward_scorer", None)
+    reward_models = [m for m in (scorer.funcs if scorer else ()) if isinstance(m, torch.nn.Module)]
     if not trainer.accelerator.is_main_process:
         return
     with open(out_path, "w") as f:
@@ -65,9 +68,7 @@ def main(out_path: str, algorithm: str, processes: int):
                    "engine": trainer.accelerator.distributed_type.value, "processes": trainer.accelerator.num_processes,
                    "policy_partitioned": zero3_partitioned(trainer.model),
                    "ref_partitioned": ref is not None and zero3_partitioned(ref),
-                   "reward_models_partitioned": [zero3_partitioned(m) for m in getattr(trainer, "reward_scorer", None)
-                                                 and trainer.reward_scorer.funcs or () if isinstance(m, torch.nn.Module)]},
-                  f)
+                   "reward_models_partitioned": [zero3_partitioned(m) for m in reward_models]}, f)
 
 
 if __name__ == "__main__":
