@@ -50,3 +50,16 @@ def test_each_process_scores_its_share_and_the_columns_match_one_process(tmp_pat
             assert r["columns"][name] == pytest.approx(values, rel=1e-5, abs=1e-5), name
     if trainer == "bco":
         assert len(set(single["columns"]["udm_weight"])) > 2  # the weights vary: the test compares something
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_the_precompute_shows_a_progress_bar_unless_disable_tqdm(tmp_path, capsys, disable_tqdm):
+    from posttrain.data.builtin import task_preference_dataset
+    from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, per_device_eval_batch_size=4,
+                     disable_tqdm=disable_tqdm, report_to="none", use_cpu=True)
+    trainer = DPOTrainer("posttrain/tiny-qwen2", args=args, train_dataset=task_preference_dataset("reverse", size=10))
+    assert len(trainer.train_dataset["ref_chosen_logps"]) == 10
+    bar = "reference log-probs: 100%" in capsys.readouterr().err  # 3 batches of 4, 4, 2 pairs
+    assert bar != disable_tqdm
