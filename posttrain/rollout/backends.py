@@ -165,22 +165,22 @@ def roomy_layer_class():
             super().__init__()
             self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
             self.length = keys.shape[-2]
-            self._keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
-            self._values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
-            self._keys[..., : self.length, :], self._values[..., : self.length, :] = keys, values
+            self.key_buffer = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
+            self.value_buffer = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
+            self.key_buffer[..., : self.length, :], self.value_buffer[..., : self.length, :] = keys, values
             self._views()
 
         def _views(self):
-            self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
+            self.keys, self.values = self.key_buffer[..., : self.length, :], self.value_buffer[..., : self.length, :]
 
         def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
             end = self.length + key_states.shape[-2]
-            if end > self._keys.shape[-2]:  # out of room: grow like a DynamicLayer
-                self._keys = torch.cat([self.keys, key_states], dim=-2)
-                self._values = torch.cat([self.values, value_states], dim=-2)
+            if end > self.key_buffer.shape[-2]:  # out of room: grow like a DynamicLayer
+                self.key_buffer = torch.cat([self.keys, key_states], dim=-2)
+                self.value_buffer = torch.cat([self.values, value_states], dim=-2)
             else:
-                self._keys[..., self.length: end, :] = key_states
-                self._values[..., self.length: end, :] = value_states
+                self.key_buffer[..., self.length: end, :] = key_states
+                self.value_buffer[..., self.length: end, :] = value_states
             self.length = end
             self._views()
             return self.keys, self.values
@@ -190,18 +190,18 @@ def roomy_layer_class():
             self._views()
 
         def batch_select_indices(self, indices: Tensor) -> None:
-            self._keys, self._values = self._keys[indices], self._values[indices]
+            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
             self._views()
 
         def batch_repeat_interleave(self, repeats: int) -> None:
-            self._keys = self._keys.repeat_interleave(repeats, dim=0)
-            self._values = self._values.repeat_interleave(repeats, dim=0)
+            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
             self._views()
 
         def crop(self, tokens_to_remove: int) -> None:
             super().crop(tokens_to_remove)
             self.length = self.keys.shape[-2]
-            self._keys, self._values = self.keys, self.values
+            self.key_buffer, self.value_buffer = self.keys, self.values
 
     return RoomyLayer
 

@@ -120,7 +120,7 @@ class _CModel(ctypes.Structure):  # LeanModel in decode_kernels.c
 
 @functools.cache
 def _c_step_function():
-    lib = few_rows._cdll()
+    lib = few_rows.kernels()
     if lib is None:
         return None
     fn = lib.lean_decode_step
@@ -215,7 +215,7 @@ class LeanDecoder:
         self._c = None
         fn = _c_step_function()
         eps = {self.final_norm[1]} | {layer[k][1] for layer in self.layers for k in ("norm1", "norm2")}
-        buffers = [(layer._keys, layer._values) for layer in cache.layers]
+        buffers = [(layer.key_buffer, layer.value_buffer) for layer in cache.layers]
         A, cap = buffers[0][0].shape[0], buffers[0][0].shape[-2]
         if fn is None or len(eps) != 1 or self.head_dim > 256 or self.head_dim % 8 or A > few_rows.MAX_ROWS:
             return

@@ -58,7 +58,7 @@ def _compile(target: Path) -> None:
 
 
 @functools.cache
-def _cdll():
+def kernels():
     """The compiled kernels, or None where they cannot be built here (the reason is logged once)."""
     if os.environ.get("POSTTRAIN_NO_KERNELS") == "1":
         return None
@@ -81,9 +81,9 @@ def _cdll():
 
 
 @functools.cache
-def _library():
+def few_rows_kernel():
     """The few-rows linear kernel (a ctypes function), or None."""
-    lib = _cdll()
+    lib = kernels()
     if lib is None:
         return None
     fn = lib.few_rows_linear
@@ -94,7 +94,7 @@ def _library():
 
 
 def available() -> bool:
-    return _library() is not None
+    return few_rows_kernel() is not None
 
 
 def whole(t: Tensor | None, shape: tuple[int, ...] | None = None) -> bool:
@@ -125,7 +125,7 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     """`F.linear(x, weight, bias)`, through the kernel when x has at most MAX_ROWS rows (float32, CPU,
     no autograd), the weight and bias are `whole` and of x's width, and the kernel is available;
     otherwise through `F.linear`."""
-    fn = _library()
+    fn = few_rows_kernel()
     if fn is None or not _usable(x, weight, bias):
         return torch.nn.functional.linear(x, weight, bias)
     K, N = x.shape[-1], weight.shape[0]

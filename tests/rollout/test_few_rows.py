@@ -65,20 +65,20 @@ def test_falls_back_to_torch_for_many_rows_grad_and_other_dtypes():
 
 def test_switch_off_by_environment(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_NO_KERNELS", "1")
-    few_rows._cdll.cache_clear(), few_rows._library.cache_clear()
+    few_rows.kernels.cache_clear(), few_rows.few_rows_kernel.cache_clear()
     try:
         assert not few_rows.available()
         x, w = torch.randn(2, 8), torch.randn(3, 8)
         torch.testing.assert_close(few_rows_linear(x, w), x @ w.T)
     finally:
         monkeypatch.delenv("POSTTRAIN_NO_KERNELS")
-        few_rows._cdll.cache_clear(), few_rows._library.cache_clear()
+        few_rows.kernels.cache_clear(), few_rows.few_rows_kernel.cache_clear()
 
 
 @needs_kernel
 def test_model_linears_routed_through_the_kernel_and_restored(monkeypatch):
-    kernel, calls = few_rows._library(), []
-    monkeypatch.setattr(few_rows, "_library", lambda: lambda *a: calls.append(a[6]) or kernel(*a))
+    kernel, calls = few_rows.few_rows_kernel(), []
+    monkeypatch.setattr(few_rows, "few_rows_kernel", lambda: lambda *a: calls.append(a[6]) or kernel(*a))
     model = load_causal_lm("posttrain/tiny-llama").eval()
     ids = torch.randint(0, 1000, (4, 3))
     with torch.no_grad():
@@ -99,7 +99,7 @@ def test_vectorised_exp_of_the_decoding_step():
     over the finite range; 0 below the smallest normal (masked scores), inf above, NaN kept."""
     import ctypes
 
-    fn = few_rows._cdll().vector_exp
+    fn = few_rows.kernels().vector_exp
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ssize_t], None
     x = torch.cat([torch.linspace(-87.0, 88.72, 200_003), torch.tensor([0.0, 1.0, -1.0, 1e-7, -1e-7])])
     y = torch.empty_like(x)

@@ -46,7 +46,7 @@ def mesh():
 def kernel_calls(monkeypatch):
     """Replaces the few-rows kernel by one that only records its calls (the row count)."""
     calls = []
-    monkeypatch.setattr(few_rows, "_library", lambda: lambda *args: calls.append(args[6]))
+    monkeypatch.setattr(few_rows, "few_rows_kernel", lambda: lambda *args: calls.append(args[6]))
     return calls
 
 
@@ -149,7 +149,7 @@ def test_the_compiled_step_is_not_bound_to_odd_tensors():
     A, cap = 2, 8
 
     def cache(shape):
-        return types.SimpleNamespace(layers=[types.SimpleNamespace(_keys=torch.zeros(shape), _values=torch.zeros(shape))
+        return types.SimpleNamespace(layers=[types.SimpleNamespace(key_buffer=torch.zeros(shape), value_buffer=torch.zeros(shape))
                                              for _ in lean.layers])
 
     right = (A, lean.kv_heads, cap, lean.head_dim)
@@ -174,8 +174,8 @@ def test_generate_with_fully_sharded_weights_matches_plain_weights(mesh, monkeyp
     sharded = _sharded(plain)
     calls = []
     if few_rows.available():
-        kernel = few_rows._library()
-        monkeypatch.setattr(few_rows, "_library", lambda: lambda *a: calls.append(a[6]) or kernel(*a))
+        kernel = few_rows.few_rows_kernel()
+        monkeypatch.setattr(few_rows, "few_rows_kernel", lambda: lambda *a: calls.append(a[6]) or kernel(*a))
     ids = [tok(p)["input_ids"] for p in ["reverse 1234 =", "a"]]
     sampling = SamplingConfig(max_new_tokens=5, num_generations=3)
     args = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
