@@ -6,17 +6,28 @@ the chosen completion beats the rejected one is σ(r(x, y_c) - r(x, y_r)); the l
 negative log-likelihood, `core.preference_losses.pairwise_reward_loss`. Optional per-pair
 `margin` column (Llama 2, Touvron et al. 2023) and reward centring (Eisenstein et al. 2023).
 
-Departures: chosen and rejected are scored in one forward pass ([chosen; rejected] stacked
-along the batch); ranked data (several responses per prompt) expands to every ordered pair.
+Departures: a pair's prompt goes through the model once: each pair is one sequence
+[prompt | chosen | rejected] whose block mask lets each completion see the prompt and itself only
+(`core.logprobs.pack_pairs`), and each completion's score is read at its last token, so the
+model computes what the two [prompt | completion] rows would give, up to float rounding, on
+P + C_c + C_r tokens instead of 2 P + C_c + C_r. Models whose attention takes no block mask, or
+whose score head is not a plain map of the last hidden state, get the two rows stacked along the
+batch instead. Ranked data (several responses per prompt) expands to every ordered pair.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
+import torch
+from torch import Tensor
+
+from posttrain.core.logprobs import attention_kind, length_groups, pack_pairs
 from posttrain.core.preference_losses import pairwise_reward_loss
+from posttrain.models.loading import is_peft_model
 from posttrain.trainers.base import BaseConfig, classic_arguments
 from posttrain.trainers.preference_base import PreferenceTrainer
 
@@ -50,6 +61,72 @@ def _seq_cls_peft(peft_config):
                      f"(so the score head is trained), got {peft_config.task_type!r}")
 
 
+_SCORE_HEADS = weakref.WeakKeyDictionary()  # model -> (its score head, that head if plain else None)
+
+
+def plain_score_head(model, input_ids: Tensor):
+    """The model's score head if its output is `score(hidden_states[-1])` at the last non-pad token, else None.
+
+    That is what the packed forward needs: it reads the hidden state at each completion's last
+    token and applies the head itself. Looked up through a DDP wrapper and a (non prompt-learning)
+    PEFT wrapper, and checked once per model and head on the first 8 tokens of `input_ids`."""
+    inner = getattr(model, "module", model)  # DDP
+    if is_peft_model(inner):
+        if inner.active_peft_config.is_prompt_learning:  # virtual tokens: the packed positions would not hold
+            return None
+        inner = inner.base_model.model
+    head = getattr(inner, "score", None)
+    known = _SCORE_HEADS.get(model)
+    if known is not None and known[0] is head:
+        return known[1]
+    plain = isinstance(head, torch.nn.Module) and attention_kind(model) in ("sdpa", "eager")
+    if plain:
+        ids = input_ids[:1, :8]
+        pad = getattr(inner.config, "pad_token_id", None)
+        # the model's own pooling: the last token that is not padding
+        last = -1 if pad is None else int((torch.arange(ids.shape[1], device=ids.device) * (ids[0] != pad)).argmax())
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
+                out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+                plain = bool(out.hidden_states) and torch.allclose(head(out.hidden_states[-1][:, last]).float(),
+                                                                   out.logits.float(), rtol=1e-4, atol=1e-4)
+        finally:
+            model.train(training)
+    _SCORE_HEADS[model] = (head, head if plain else None)
+    return head if plain else None
+
+
+def pair_rewards(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
+                 per_forward: int | None = None) -> Tensor:
+    """Scores (2B,) of preference pairs, chosen rows first, as the paired collator lays them out (in the
+    dtype of the model's output).
+
+    input_ids, attention_mask, completion_mask: (2B, T) right-padded [prompt | completion] rows.
+    Where the model allows (`plain_score_head`), each pair is one packed sequence [prompt | chosen |
+    rejected] and the head reads each completion's last token; on CPU, where a forward costs little
+    beyond its tokens, pairs of uneven length go in groups of similar length (`length_groups`,
+    `per_forward` = 16 tokens by default) so that less of the work is padding. Else the 2B rows go
+    through the model as they are.
+    """
+    head = plain_score_head(model, input_ids)
+    if head is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0]
+    B = input_ids.shape[0] // 2
+    if per_forward is None and input_ids.device.type == "cpu":
+        per_forward = 16
+    pair_lengths = (attention_mask[:B].sum(-1) + completion_mask[B:].sum(-1)).tolist()
+    groups = [list(range(B))] if per_forward is None else length_groups(pair_lengths, per_forward)
+    rows = [torch.tensor(g + [B + i for i in g], device=input_ids.device) for g in groups]
+    scores = []
+    for r in rows:
+        packed = pack_pairs(input_ids[r], attention_mask[r], completion_mask[r])
+        hidden = model(**packed.model_inputs(model), output_hidden_states=True, use_cache=False).hidden_states[-1]
+        scores.append(head(packed.at_last(hidden, by_slot=True))[:, 0])  # (2b,): the group's chosen, its rejected
+    return torch.cat(scores)[torch.cat(rows).argsort()]
+
+
 class RewardTrainer(PreferenceTrainer):
     """Preference pairs -> a scalar reward model (sequence classifier with one output)."""
 
@@ -81,9 +158,9 @@ class RewardTrainer(PreferenceTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = self.mode()
-        ids, mask = inputs["input_ids"], inputs["attention_mask"]
-        B = ids.shape[0] // 2
-        rewards = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, 0].float()  # (2B,)
+        mask = inputs["attention_mask"]
+        B = mask.shape[0] // 2
+        rewards = pair_rewards(model, inputs["input_ids"], mask, inputs["completion_mask"]).float()  # (2B,)
         chosen, rejected = rewards[:B], rewards[B:]
         loss = pairwise_reward_loss(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient or 0.0)
         gathered = self.accelerator.gather_for_metrics(rewards.detach())

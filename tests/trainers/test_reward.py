@@ -7,7 +7,9 @@ from tests.helpers.preference import (TINY, assert_all_changed, assert_finite_me
 from posttrain.core.preference_losses import pairwise_reward_loss
 from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError
-from posttrain.trainers.reward import RewardConfig, RewardTrainer
+from posttrain.models.loading import load_sequence_classifier
+from posttrain.trainers.preference_base import PreferenceCollator
+from posttrain.trainers.reward import RewardConfig, RewardTrainer, pair_rewards, plain_score_head
 
 METRICS = ["loss", "accuracy", "margin", "rewards/mean", "rewards/min", "rewards/max", "num_tokens"]
 
@@ -111,3 +113,58 @@ def test_reward_model_learns_held_out_pairs(tmp_path):
     after = trainer.evaluate()["eval_accuracy"]
     print(f"reward model held-out pairwise accuracy: {before:.3f} -> {after:.3f}")
     assert before < 0.7 and after > 0.9
+
+
+def _uneven_pairs():
+    """Three collated pairs (6 rows, chosen first) whose prompts and completions differ in length."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5, 3, 1), (2, 1, 4), (7, 2, 2)]  # (prompt, chosen, rejected) tokens
+    rows = [{k: torch.randint(3, 200, (n,), generator=g).tolist() for k, n in zip(("prompt_ids", "chosen_ids",
+                                                                                  "rejected_ids"), shape)}
+            for shape in shapes]
+    return PreferenceCollator(pad_token_id=0)(rows)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_pairs_give_the_scores_and_gradients_of_the_two_row_forward(attention):
+    """[prompt | chosen | rejected] in one sequence, in one group or in length groups, scores every row
+    as its own padded row does, and the loss has the same gradient for every parameter (float64).
+
+    The scores agree to float64 rounding; the gradients to float32 rounding, because transformers'
+    RMSNorm computes in float32 whatever the model's dtype, and a shared prompt's gradient is summed
+    over its two completions after the norm's backward in the packed forward, before it in the
+    two-row one."""
+    model = load_sequence_classifier(TINY, dtype=torch.float64, attn_implementation=attention)
+    model.config.pad_token_id = 0
+    batch = _uneven_pairs()
+    ids, mask, cmask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    assert plain_score_head(model, ids) is model.score
+
+    def scores_and_grads(score):
+        model.zero_grad()
+        rewards = score()
+        pairwise_reward_loss(rewards[:3], rewards[3:], None, 0.01).backward()
+        return rewards.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want, want_grads = scores_and_grads(lambda: model(input_ids=ids, attention_mask=mask).logits[:, 0])
+    for per_forward in (None, 0, 10**6):  # CPU default (16 tokens), one group per pair, one group
+        got, grads = scores_and_grads(lambda: pair_rewards(model, ids, mask, cmask, per_forward=per_forward))
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
+
+
+def test_prompt_learning_adapters_take_the_two_row_forward():
+    """Prompt tuning prepends virtual tokens inside the PEFT forward, which the packed positions do not
+    allow for: the rows go through the model as they are."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    model = load_sequence_classifier(TINY, dtype=torch.float64)
+    model.config.pad_token_id = 0
+    model = get_peft_model(model, PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=2))
+    batch = _uneven_pairs()
+    assert plain_score_head(model, batch["input_ids"]) is None
+    with torch.no_grad():
+        got = pair_rewards(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    assert torch.equal(got, want)
