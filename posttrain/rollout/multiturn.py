@@ -7,8 +7,8 @@ failures become the tool message's text), and hands back the chat template's ren
 tool turns and the next assistant header (`data.tokenize.continuation_ids`). The sampler feeds
 those ids into the row's own KV cache, one per step, and the row samples its next turn; a row
 whose turn has no tool call, or that has used `max_tool_calling_iterations`, or whose turn ended at a
-stop string or stop token rather than EOS, finishes while the others go on. The fed ids are context only: `Rollout.tool_mask` marks them and the trainer takes
-them out of the loss, the KL and the entropy.
+stop string or stop token rather than EOS, finishes while the others go on. The fed ids are context
+only: `Rollout.tool_mask` marks them and the trainer takes them out of the loss, the KL and the entropy.
 
 `Tooling` is what a trainer keeps: the tools (`tools=`, Python functions) or the environment
 factories (`environment_factory=`, TRL's protocol: a fresh instance per rollout, its public methods

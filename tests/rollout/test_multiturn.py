@@ -262,7 +262,8 @@ def test_gae_steps_over_masked_holes():
     a, ra = compute_advantages("gae", AdvantageInput(scores, holey, group_size=1, values=garbage,
                                                      token_rewards=torch.where(holey.bool(), kl, 50.0)),
                                gamma=0.9, lam=0.8, whiten_advantages=False)
-    b, rb = compute_advantages("gae", AdvantageInput(scores, compact, group_size=1, values=c_values, token_rewards=c_kl),
+    b, rb = compute_advantages("gae", AdvantageInput(scores, compact, group_size=1, values=c_values,
+                                                     token_rewards=c_kl),
                                gamma=0.9, lam=0.8, whiten_advantages=False)
     for i in range(3):
         torch.testing.assert_close(a[i][holey[i].bool()], b[i][compact[i].bool()])

@@ -181,7 +181,8 @@ def test_ppo_with_tools_masks_the_critic_on_tool_turns(caller, tmp_path):
     critic metrics logged); on a batch, the fed tool turns are out of the loss mask, and their advantages
     and returns are 0 (GAE steps over them, reading no value there)."""
     def answered_two(completions, **kwargs):
-        return [float(bool(c) and c[-1]["role"] == "assistant" and c[-1]["content"].strip() == "2") for c in completions]
+        return [float(bool(c) and c[-1]["role"] == "assistant" and c[-1]["content"].strip() == "2")
+                for c in completions]
 
     args = PPOConfig(**online_args(tmp_path, num_generations=1, max_completion_length=96, max_tool_calling_iterations=2,
                                    num_ppo_epochs=1, per_device_train_batch_size=4, gradient_accumulation_steps=1))
