@@ -255,8 +255,11 @@ def summarise(r: dict, unit: str) -> dict:
     losses = [log["loss"] for log in r["logs"] if "loss" in log]
     lengths = [log["completions/mean_length"] for log in r["logs"] if "completions/mean_length" in log]
     rates = [n / t for n, t in zip(items[1:], times[1:])] or [items[0] / times[0]]
+    cpu = r.get("step_cpu_end", [])
+    cpu_times = [b - a for a, b in zip(cpu, cpu[1:])]  # process CPU seconds of each step after the first
     return {"steady": statistics.median(rates), "whole": sum(items) / r["train_seconds"],
             "first_step_s": times[0], "steady_step_s": statistics.median(times[1:] or times),
+            "steady_cpu_step_s": statistics.median(cpu_times) if cpu_times else None,
             "items_per_step": statistics.mean(items), "first_loss": losses[0] if losses else None,
             "completion_len": statistics.mean(lengths) if lengths else None, "peak_rss_mib": r["peak_rss_mib"],
             "samples_per_step": statistics.mean(r["samples"]) if r["samples"] else None,
@@ -340,7 +343,8 @@ def main():
                     runs[workload][side].append(s)
                     print(f"  round {round_ + 1} {workload:<10} {side:<9} steady {s['steady']:8.2f} "
                           f"{WORKLOADS[workload]['unit']}/s, whole {s['whole']:8.2f}, first step {s['first_step_s']:.1f} s, "
-                          f"peak RSS {s['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
+                          f"peak RSS {s['peak_rss_mib']:.0f} MiB, steady step {s['steady_step_s']:.1f} s "
+                          f"({_fmt(s['steady_cpu_step_s'])} CPU s)", file=sys.stderr, flush=True)
     peak = max(peak_before, matmul_peak(args.threads))
     load_after = os.getloadavg()[0]
 

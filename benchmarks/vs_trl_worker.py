@@ -38,10 +38,11 @@ def make_step_clock():
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
-        """Wall-clock times of train begin, each step's begin and end, and every log dict."""
+        """Wall-clock times of train begin, each step's begin and end, and every log dict; the process's CPU
+        time at each step's end (less sensitive than wall time to other processes on a busy machine)."""
 
         def __init__(self):
-            self.train_begin, self.begin, self.end, self.logs = None, [], [], []
+            self.train_begin, self.begin, self.end, self.cpu_end, self.logs = None, [], [], [], []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.train_begin = time.perf_counter()
@@ -51,6 +52,7 @@ def make_step_clock():
 
         def on_step_end(self, args, state, control, **kwargs):
             self.end.append(time.perf_counter())
+            self.cpu_end.append(time.process_time())
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.logs.append({k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
@@ -123,6 +125,7 @@ def main():
         "side": side, "workload": spec["workload"], "versions": versions,
         "train_begin": clock.train_begin - start if clock.train_begin else None,
         "step_begin": [t - start for t in clock.begin], "step_end": [t - start for t in clock.end],
+        "step_cpu_end": clock.cpu_end,
         "train_seconds": train_seconds, "sft_tokens": counts, "samples": samples,
         "completion_tokens": completion_tokens, "logs": clock.logs,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_train_mib": rss_before,

@@ -30,6 +30,10 @@ def test_steps_are_end_to_end_and_steady_is_the_median_after_the_first():
     assert s["steady"] == 50.0  # median of 100/2, 200/4, 50/1
     assert s["whole"] == 450 / 20.0
     assert s["first_step_s"] == 10.0 and s["first_loss"] == 2.0
+    assert s["steady_cpu_step_s"] is None  # a run without CPU times
+    cpu = vs_trl.summarise({**_run([11.0, 13.0, 17.0, 18.0], [100] * 4, 20.0), "step_cpu_end": [5.0, 8.0, 9.0, 13.0]},
+                           "tokens")
+    assert cpu["steady_cpu_step_s"] == 3.0  # median of 3, 1, 4
 
 
 def test_same_work_needs_equal_first_loss_and_tokens_per_step():
