@@ -46,6 +46,11 @@ def config_options(config, what: str, entry) -> dict:
     return {option: getattr(config, option) for option in entry.options}
 
 
+def estimator_help(note: str = "") -> str:
+    """The advantage_estimator help text: the registered names (core.advantages), then a preset's note."""
+    return f"A core.advantages estimator: {', '.join(ADVANTAGES)}." + (f" {note}" if note else "")
+
+
 @dataclass
 class OnlineConfig(BaseConfig):
     """Configuration of the online engine; GRPO's defaults. Every TrainingArguments field applies too."""
@@ -135,8 +140,7 @@ class OnlineConfig(BaseConfig):
     ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "alpha of sync_ref_model, in [0, 1]."})
     ref_model_sync_steps: int = field(default=512, metadata={"help": "Steps between reference syncs."})
     # ---- advantages
-    advantage_estimator: str = field(default="group_norm", metadata={"help": "A core.advantages estimator: "
-                                     f"{', '.join(ADVANTAGES)}."})
+    advantage_estimator: str = field(default="group_norm", metadata={"help": estimator_help()})
     scale_rewards: str = field(default="group", metadata={"help": "group_norm divides by the 'group' (True) or "
                                "'batch' std, or by nothing: 'none' (False)."})
     normalize_advantage: bool = field(default=False, metadata={"help": "leave_one_out: whiten the advantages."})

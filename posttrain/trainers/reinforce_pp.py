@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.trainers.online import OnlineConfig, OnlineTrainer
+from posttrain.trainers.online_config import estimator_help
 
 
 @dataclass
@@ -26,8 +27,9 @@ class ReinforcePPConfig(OnlineConfig):
     """REINFORCE++'s configuration: the online engine's fields with REINFORCE++ defaults."""
 
     num_generations: int = field(default=4, metadata={"help": "Completions per prompt (1 is the paper's setting)."})
-    advantage_estimator: str = field(default="reinforce_pp", metadata={"help": "'reinforce_pp', or "
-                                     "'reinforce_pp_baseline' (group mean score subtracted first)."})
+    advantage_estimator: str = field(default="reinforce_pp", metadata={"help": estimator_help(
+                                     "REINFORCE++ is 'reinforce_pp', or 'reinforce_pp_baseline' (group mean "
+                                     "score subtracted first).")})
     beta: float = field(default=0.01, metadata={"help": "Per-token KL penalty coefficient in the reward."})
     kl_estimator: str = field(default="k1", metadata={"help": "KL estimator of the penalty."})
     kl_in_reward: bool = field(default=True, metadata={"help": "REINFORCE++ puts the KL penalty in the reward."})

@@ -40,7 +40,7 @@ from transformers import TrainingArguments
 from posttrain.core.shaping import RewardShaping
 from posttrain.data.tokenize import encode_prompt
 from posttrain.trainers.online import OnlineTrainer
-from posttrain.trainers.online_config import ClassicOnlineConfig
+from posttrain.trainers.online_config import ClassicOnlineConfig, estimator_help
 
 # (classic name, GRPO-style name)
 RLOO_ALIASES = [("rloo_k", "num_generations"), ("kl_coef", "beta"), ("response_length", "max_completion_length"),
@@ -57,7 +57,7 @@ class RLOOConfig(ClassicOnlineConfig):
     reward_clip_range: float | None = field(default=10.0, metadata={"help": "With normalize_reward, clip the "
                                             "normalised scores to [-c, c] (in Python also a (min, max) pair); "
                                             "without it, scores are not clipped (as in the classic trainer)."})
-    advantage_estimator: str = field(default="leave_one_out", metadata={"help": "Advantage estimator."})
+    advantage_estimator: str = field(default="leave_one_out", metadata={"help": estimator_help()})
     loss_type: str = field(default="seq_mean_token_sum", metadata={"help": "Loss aggregation (see OnlineConfig)."})
 
     def _check(self):
