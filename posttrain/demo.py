@@ -12,6 +12,10 @@ On the built-in `reverse` task (reverse a 4-digit string) and the deterministic 
 then prints a table (stage, metric before -> after, wall time) and writes report.md, curves.png
 and every trained model (loadable with from_pretrained) under the output directory.
 
+`--stages tools` (opt-in, about 50 s of CPU) runs a multi-turn tool environment instead: SFT on
+guess-the-number traces, then GRPO with `GuessNumberEnv` (its `guess` method the tool, its
+`get_reward` the reward); it reports the held-out reward before -> after GRPO and shows an episode.
+
 `--model smollm2` runs GRPO on the real SmolLM2-135M-Instruct instead, on single-digit sums
 ("What is 8 + 7?") answered within 8 tokens: it knows the sums but starts explanations that the
 budget cuts off, and GRPO teaches it to state the result ("8 + 7 = 15").
@@ -28,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "dpo", "bco", "kto")
+# Run only when asked (--stages tools): about 50 s of CPU on its own, more than the default stages together.
+OPT_IN_STAGES = ("tools",)
 
 
 ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp")
@@ -236,6 +242,61 @@ def _preference(plan, name, tokenizer, pairs, test, start, sft_acc):
     return path, ("held-out accuracy", sft_acc, _accuracy(trainer.model, tokenizer, test, plan))
 
 
+# ---------------------------------------------------------------- tools: a multi-turn environment
+
+# The guessing game on 1..4 (binary search needs at most 3 guesses; 6 are allowed), measured on tiny-qwen2:
+# a short SFT on binary-search traces teaches the call format and the search half-way; GRPO with the
+# environment's get_reward (1 when found within 3 guesses, less for more) as its only reward, sampled at
+# temperature 0.7, episodes cut by the length limit left out of the loss. Held-out reward over seeds 0-3:
+# 0.555 -> 0.675, 0.525 -> 0.695, 0.56 -> 0.735, 0.55 -> 0.495 (the last seed falls: 30 steps are few).
+TOOLS = dict(high=4, sft_steps=60, sft_lr=5e-3, rl_steps=30, rl_lr=5e-4, temperature=0.7, eval_size=50,
+             mask_truncated=True)
+
+
+def run_tools(plan: DemoPlan, sft_steps: int | None = None, rl_steps: int | None = None):
+    """SFT on guess-the-number traces, then GRPO with `GuessNumberEnv` as the environment; returns the
+    ("held-out reward", before, after) metric (before and after GRPO, the mean `get_reward` of 4 sampled
+    episodes per held-out row) and one held-out episode as messages."""
+    import dataclasses
+
+    from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+    from posttrain.rollout.environments import GuessNumberEnv, guess_number_dataset, guess_number_traces
+
+    high, out = TOOLS["high"], Path(plan.output_dir)
+    common = dict(seed=plan.seed, save_strategy="no", report_to="none", lr_scheduler_type="constant",
+                  disable_tqdm=False)
+    sft = SFTTrainer(model=plan.model, train_dataset=guess_number_traces("train", 200, high=high),
+                     args=SFTConfig(output_dir=str(out / "tools_sft"), max_steps=sft_steps or TOOLS["sft_steps"],
+                                    learning_rate=TOOLS["sft_lr"], per_device_train_batch_size=8,
+                                    assistant_only_loss=True, logging_steps=10, **common))
+    sft.train()
+    steps = rl_steps or TOOLS["rl_steps"]
+    args = GRPOConfig(output_dir=str(out / "tools"), max_steps=steps, learning_rate=TOOLS["rl_lr"],
+                      per_device_train_batch_size=32, num_generations=8, max_completion_length=160, beta=0.0,
+                      temperature=TOOLS["temperature"], max_tool_calling_iterations=4, num_generations_eval=4,
+                      mask_truncated_completions=TOOLS["mask_truncated"],
+                      per_device_eval_batch_size=TOOLS["eval_size"], logging_steps=max(1, steps // 10), **common)
+    test = guess_number_dataset("test", TOOLS["eval_size"], high=high)
+    trainer = GRPOTrainer(model=sft.model, processing_class=sft.processing_class, args=args,
+                          train_dataset=guess_number_dataset("train", 200, high=high),
+                          environment_factory=GuessNumberEnv)
+    before = trainer.evaluate(test)["eval_reward"]
+    trainer.train()
+    after = trainer.evaluate(test)["eval_reward"]
+    _finish(trainer, plan, "tools")
+    batch = trainer._collate([test[0]])
+    sampling = dataclasses.replace(trainer.sampling, num_generations=1)
+    rollout, episodes = trainer.roll_out(batch, batch["prompt"], dict(batch["columns"]), sampling, mode="eval")
+    return ("held-out reward", before, after), batch["prompt"][0] + episodes.completions(rollout)[0]
+
+
+def _show_episode(console, messages):
+    for m in messages:
+        calls = [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
+                 for c in m.get("tool_calls") or []]
+        console.print(f"  [dim]{m['role']}:[/] {' '.join([m.get('content') or '', *calls]).strip()}")
+
+
 # ---------------------------------------------------------------- driver
 
 def run(plan: DemoPlan) -> list[dict]:
@@ -303,6 +364,14 @@ def run(plan: DemoPlan) -> list[dict]:
             started = time.time()
             _, metric = _preference(plan, name, tokenizer, pairs, test, start, start_acc)
             record(name, started, metric)
+    if "tools" in plan.stages:
+        console.rule("tools: guess the number (SFT on traces, then GRPO with GuessNumberEnv)")
+        set_seed(plan.seed)
+        started = time.time()
+        metric, episode = run_tools(plan)
+        record("tools", started, metric)
+        console.print("a held-out episode after GRPO:")
+        _show_episode(console, episode)
     report(plan, console)
     return plan.results
 
@@ -361,7 +430,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="posttrain demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None,
                         help="tiny-qwen2 (default), tiny-llama, small-qwen2, smollm2, or a model path")
-    parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (all by "
+                        f"default), or the opt-in {','.join(OPT_IN_STAGES)} (a multi-turn tool environment)")
     parser.add_argument("--output_dir", default=None)
     parser.add_argument("--seed", type=int, default=None)
     for group in ("sft", "reward", "rl", "pref"):
@@ -372,9 +442,9 @@ def main(argv=None):
     plan = plan_for(args.model)
     if args.stages:
         wanted = tuple(s.strip() for s in args.stages.split(",") if s.strip())
-        unknown = [s for s in wanted if s not in STAGES]
+        unknown = [s for s in wanted if s not in STAGES + OPT_IN_STAGES]
         if unknown:
-            parser.error(f"unknown stage(s) {unknown}; choose from {','.join(STAGES)}")
+            parser.error(f"unknown stage(s) {unknown}; choose from {','.join(STAGES + OPT_IN_STAGES)}")
         plan.stages = wanted
     for name in ("output_dir", "seed", "eval_size"):
         if getattr(args, name) is not None:
