@@ -39,7 +39,8 @@ def make_step_clock():
 
     class StepClock(TrainerCallback):
         """Wall-clock times of train begin, each step's begin and end, and every log dict; the process's CPU
-        time at each step's end (less sensitive than wall time to other processes on a busy machine)."""
+        time at each step's end (on a machine with more runnable threads than cores it counts threads
+        spinning while they wait for each other, so it does not remove the load; it shows when a step was idle)."""
 
         def __init__(self):
             self.train_begin, self.begin, self.end, self.cpu_end, self.logs = None, [], [], [], []
