@@ -52,7 +52,7 @@ from posttrain.models.value_head import CausalLMWithValueHead
 from posttrain.rollout.generate import Rollout
 from posttrain.rollout.rewards import RewardError, check_scores
 from posttrain.trainers.online import OnlineTrainer
-from posttrain.trainers.online_config import ClassicOnlineConfig
+from posttrain.trainers.online_config import ClassicOnlineConfig, estimator_help
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class PPOConfig(ClassicOnlineConfig):
     _aliases = PPO_ALIASES
     num_generations: int = field(default=1, metadata={"help": "Completions per prompt."})
     token_level_kl: bool = field(default=True, metadata={"help": "A KL penalty at every token."})
-    advantage_estimator: str = field(default="gae", metadata={"help": "Advantage estimator (gae needs the critic)."})
+    advantage_estimator: str = field(default="gae", metadata={"help": estimator_help(
+        "PPO's is 'gae' (it needs the critic).")})
     loss_type: str = field(default="token_mean", metadata={"help": "Loss aggregation (see OnlineConfig)."})
     # ---- classic PPOConfig names
     batch_size: int | None = field(default=None, metadata={"help": "Classic: samples per PPO step (one rollout "
