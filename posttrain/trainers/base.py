@@ -81,6 +81,12 @@ class BaseConfig(TrainingArguments):
     def _check(self):
         """Subclasses raise ValueError here for invalid combinations of fields."""
 
+    def derive(self, name: str, value) -> None:
+        """Set field `name`, left None by the user, to a value derived from other fields, and remember it: a
+        copy of the config with other fields (a config field given to a trainer) derives it again."""
+        setattr(self, name, value)
+        self.__dict__.setdefault("_derived_fields", {})[name] = value
+
 
 def seed_run(args: TrainingArguments) -> None:
     """Seed python, numpy and torch from `args.seed` (fully deterministic kernels with `full_determinism`).
@@ -125,7 +131,10 @@ def classic_arguments(trainer: str, config_class, args, processing_class, kwargs
         for classic, other in getattr(config_class, "_aliases", ()):  # RLOO/PPO: one name of a pair sets both
             if (classic in kwargs) != (other in kwargs):
                 kwargs[classic] = kwargs[other] = kwargs.get(classic, kwargs.get(other))
-        args = dataclasses.replace(args, **kwargs)  # reruns __post_init__: the fields are checked as usual
+        # reruns __post_init__: the fields are checked as usual, and those derived from others derived again
+        rederive = {name: None for name, value in getattr(args, "_derived_fields", {}).items()
+                    if name not in kwargs and getattr(args, name) == value}
+        args = dataclasses.replace(args, **rederive, **kwargs)
     return args, processing_class
 
 
@@ -193,16 +202,17 @@ def is_streamed(data) -> bool:
 
 
 def check_datasets(args: TrainingArguments, train_dataset, eval_dataset=None) -> None:
-    """Refuse at construction what TRL refuses: no train_dataset, a streamed one without max_steps,
+    """Refuse at construction what TRL refuses: no train_dataset, a streamed one without max_steps (an
+    online trainer's total_episodes sets max_steps too),
     and `with_transform()` datasets (posttrain tokenises rows once before training and would read them
     without the transform)."""
     if train_dataset is None:
         raise ValueError("train_dataset is required (got None): pass the training rows, e.g. a datasets.Dataset, "
                          "an IterableDataset or a list of dicts")
     check_train_dataset(train_dataset)
-    if is_streamed(train_dataset) and args.max_steps <= 0:
+    if is_streamed(train_dataset) and args.max_steps <= 0 and not getattr(args, "total_episodes", None):
         raise ValueError("a streamed train_dataset (IterableDataset) has no length, so the number of steps is "
-                         "unknown: set max_steps in the config")
+                         "unknown: set max_steps in the config (or total_episodes, for the online trainers)")
     refuse_transforms(train_dataset, eval_dataset)
 
 

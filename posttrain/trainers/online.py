@@ -245,6 +245,10 @@ class OnlineTrainer(BaseTrainer):
         for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if data is not None and not isinstance(data, dict) and not is_streamed(data):  # here, not at a step
                 check_prompts(data, processing_class, what)  # (a stream's prompts: when they are tokenised)
+        if args.total_episodes:  # before transformers asks a stream for max_steps; steps_per_generation
+            per_generation = args.per_process_generation * args.world_size  # need not divide into accumulation
+            args.max_steps = math.ceil(math.ceil(args.total_episodes / per_generation) * args.steps_per_generation
+                                       * args.num_iterations / args.gradient_accumulation_steps)
         super().__init__(wrapped, args, processing_class=processing_class, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers,
                          data_collator=lambda rows: rows)
@@ -295,9 +299,6 @@ class OnlineTrainer(BaseTrainer):
         self.completions_table = CompletionsTable(args.output_dir, args.num_completions_to_print, report_to=args.report_to)
         per_generation = args.per_process_generation * self.accelerator.num_processes
         self.optimizer_steps_per_generation = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
-        if args.total_episodes:  # steps_per_generation need not be a multiple of gradient_accumulation_steps
-            args.max_steps = math.ceil(math.ceil(args.total_episodes / per_generation) * args.steps_per_generation
-                                       * args.num_iterations / args.gradient_accumulation_steps)
         self._stream_pos, self._stream_resumed = new_stream_position(), False  # a streamed train_dataset's place
         if train_dataset is not None and not is_streamed(train_dataset) and len(self.get_train_dataloader()) == 0:
             raise ValueError(f"train_dataset has {len(train_dataset)} prompts, fewer than one generation batch needs "

@@ -243,8 +243,10 @@ class OnlineConfig(BaseConfig):
             spg = self.generation_batch_size // per_step
             if self.steps_per_generation not in (None, spg):
                 raise ValueError("set generation_batch_size or steps_per_generation, not both")
-            self.steps_per_generation = spg
-        self.steps_per_generation = self.steps_per_generation or ga
+            if self.steps_per_generation is None:
+                self.derive("steps_per_generation", spg)
+        if not self.steps_per_generation:
+            self.derive("steps_per_generation", ga)
         if k < 1:
             raise ValueError(f"num_generations must be >= 1, got {k}")
         if self.per_process_generation % k:
@@ -391,6 +393,6 @@ class ClassicOnlineConfig(OnlineConfig):
             self.run_name = self.exp_name
         resolve_aliases(self, self._aliases)
         if self.steps_per_generation is None and self.generation_batch_size is None:
-            self.steps_per_generation = self.gradient_accumulation_steps * self.num_mini_batches
+            self.derive("steps_per_generation", self.gradient_accumulation_steps * self.num_mini_batches)
         apply_classic_stop(self)
         super()._check()

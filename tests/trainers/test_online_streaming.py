@@ -94,6 +94,14 @@ def test_max_steps_is_required_and_a_short_stream_is_refused(tmp_path):
         grpo(IterableDataset.from_generator(lambda: iter([{"text": "a"}])), output_dir=str(tmp_path))
 
 
+def test_total_episodes_bounds_a_streamed_run(tmp_path):
+    # 16 completions at 8 per optimizer step (2 prompts x 4): 2 steps, with max_steps left unset
+    trainer = grpo(stream(8), output_dir=str(tmp_path), max_steps=-1, total_episodes=16)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert trainer._stream_position["yielded"] == 2 * trainer.args.gradient_accumulation_steps
+
+
 def test_ppo_trains_from_a_stream_and_its_manual_loop_reads_it_in_order(tmp_path):
     from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 

@@ -125,3 +125,20 @@ def test_classic_form_without_config_and_unknown_keywords(tmp_path):
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['rlook'\]"):
         RLOOTrainer(config=RLOOConfig(**online_args(tmp_path)), policy=MODEL, reward_model=big_reward,
                     train_dataset=prompts(16), rlook=4)
+
+
+def test_fields_given_to_the_trainer_derive_the_others_again(tmp_path):
+    """steps_per_generation left unset follows gradient_accumulation_steps (x num_mini_batches), also when that is
+    given to the trainer rather than the config; one the user set stays."""
+    config = RLOOConfig(**online_args(tmp_path, rloo_k=2, num_ppo_epochs=1, max_steps=1))
+    assert config.steps_per_generation == 2
+    with pytest.warns(FutureWarning, match="gradient_accumulation_steps"):
+        trainer = RLOOTrainer(config=config, policy=MODEL, reward_model=big_reward, train_dataset=prompts(16),
+                              gradient_accumulation_steps=4)
+    assert (trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation) == (4, 4)
+    assert config.steps_per_generation == 2  # the caller's config is unchanged
+    fixed = RLOOConfig(**online_args(tmp_path, rloo_k=2, num_ppo_epochs=1, max_steps=1, steps_per_generation=2))
+    with pytest.warns(FutureWarning):
+        trainer = RLOOTrainer(config=fixed, policy=MODEL, reward_model=big_reward, train_dataset=prompts(16),
+                              gradient_accumulation_steps=1)
+    assert (trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation) == (1, 2)
