@@ -52,6 +52,19 @@ class ShapedRewards:
     penalized_scores: Tensor  # (B,) the scores after the missing-EOS penalty and nothing else (reward metrics)
 
 
+def normalize_then_sum(per_function: Tensor, weights: Tensor, group_size: int) -> Tensor:
+    """GDPO's way of combining several rewards (`multi_objective_aggregation="normalize_then_sum"`), before
+    any step of `shape_rewards`: each reward z-scored within its prompt's group (std with k - 1, + 1e-4; a
+    reward function's abstention, NaN, counts 0 after), then the weighted sum. `per_function` (N, F) holds
+    whole groups of `group_size` consecutive rows; returns (N,)."""
+    k = group_size
+    groups = per_function.view(-1, k, per_function.shape[1])  # (P, k, F)
+    mean = groups.nanmean(1, keepdim=True)
+    std = torch.sqrt(((groups - mean) ** 2).nanmean(1, keepdim=True) * k / max(k - 1, 1))
+    normalized = torch.nan_to_num((groups - mean) / (std + 1e-4), nan=0.0).view_as(per_function)
+    return (normalized * weights.to(normalized.device)).sum(1)
+
+
 def clip_scores(scores: Tensor, clip_range: float | tuple[float, float] | None) -> Tensor:
     """Scores clipped to `clip_range`: c to [-c, c], a (low, high) pair to [low, high]; None: as they are."""
     if clip_range is None:

@@ -60,7 +60,7 @@ from posttrain.core.logprobs import token_logprobs
 from posttrain.core.masked import (AGGREGATIONS, aggregate_loss, count_tokens, masked_mean, masked_sum, masked_var,
                                    top_quantile_mask)
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus
-from posttrain.core.shaping import RewardShaping, shape_rewards
+from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewards
 from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout
@@ -398,7 +398,7 @@ class OnlineTrainer(BaseTrainer):
         texts, completions, ids = self.decode(rollout, prompts, episodes)
         per_function, scores = self.reward_scorer(prompts, completions, ids, columns, extra=self._reward_extras("train"))
         if self.args.multi_objective_aggregation == "normalize_then_sum":
-            scores = self._normalize_then_sum(per_function)
+            scores = normalize_then_sum(per_function, self.reward_scorer.weights, self.args.num_generations)
         self._record_rewards(per_function)
         self._keep_samples(prompts, texts, per_function)
         return self.build_experience(rollout, scores)
@@ -409,16 +409,6 @@ class OnlineTrainer(BaseTrainer):
         values)` is accepted, its per-completion values are not kept)."""
         return {"trainer_state": self.state, "log_metric": lambda name, value: self.record({name: float(value)}, mode),
                 "log_extra": lambda name, values: None}
-
-    def _normalize_then_sum(self, per_function: Tensor) -> Tensor:
-        """GDPO's aggregation (this process's rows hold whole groups): each reward z-scored within its group
-        (std + 1e-4; an abstention counts 0 after), then the weighted sum. (N, F) -> (N,)."""
-        k = self.args.num_generations
-        groups = per_function.view(-1, k, per_function.shape[1])  # (P, k, F)
-        mean = groups.nanmean(1, keepdim=True)
-        std = torch.sqrt(((groups - mean) ** 2).nanmean(1, keepdim=True) * k / max(k - 1, 1))
-        normalized = torch.nan_to_num((groups - mean) / (std + 1e-4), nan=0.0).view_as(per_function)
-        return (normalized * self.reward_scorer.weights.to(normalized.device)).sum(1)
 
     def decode(self, rollout: Rollout, prompts: list, episodes=None):
         """(texts, completions as reward functions get them (messages for chat prompts; a multi-turn

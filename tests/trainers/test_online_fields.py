@@ -5,6 +5,7 @@ import pytest
 import torch
 from tests.helpers.online import first_token_reward, online_args, prompts, train_and_check
 
+from posttrain.core.shaping import normalize_then_sum
 from posttrain.rollout.generate import SamplingConfig, generate
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
@@ -83,15 +84,16 @@ def test_trl_loss_fields_train(tmp_path):
     assert "step" in seen and all(v >= 0 for v in logged["custom/length"])
 
 
-def test_normalize_then_sum_by_hand(tmp_path):
-    args = GRPOConfig(**online_args(tmp_path, num_generations=2, reward_weights=[1.0, 2.0],
-                                    multi_objective_aggregation="normalize_then_sum"))
-    trainer = GRPOTrainer(TINY, [first_token_reward, first_token_reward], args=args, train_dataset=prompts())
+def test_normalize_then_sum_by_hand():
     # one group of 2: reward 1 values (1, 3) -> (-1/√2, 1/√2) (std of 2 values, Bessel: √2); reward 2 (5, 5) -> 0
     per_function = torch.tensor([[1.0, 5.0], [3.0, 5.0]])
-    total = trainer._normalize_then_sum(per_function)
+    total = normalize_then_sum(per_function, torch.tensor([1.0, 2.0]), group_size=2)
     z = 1 / (2 ** 0.5 + 1e-4)
     assert total.tolist() == pytest.approx([-z, z])
+    # two groups of 2, a weight of 2 on the second reward, an abstention (NaN) counting 0
+    per_function = torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, float("nan")], [4.0, 7.0]])
+    total = normalize_then_sum(per_function, torch.tensor([1.0, 2.0]), group_size=2)
+    assert total.tolist() == pytest.approx([-z - 2 * z, z + 2 * z, 0.0, 0.0])
 
 
 def test_evaluate_raw_dataset_and_dict_with_eval_loss(tmp_path):
