@@ -116,3 +116,17 @@ def assert_learns(trainer, name: str):
     print(f"{name} held-out greedy accuracy {before[0]:.2f} -> {after[0]:.2f}, "
           f"sampled reward {before[1]:.3f} -> {after[1]:.3f}")
     assert after[0] > before[0] + 0.15 and after[1] > before[1] + 0.15, (before, after)
+
+
+def batch_loss_and_grads(trainer, model, rollout, scores) -> tuple[float, dict]:
+    """Train one generation batch's micro-batches without an optimizer step: (the summed loss, each
+    parameter's accumulated gradient)."""
+    micro = trainer.build_experience(rollout, scores)
+    assert len(micro) == trainer.args.gradient_accumulation_steps
+    model.zero_grad()
+    total = 0.0
+    for mb in micro:
+        loss = trainer.compute_loss(model, mb)
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -5,7 +5,7 @@ turns out of the loss, and the same engine under GRPO, RLOO and REINFORCE++."""
 
 import pytest
 import torch
-from tests.helpers.online import CRITIC_METRICS, online_args, train_and_check
+from tests.helpers.online import CRITIC_METRICS, batch_loss_and_grads, online_args, train_and_check
 
 from posttrain.data.tokenize import encode_prompt
 from posttrain.models.loading import load_causal_lm, load_tokenizer
@@ -159,15 +159,7 @@ def test_split_does_not_change_the_update_with_tool_turns(caller, tmp_path, loss
             assert rollout.tool_mask.any() and (rollout.completion_mask * (1 - rollout.tool_mask)).any()
             scores = torch.tensor([float(len(c)) for c in episodes.completions(rollout)])
             assert scores.unique().numel() > 1
-        micro = trainer.build_experience(rollout, scores)
-        assert len(micro) == ga
-        model.zero_grad()
-        total = 0.0
-        for mb in micro:
-            loss = trainer.compute_loss(model, mb)
-            loss.backward()
-            total += loss.item()
-        results.append((total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append(batch_loss_and_grads(trainer, model, rollout, scores))
     (loss0, grads0), *others = results
     assert grads0 and any(g.abs().sum() > 0 for g in grads0.values())
     for loss, grads in others:

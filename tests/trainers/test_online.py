@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tests.helpers.online import first_token_reward, online_args, prompts
+from tests.helpers.online import batch_loss_and_grads, first_token_reward, online_args, prompts
 
 from posttrain.core.logprobs import token_logprobs
 from posttrain.trainers import online
@@ -137,15 +137,7 @@ def test_loss_and_gradient_do_not_depend_on_the_split(tmp_path, loss_type, repla
             rollout = trainer.sample_completions(inputs["prompt_ids"])
             assert (rollout.linear_outputs is not None) == replay
             scores = torch.tensor(first_token_reward(rollout.completion_ids.tolist()))
-        micro = trainer.build_experience(rollout, scores)
-        assert len(micro) == ga
-        model.zero_grad()
-        total = 0.0
-        for mb in micro:
-            loss = trainer.compute_loss(model, mb)
-            loss.backward()
-            total += loss.item()
-        results.append((total, grads(model)))
+        results.append(batch_loss_and_grads(trainer, model, rollout, scores))
     assert len(replayed) == (1 + 2 + 4 if replay else 0)  # every micro-batch's forward replayed
     (loss0, grads0), *others = results
     for loss, g in others:
