@@ -836,7 +836,19 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, ModelLoadError) as err:
         print(f"posttrain: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        close_process_group()
     return 0
+
+
+def close_process_group() -> None:
+    """Destroy the torch.distributed process group a multi-process run (accelerate launch, torchrun) opened,
+    if any: left to interpreter exit, its communication threads can abort the process after a successful run
+    ("terminate called without an active exception", exit code -6), which would make the launch fail."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -4,16 +4,17 @@ Every file parses as accelerate's own config class; the DDP file launches the `p
 processes (gloo) and trains to the same weights as 1 process with the same global batch.
 """
 
+import functools
 import glob
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
+from tests.helpers.launch import free_port, run_launch
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "examples", "accelerate_configs")
+_run = functools.partial(run_launch, timeout=300)
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIGS, "*.yaml"))), ids=os.path.basename)
@@ -28,18 +29,6 @@ def test_config_files_load(path):
         assert config.fsdp_config["fsdp_version"] == 2
     if expected == "DEEPSPEED":
         assert config.deepspeed_config["zero_stage"] == int(os.path.basename(path)[-6])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def _weights(folder):
@@ -57,7 +46,7 @@ def test_ddp_config_runs_the_cli_on_two_processes_like_one(tmp_path):
     _run([sys.executable, "-m", "posttrain.cli", *common, "--per_device_train_batch_size", "8", "--output_dir", one],
          tmp_path)
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "multi_gpu.yaml"),
-          "--num_processes", "2", "--main_process_port", str(_free_port()), "-m", "posttrain.cli", *common,
+          "--num_processes", "2", "--main_process_port", str(free_port()), "-m", "posttrain.cli", *common,
           "--per_device_train_batch_size", "4", "--output_dir", two], tmp_path)
     a, b = _weights(one), _weights(two)
     assert sorted(a) == sorted(b)

@@ -4,30 +4,20 @@ FSDP2 shards it with fully_shard (2 CPU processes under torchrun); without an en
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import torch
+from tests.helpers.launch import free_port, run_launch
 
 from posttrain.models.loading import frozen_copy, load_causal_lm, prepare_frozen
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_frozen.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_shards_the_frozen_model_and_its_forward_is_the_whole_models(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = str(tmp_path / "frozen.json")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(_free_port()), SCRIPT, out],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port()), SCRIPT, out], tmp_path)
     ranks = [json.load(open(f"{out}.{rank}")) for rank in (0, 1)]
     for r in ranks:
         assert r["dtensor"] and r["frozen"] and not r["training"]

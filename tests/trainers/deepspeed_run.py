@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from posttrain.cli import close_process_group
 from posttrain.data.builtin import task_dataset, task_preference_dataset
 from posttrain.models.loading import zero3_partitioned
 
@@ -72,4 +73,7 @@ def main(out_path: str, algorithm: str, processes: int):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | dpo_sync | grpo | grpo_rm, processes
+    try:
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | dpo_sync | grpo | grpo_rm, processes
+    finally:  # see cli.close_process_group
+        close_process_group()

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from posttrain.cli import close_process_group
 from posttrain.data.builtin import task_dataset
 from posttrain.rollout import generate as generate_module
 from posttrain.rollout.generate import Rollout, generate
@@ -83,4 +84,7 @@ def main(out_path: str, per_device_batch: int, replay: bool):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "replay")
+    try:
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "replay")
+    finally:  # see cli.close_process_group
+        close_process_group()

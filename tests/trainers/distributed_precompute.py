@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from posttrain.cli import close_process_group
 from posttrain.data.builtin import task_preference_dataset
 from posttrain.models.loading import load_tokenizer
 
@@ -46,4 +47,7 @@ def main(out_path: str, trainer_name: str):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])  # out.json, dpo | bco
+    try:
+        main(sys.argv[1], sys.argv[2])  # out.json, dpo | bco
+    finally:  # see cli.close_process_group
+        close_process_group()

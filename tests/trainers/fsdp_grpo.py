@@ -21,6 +21,7 @@ import sys
 import torch.distributed as dist
 
 from distributed_grpo import PerPromptSeededGRPO, first_token_reward
+from posttrain.cli import close_process_group
 from posttrain.data.builtin import task_dataset
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
@@ -97,4 +98,7 @@ def main(out_path: str, per_device_batch: int, uneven: bool, algorithm: str):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "uneven", sys.argv[4])  # even | uneven, grpo | rloo
+    try:
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "uneven", sys.argv[4])  # even | uneven, grpo | rloo
+    finally:  # see cli.close_process_group
+        close_process_group()

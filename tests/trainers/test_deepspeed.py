@@ -6,29 +6,17 @@ Skipped when deepspeed is not installed (`pip install 'posttrain[deepspeed]'`; o
 launch takes 20-60 s on a 2-core machine.
 """
 
+import functools
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
+from tests.helpers.launch import free_port, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "deepspeed_run.py")
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "posttrain", "accelerate_configs")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+_run = functools.partial(run_launch, timeout=300, path=os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +44,7 @@ def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algori
     out = str(tmp_path / "zero.json")
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
           os.path.join(CONFIGS, f"deepspeed_zero{stage}.yaml"), "--num_processes", "2",
-          "--main_process_port", str(_free_port()), SCRIPT, out, algorithm, "2"], tmp_path)
+          "--main_process_port", str(free_port()), SCRIPT, out, algorithm, "2"], tmp_path)
     zero, plain = json.load(open(out)), plain_runs(algorithm)
     assert (zero["engine"], zero["processes"], plain["engine"], plain["processes"]) == ("DEEPSPEED", 2, "NO", 1)
     assert zero["policy_partitioned"] == (stage == 3) and not plain["policy_partitioned"]

@@ -5,28 +5,16 @@ asks for the torch.distributed launcher (`--multi_gpu`) and the script puts the 
 (`use_cpu=True`) with the gloo backend.
 """
 
+import functools
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
+from tests.helpers.launch import free_port, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_grpo.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+_run = functools.partial(run_launch, timeout=240, path=os.path.dirname(__file__))
 
 
 @pytest.mark.parametrize("mode", ["replay", "plain"])  # the training forward replays the sampler's, or computes
@@ -36,7 +24,7 @@ def test_two_processes_match_one(tmp_path, mode):
     # 1 process x 8 completions (2 prompts) vs 2 processes x 4 completions (1 prompt each)
     _run([sys.executable, SCRIPT, one, "8", mode], tmp_path)
     _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
           SCRIPT, two, "4", mode], tmp_path)
     a, b = (json.load(open(p)) for p in (one, two))
     assert (a["processes"], b["processes"]) == (1, 2)

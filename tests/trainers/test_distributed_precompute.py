@@ -2,27 +2,16 @@
 embeddings) on 2 CPU processes (accelerate launch, gloo): each process scores only its share, and the gathered
 columns equal a 1-process run's."""
 
+import functools
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
+from tests.helpers.launch import free_port, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_precompute.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+_run = functools.partial(run_launch, timeout=240)
 
 
 @pytest.mark.parametrize("trainer", ["dpo", "bco"])
@@ -30,7 +19,7 @@ def test_each_process_scores_its_share_and_the_columns_match_one_process(tmp_pat
     one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
     _run([sys.executable, SCRIPT, one, trainer], tmp_path)
     _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-          "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+          "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
           SCRIPT, two, trainer], tmp_path)
     single = json.load(open(one + ".0"))
     ranks = [json.load(open(f"{two}.{rank}")) for rank in (0, 1)]

@@ -6,34 +6,21 @@ Under FSDP2 every forward gathers weights from both processes: generation must r
 forwards on each (lock-step decoding), and the CPU kernels must not read the sharded weights.
 """
 
+import functools
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
+from tests.helpers.launch import free_port, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_grpo.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd, tmp_path, **env):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]), **env}
-    # a collective that one rank never joins hangs: the timeout turns that into a failure
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+_run = functools.partial(run_launch, timeout=240, path=os.path.dirname(__file__))
 
 
 def _two_processes(tmp_path, out, *args, **env):
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-          "--master_port", str(_free_port()), SCRIPT, out, *args], tmp_path, **env)
+          "--master_port", str(free_port()), SCRIPT, out, *args], tmp_path, **env)
     return [json.load(open(f"{out}.{rank}")) for rank in (0, 1)]
 
 
