@@ -2,7 +2,7 @@
 process with the same global batch: SFT, DPO and GRPO with beta > 0 (a reference model).
 
 Skipped when deepspeed is not installed (`pip install 'posttrain[deepspeed]'`; on a machine without CUDA
-`DS_BUILD_OPS=0 pip install deepspeed`); CI does not install it (see docs/distributed.md). Marked slow: each
+`DS_BUILD_OPS=0 pip install deepspeed`); CI installs it (.ci/run). Marked slow: each
 launch takes 20-60 s on a 2-core machine.
 """
 
