@@ -97,23 +97,27 @@ class CompletionsTable:
             tracker.log({"completions": tracker.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])})
 
     def print(self, step: int, rows: list[dict], names: list[str]):
-        from rich.console import Console
-        from rich.table import Table
-        from rich.text import Text
+        scores = [name if self.score_heading is None else self.score_heading if len(names) == 1 else
+                  f"{self.score_heading} ({name})" for name in names]
+        cells = [[_clip(row["prompt"], self.max_chars), _clip(row["completion"], self.max_chars)]
+                 + ["-" if row[n] is None else f"{row[n]:.3f}" for n in names] for row in rows]
+        print_table(f"completions at step {step}", [*self.headings, *scores], cells, right=len(names))
 
-        table = Table(title=f"completions at step {step}", show_lines=True)
-        for heading in self.headings:
-            table.add_column(heading, overflow="fold")
-        for name in names:
-            title = name if self.score_heading is None else \
-                self.score_heading if len(names) == 1 else f"{self.score_heading} ({name})"
-            table.add_column(Text(title), justify="right")
-        for row in rows:
-            # Text, not str: rich would read "[/INST]" or "[bold]" in user text as markup (and fail on a stray tag)
-            cells = [Text(_clip(row["prompt"], self.max_chars)), Text(_clip(row["completion"], self.max_chars))]
-            cells += ["-" if row[n] is None else f"{row[n]:.3f}" for n in names]
-            table.add_row(*cells)
-        Console().print(table)
+
+def print_table(title: str, headings: list[str], rows: list[list[str]], right: int = 0) -> None:
+    """A rich table of plain-text cells on the console (one line between rows; the last `right` columns
+    right-justified, for numbers)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, show_lines=True)
+    for i, heading in enumerate(headings):
+        table.add_column(Text(heading), overflow="fold", justify="right" if i >= len(headings) - right else "left")
+    for row in rows:
+        # Text, not str: rich would read "[/INST]" or "[bold]" in user text as markup (and fail on a stray tag)
+        table.add_row(*(Text(cell) for cell in row))
+    Console().print(table)
 
 
 def _text(prompt) -> str:

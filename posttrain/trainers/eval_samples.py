@@ -60,21 +60,11 @@ def sample_eval_completions(trainer, dataset, name: str = "eval") -> list[dict]:
     samples = [{"step": step, "eval_set": name, "prompt": text, **{c: v[i] for c, v in columns.items()}}
                for i, text in enumerate(texts)]
     if trainer.is_world_process_zero():
-        print_samples(samples, ["prompt", *columns], f"{name} completions at step {step}")
+        from posttrain.callbacks import print_table
+
+        print_table(f"{name} completions at step {step}", [HEADINGS[c] for c in ["prompt", *columns]],
+                    [[row[c] for c in ["prompt", *columns]] for row in samples])
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, EVAL_COMPLETIONS_FILE), "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in samples)
     return samples
-
-
-def print_samples(samples: list[dict], columns: list[str], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title=title, show_lines=True)
-    for column in columns:
-        table.add_column(HEADINGS[column], overflow="fold")
-    for row in samples:  # Text, not str: rich would read "[bold]" in user text as markup
-        table.add_row(*(Text(row[c]) for c in columns))
-    Console().print(table)
