@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 (the shipped accelerate configs) on 2 CPU processes (gloo) against a plain
-process with the same global batch: SFT, DPO and GRPO with beta > 0 (a reference model).
+process with the same global batch: SFT, DPO, GRPO with beta > 0 (a reference model) and PPO (a critic trained
+with the policy, a reference, and a reward model).
 
 Skipped when deepspeed is not installed (`pip install 'posttrain[deepspeed]'`; on a machine without CUDA
 `DS_BUILD_OPS=0 pip install deepspeed`); CI installs it (.ci/run). Marked slow: each
@@ -38,7 +39,9 @@ def plain_runs(tmp_path_factory):
 @pytest.mark.parametrize("algorithm,stage", [(a, stage) for stage in (2, 3) for a in ("sft", "dpo", "grpo")]
                          # GRPO with a reward model loaded by name (partitioned under ZeRO-3); DPO whose
                          # reference moves towards the policy after every step (sync_ref_model)
-                         + [("grpo_rm", 3), ("dpo_sync", 3)])
+                         + [("grpo_rm", 3), ("dpo_sync", 3)]
+                         # PPO: a value head on the policy; a separate value model and a reward model by name
+                         + [("ppo", 3), ("ppo_critic", 2), ("ppo_critic", 3)])
 def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algorithm, stage):
     pytest.importorskip("deepspeed")
     out = str(tmp_path / "zero.json")
@@ -52,15 +55,22 @@ def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algori
     assert zero["ref_partitioned"] == (stage == 3 and algorithm != "sft")
     if algorithm == "dpo_sync":  # the synced reference changed the second loss
         assert plain["loss"][1] != pytest.approx(plain_runs("dpo")["loss"][1], rel=1e-4)
-    assert zero["reward_models_partitioned"] == ([True] if algorithm == "grpo_rm" else [])
+    assert zero["reward_models_partitioned"] == ([stage == 3] if algorithm in ("grpo_rm", "ppo_critic") else [])
     if algorithm.startswith("dpo"):
         assert plain["loss"][0] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the first step
-    if algorithm.startswith("grpo"):
-        assert plain["kl"][0] == pytest.approx(0.0, abs=1e-6) and plain["kl"][1] > 1e-3
+    if algorithm.startswith(("grpo", "ppo")):
+        assert plain["kl"][0] == pytest.approx(0.0, abs=1e-5) and abs(plain["kl"][1]) > 1e-3
     assert len(zero["loss"]) == len(plain["loss"]) == 2
     # both steps: the second one shows the first update was the same (SGD: the update is the gradient itself)
     assert zero["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-6)
     assert zero["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4, abs=1e-6)
-    if algorithm.startswith("grpo"):  # the same completions, and the reference scores them as in the plain run
+    if algorithm.startswith(("grpo", "ppo")):  # the same completions, and the reference scores them as in the plain run
         assert zero["reward"] == pytest.approx(plain["reward"], abs=1e-6)
         assert zero["kl"] == pytest.approx(plain["kl"], rel=1e-3, abs=1e-6)
+    if algorithm.startswith("ppo"):  # every weight of the policy and the critic moved as in the plain run
+        critic = "v_head." if algorithm == "ppo" else "value_model."
+        assert set(zero["moves"]) == set(plain["moves"]) and any(name.startswith(critic) for name in plain["moves"])
+        for name, (total, norm) in plain["moves"].items():
+            assert norm > 0, name
+            # the sum of a move can nearly cancel: its tolerance is a part of the move's size
+            assert zero["moves"][name] == pytest.approx([total, norm], rel=1e-3, abs=1e-3 * norm), name
