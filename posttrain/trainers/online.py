@@ -68,9 +68,10 @@ from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, completion_logprobs, generate
 from posttrain.rollout.multiturn import Tooling, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
+from posttrain.rollout.vllm_engine import truncated_importance_weights
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
-from posttrain.trainers.online_config import OnlineConfig, config_options, loss_types
+from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options, loss_types
 
 
 class _PromptOrder(torch.utils.data.Sampler):
@@ -234,6 +235,9 @@ class OnlineTrainer(BaseTrainer):
         if rollout_func is not None and tooling is not None:
             raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
                              "rollout_func or tools= / environment_factory=, not both")
+        if args.use_vllm and (rollout_func is not None or tooling is not None):
+            raise ValueError("use_vllm=True generates single-turn completions with vLLM; it does not run rollout_func, "
+                             "tools= or environment_factory= (posttrain's sampler does): set use_vllm=False")
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
             raise ValueError("reward_funcs is required: reward functions, reward models, or model names "
                              "(or set reward_model_path, or give an environment_factory whose environments "
@@ -280,7 +284,15 @@ class OnlineTrainer(BaseTrainer):
         if args.generation_kwargs:  # keys checked by the config; tuples where SamplingConfig keeps tuples
             self.sampling = dataclasses.replace(self.sampling, **{
                 key: tuple(v) if key in ("stop_strings", "stop_token_ids") else v
-                for key, v in args.generation_kwargs.items()})
+                for key, v in args.generation_kwargs.items() if key in GENERATION_KWARGS})
+        self.vllm, self._vllm_synced_step = None, None  # with use_vllm: the engine, and the step its weights are of
+        if args.use_vllm:
+            from posttrain.rollout.vllm_engine import make_engine
+
+            name = model if isinstance(model, str) else getattr(policy.config, "_name_or_path", None)
+            extra = {k: v for k, v in (args.generation_kwargs or {}).items() if k not in GENERATION_KWARGS}
+            self.vllm = make_engine(args, name, self.accelerator, processing_class.pad_token_id,
+                                    processing_class.eos_token_id, extra)
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
         self._shuffle = torch.Generator().manual_seed(args.seed + 1)
         self.loss_mode, self.global_denominator = loss_types()[args.loss_type]
@@ -359,6 +371,14 @@ class OnlineTrainer(BaseTrainer):
         sampling settings (`sampling` None) and `self.replays`, the rollout keeps the linear outputs.
         continue_turn: a multi-turn rollout's `Episodes` (see `generate`)."""
         tok = self.processing_class
+        if self.vllm is not None:
+            if self.state.global_step != self._vllm_synced_step:  # the policy moved since vLLM's weights were set
+                from posttrain.rollout.vllm_engine import policy_weights
+
+                self.vllm.load_weights(policy_weights(self.policy))
+                self.accelerator.wait_for_everyone()  # server mode: the main process sends for all
+                self._vllm_synced_step = self.state.global_step
+            return self.vllm.generate(prompt_ids, sampling or self.sampling)
         return generate(self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
                         eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator,
                         record_linears=self.replays and sampling is None, continue_turn=continue_turn)
@@ -449,6 +469,10 @@ class OnlineTrainer(BaseTrainer):
                  "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
                  "old_logp": rollout.logprobs.float()}
         batch = {k: v.to(device) for k, v in batch.items()}
+        if self.vllm is not None:  # vLLM's log-probs are not the policy's: kept for the importance weights only
+            batch["vllm_logp"] = batch["old_logp"]
+            if not self.old_is_current or args.kl_in_reward:  # where pi_old is read before the loss's forward
+                batch["old_logp"] = self._no_grad_forward(self.policy, batch)
         N, C = batch["completion_ids"].shape
         batch["rollout_row"] = torch.arange(N, device=device)  # where each row's sampler record is
         self._replay = rollout.linear_outputs
@@ -506,6 +530,7 @@ class OnlineTrainer(BaseTrainer):
     #   completion_mask (B, C) 1 up to and including the stop token (attention)
     #   loss_mask (B, C) completion_mask, 0 for masked truncated rows   advantages (B, C), 0 on padding
     #   old_logp (B, C) log pi_old, the sampler's   ref_logp (B, C) only with beta > 0 and the KL in the loss
+    #   vllm_logp (B, C) only with use_vllm: vLLM's log-prob of each sampled token (old_logp is then the policy's)
     #   old_values, returns (B, C) only with a critic
     #   denominator, token_denominator: scalars, this optimizer step's global counts / processes
     #   old_is_current: bool, the policy has not moved since sampling (old_logp = logp.detach())
@@ -594,6 +619,9 @@ class OnlineTrainer(BaseTrainer):
         old_logp = logp.detach() if inputs["old_is_current"] else inputs["old_logp"]
         per_token, stats = POLICY_LOSSES[args.policy_loss].fn(logp, old_logp, inputs["advantages"], mask,
                                                               **self._options("policy_loss"))
+        if "vllm_logp" in inputs and args.vllm_importance_sampling_correction:  # sampled by vLLM, not by pi_old
+            per_token = per_token * truncated_importance_weights(old_logp, inputs["vllm_logp"],
+                                                                 args.vllm_importance_sampling_clip_max)
         metrics = {"loss/policy_avg": masked_mean(per_token.detach(), mask)}
         if "ref_logp" in inputs:  # GRPO: beta * KL(pi || ref) per token, in the loss
             kl = kl_penalty(logp, inputs["ref_logp"], args.kl_estimator)

