@@ -160,7 +160,7 @@ class ColocateEngine:
         if num_processes % tp:
             raise ValueError(f"vllm_tensor_parallel_size={tp} must divide the number of processes ({num_processes})")
         self.tp, self.pad_token_id, self.eos_token_id = tp, pad_token_id, eos_token_id
-        self.extra, self.sleeps = dict(extra_sampling or {}), args.vllm_enable_sleep_mode
+        self.extra, self.sleeps, self.asleep = dict(extra_sampling or {}), args.vllm_enable_sleep_mode, False
         self.group = None
         if tp > 1:  # the processes of one tensor-parallel group generate one batch: their prompts, gathered
             self.group, _ = torch.distributed.new_subgroups(group_size=tp)
@@ -180,8 +180,19 @@ class ColocateEngine:
                             # log-probs after temperature: the distribution the trainer's log-probs are taken under
                             logprobs_mode="processed_logprobs")
         self.SamplingParams = vllm.SamplingParams
-        if self.sleeps:
+        self._sleep()
+
+    # Sleep mode: vLLM's weights go to CPU memory and its KV cache is freed while the policy trains; it wakes
+    # for a weight sync (always followed by a generation) and sleeps again after the generation.
+    def _sleep(self):
+        if self.sleeps and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Rollout:
         mine = len(prompt_ids)
@@ -190,12 +201,10 @@ class ColocateEngine:
             torch.distributed.all_gather_object(parts, prompt_ids, group=self.group)
             offset = sum(map(len, parts[:torch.distributed.get_rank(self.group)]))
             prompt_ids = [ids for part in parts for ids in part]
-        if self.sleeps:
-            self.llm.wake_up()
+        self._wake()
         params = self.SamplingParams(**sampling_fields(sampling, self.extra), logprobs=0)
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
-        if self.sleeps:
-            self.llm.sleep(level=1)
+        self._sleep()
         if self.group is not None:
             outputs = outputs[offset:offset + mine]
         rows = [(list(out.prompt_token_ids), list(c.token_ids),
@@ -205,13 +214,10 @@ class ColocateEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy the policy's weights into vLLM's model, then drop the KV blocks computed with the old ones."""
-        if self.sleeps:
-            self.llm.wake_up()
+        self._wake()
         for name, tensor in weights:  # one at a time: a ZeRO-3 parameter is whole only while it is yielded
             self.llm.apply_model(lambda model, item=(name, tensor): model.load_weights([item]))
         self.llm.reset_prefix_cache()
-        if self.sleeps:
-            self.llm.sleep(level=1)
 
 
 # ---------------------------------------------------------------- server
@@ -281,7 +287,10 @@ class ServerEngine:
         return to_rollout(prompts, completions, logprobs, truncated, self.pad_token_id, self.eos_token_id)
 
     def init_communicator(self) -> None:
-        world = int(self._request("/get_world_size/", method="GET")["world_size"])
+        try:
+            world = int(self._request("/get_world_size/", method="GET")["world_size"])
+        except RuntimeError:  # TRL 0.17's server, one worker per tensor-parallel rank, says only this
+            world = int(self._request("/get_tensor_parallel_size/", method="GET")["tensor_parallel_size"])
         self.rank, world_size = world, world + 1  # the server's workers are ranks 0 .. world - 1
         payload = {"host": "0.0.0.0", "port": self.group_port, "world_size": world_size}
         if self.device is not None and torch.device(self.device).type == "cuda":

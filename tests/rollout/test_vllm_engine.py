@@ -224,9 +224,12 @@ def test_sleep_mode_wakes_for_generation_and_sync(tmp_path, fake_vllm):
                             tok.eos_token_id)
     llm = FakeLLM.instances[0]
     assert llm.sleeping
+    engine.load_weights(policy_weights(load_causal_lm(TINY)))  # awake for the sync and the generation after it
+    assert not llm.sleeping and llm.prefix_resets == 1 and llm.model.loaded
     engine.generate([[5, 6]], SamplingConfig(max_new_tokens=2))  # FakeLLM.generate asserts it is awake
-    engine.load_weights(policy_weights(load_causal_lm(TINY)))
-    assert llm.sleeping and llm.prefix_resets == 1
+    assert llm.sleeping
+    engine.generate([[5, 6]], SamplingConfig(max_new_tokens=2))
+    assert llm.sleeping and len(llm.calls) == 2
 
 
 def test_trainer_syncs_every_weight_before_each_generation(tmp_path, fake_vllm):
@@ -328,7 +331,7 @@ class FakeServer:
             for p in self.model.parameters():
                 p.add_(0.5)
         self.requests, self.announced, self.received, self.barriers = [], [], {}, 0
-        self.policy, self.in_sync = None, []
+        self.policy, self.in_sync, self.legacy = None, [], False
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -347,8 +350,10 @@ class FakeServer:
                 server.requests.append((self.path, None))
                 if self.path == "/health/":
                     return self._reply({"status": "ok"})
-                if self.path == "/get_world_size/":
+                if self.path == "/get_world_size/" and not server.legacy:
                     return self._reply({"world_size": 1})
+                if self.path == "/get_tensor_parallel_size/":
+                    return self._reply({"tensor_parallel_size": 2})
                 self._reply({"detail": "Not Found"}, 404)
 
             def do_POST(self):
@@ -459,6 +464,14 @@ def test_server_weight_sync_sends_every_tensor(server):
     assert paths[-1] == "/reset_prefix_cache/"
     engine.close()
     assert server.requests[-1][0] == "/close_communicator/"
+
+
+def test_server_world_size_of_an_older_server(server):
+    """TRL 0.17's server has no /get_world_size/, only /get_tensor_parallel_size/."""
+    server.legacy = True
+    engine = client(server)
+    engine.init_communicator()
+    assert engine.communicator.args[2:] == (2, 3)
 
 
 def test_server_not_main_process_sends_nothing(server):
