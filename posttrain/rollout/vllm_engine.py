@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import socket
 import sys
 import time
 import urllib.error
@@ -110,8 +112,9 @@ def policy_weights(model) -> Iterator[tuple[str, Tensor]]:
     reads a checkpoint. A PEFT model is merged for the duration (its base names, adapters left out);
     FSDP2 DTensors are gathered (`full_tensor`, every process must iterate); ZeRO-3 parameters are gathered
     one at a time (every process must iterate)."""
-    peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
-    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+    from posttrain.models.loading import is_peft_model, zero3_partitioned
+
+    peft, zero3 = is_peft_model(model), zero3_partitioned(model)
     if peft:
         model.merge_adapter()
     try:
@@ -165,11 +168,12 @@ class ColocateEngine:
         if tp > 1:  # the processes of one tensor-parallel group generate one batch: their prompts, gathered
             self.group, _ = torch.distributed.new_subgroups(group_size=tp)
         if num_processes == 1:  # external_launcher reads the torch.distributed rendezvous from the environment
-            import os
-
-            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"),
-                               ("MASTER_PORT", "29511")):
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost")):
                 os.environ.setdefault(key, value)
+            if "MASTER_PORT" not in os.environ:
+                with socket.socket() as probe:  # a free port
+                    probe.bind(("localhost", 0))
+                    os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
         max_len = args.vllm_max_model_length
         if max_len is None and args.max_prompt_length:
             max_len = args.max_prompt_length + args.max_completion_length
