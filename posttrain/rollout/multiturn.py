@@ -91,12 +91,15 @@ class Episodes:
                                                                           skip_special_tokens=True)))
         return self.turns
 
-    def metrics(self) -> dict[str, float]:
-        N = max(len(self.calls), 1)
-        calls = sum(self.calls)
-        return {"tools/calls_per_completion": calls / N,
-                "tools/failure_rate": sum(self.failures) / calls if calls else 0.0,
-                "tools/turns_per_episode": sum(self.iterations) / N + 1}
+    def metrics(self, gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> dict[str, float]:
+        """Tool metrics over the rows of every process: `gather` takes this process's (N,) per-row counts to
+        all processes' (the trainer's row gather; every process must call it, in the same order)."""
+        calls, failures, iterations = (gather(torch.tensor(v, dtype=torch.float32))
+                                       for v in (self.calls, self.failures, self.iterations))
+        total = calls.sum().item()
+        return {"tools/calls_per_completion": calls.mean().item() if calls.numel() else 0.0,
+                "tools/failure_rate": failures.sum().item() / total if total else 0.0,
+                "tools/turns_per_episode": (iterations.mean().item() if iterations.numel() else 0.0) + 1}
 
 
 class Tooling:

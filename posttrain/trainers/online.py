@@ -404,7 +404,7 @@ class OnlineTrainer(BaseTrainer):
             columns["environments"] = environments
             prompts[:] = episodes.prompts  # with reset()'s text: the reward functions get the prompts the model saw
         rollout = self.sample_completions(prompt_ids or inputs["prompt_ids"], sampling, continue_turn=episodes)
-        self.record(episodes.metrics(), mode)
+        self.record(episodes.metrics(lambda x: self._gather_rows(x.to(self.accelerator.device))), mode)
         return rollout, episodes
 
     @torch.no_grad()
@@ -603,6 +603,8 @@ class OnlineTrainer(BaseTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         index = inputs["micro_index"]
         if index == 0 or not self._buffer:
+            # FSDP2 shards policy + critic as one module: the sampler's policy-alone forwards gather through it
+            loading.route_through_fsdp_root(model, self.policy)
             self._replay = None  # the last batch's record goes before sampling the next
             self._buffer = self.make_experience(inputs)
         loss = super().training_step(model, self._buffer[index], num_items_in_batch)

@@ -1,0 +1,49 @@
+"""GRPO with tools on 2 CPU processes (accelerate launch, gloo) equals 1 process with the same global batch:
+a tool function (`tools=`) and an environment (`environment_factory=GuessNumberEnv`), each rollout with tool
+turns fed into the KV cache. Launched as in test_distributed.py (`--multi_gpu`, the script sets `use_cpu=True`).
+
+tiny-qwen2 is first fitted on tool-call traces (test_agentic.fit_caller), so its rollouts call the tools.
+"""
+
+import functools
+import json
+import os
+import sys
+
+import pytest
+import torch
+from tests.helpers.launch import free_port, run_launch
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_tools.py")
+_run = functools.partial(run_launch, timeout=300, path=os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="module")
+def caller_weights(tmp_path_factory):
+    from tests.trainers.test_agentic import fit_caller
+
+    path = tmp_path_factory.mktemp("caller") / "weights.pt"
+    torch.save(fit_caller(), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["tool", "env"])
+def test_two_processes_match_one_with_tools(tmp_path, caller_weights, kind):
+    pytest.importorskip("accelerate")
+    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+    # 1 process x 8 episodes (2 prompts) vs 2 processes x 4 episodes (1 prompt each)
+    _run([sys.executable, SCRIPT, one, "8", kind, caller_weights], tmp_path)
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+          SCRIPT, two, "4", kind, caller_weights], tmp_path)
+    a, b = (json.load(open(p)) for p in (one, two))
+    assert (a["processes"], b["processes"]) == (1, 2)
+    assert a["calls"] > 0 and a["turns"] > 1  # the episodes had tool turns
+    assert a["reward_std"] > 0  # and advantages that are not all 0, so the update depends on them
+    assert a["replayed"] > 0 and b["replayed"] > 0  # the training forward replayed the multi-turn sampler's
+    # the same episodes were sampled and scored
+    assert (b["calls"], b["turns"]) == pytest.approx((a["calls"], a["turns"]), abs=1e-6)
+    assert (b["reward"], b["reward_std"]) == pytest.approx((a["reward"], a["reward_std"]), abs=1e-6)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    for name, value in a["weights"].items():
+        assert b["weights"][name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
