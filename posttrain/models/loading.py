@@ -348,6 +348,31 @@ def fully_shard_frozen(model):
     return model.eval()
 
 
+def route_through_fsdp_root(root, part):
+    """Let `part`, a submodule of the FSDP2-sharded `root` that is not sharded on its own (PPO's policy inside
+    the module that also holds the critic), be called alone, as the sampler calls the policy: its forward then
+    runs the root's FSDP hooks, which gather the root's own parameters (embeddings, final norm, LM head: those
+    outside the sharded decoder layers) that the part would otherwise meet as shards. Called from within the
+    root's forward, the part runs as it is. A no-op unless `root` is FSDP2-sharded, and when done already."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(root, FSDPModule) or isinstance(part, FSDPModule) or "forward" in vars(part):
+        return
+    inner, in_root = part.forward, []  # in_root: non-empty while the root's own forward runs
+
+    def enter(*args):
+        in_root.append(True)
+
+    def leave(*args):
+        in_root.pop()
+
+    root.register_forward_pre_hook(enter)
+    root.register_forward_hook(leave)
+    root.forward_of_part = inner
+    register_fsdp_forward_method(root, "forward_of_part")
+    part.forward = lambda *args, **kwargs: (inner if in_root else root.forward_of_part)(*args, **kwargs)
+
+
 def apply_peft(model, peft_config):
     """Wrap `model` with a PEFT adapter (LoRA, ...) when a config is given."""
     if peft_config is None:

@@ -1,4 +1,4 @@
-"""One GRPO (or RLOO) step with the policy sharded by FSDP2 (`fully_shard`) over CPU processes (gloo), run by
+"""One GRPO (or RLOO, or PPO) step with the policy sharded by FSDP2 (`fully_shard`) over CPU processes (gloo), run by
 tests/trainers/test_fsdp.py under torchrun, and as a plain single process for the reference; writes the
 first-step loss, the updated weights and what each process's sampler did.
 
@@ -24,6 +24,7 @@ from distributed_grpo import PerPromptSeededGRPO, first_token_reward
 from posttrain.cli import close_process_group
 from posttrain.data.builtin import task_dataset
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
 
@@ -53,29 +54,35 @@ def _counting(base):
 
 
 def _shard(trainer):
+    """As accelerate's FSDP2 path: each decoder layer, then the model the Trainer trains (for PPO the policy
+    with its value head)."""
     from torch.distributed.fsdp import fully_shard
 
-    policy = trainer.model
-    for layer in policy.model.layers:
+    for layer in trainer.policy.model.layers:
         fully_shard(layer)
-    fully_shard(policy)
+    fully_shard(trainer.model)
     trainer.accelerator.prepare_model = lambda model, *args, **kwargs: model  # sharded already: no DDP on top
 
 
 def main(out_path: str, per_device_batch: int, uneven: bool, algorithm: str):
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    config, trainer_class = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[algorithm]
+    config, trainer_class = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer),
+                             "ppo": (PPOConfig, PPOTrainer)}[algorithm]
+    # PPO: one completion per prompt (4 times the prompts), one epoch of one mini-batch: one optimizer step
+    per_algorithm = dict(num_ppo_epochs=1, num_mini_batches=1) if algorithm == "ppo" else dict(num_generations=4)
     # no replay of the sampler's linear outputs: it needs the lean decoding step, which sharded weights turn
     # off, and the reference must compute the training forward the same way. Plain SGD: the update is the
     # gradient itself (Adam's first step, about lr * sign(gradient), would hide a wrongly scaled gradient)
-    args = config(replay_linear_outputs=False, output_dir=out_path + ".run", num_generations=4,
+    args = config(**per_algorithm, replay_linear_outputs=False, output_dir=out_path + ".run",
                   per_device_train_batch_size=per_device_batch, max_completion_length=6, optim="sgd",
                   learning_rate=1.0, max_steps=1, logging_steps=1, beta=0.1, shuffle_dataset=False, report_to="none",
                   disable_tqdm=True, use_cpu=True, ddp_backend="gloo" if world > 1 else None, save_strategy="no")
     prompts = task_dataset("reverse", "train", size=16).remove_columns("completion")
-    trainer = _counting(trainer_class)("posttrain/tiny-qwen2", first_token_reward, args=args, train_dataset=prompts)
+    trainer = _counting(trainer_class)(model="posttrain/tiny-qwen2", reward_funcs=first_token_reward, args=args,
+                                       train_dataset=prompts)
     rank = trainer.accelerator.process_index
-    start = {name: p.detach().double().sum().item() for name, p in trainer.policy.named_parameters()}
+    # the policy's weights, and for PPO its value head's
+    start = {name: p.detach().double().sum().item() for name, p in trainer.model.named_parameters()}
     if uneven and rank == 0:
         vocab = trainer.policy.get_output_embeddings().weight.shape[0]
         trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=tuple(range(vocab)))
@@ -84,7 +91,7 @@ def main(out_path: str, per_device_batch: int, uneven: bool, algorithm: str):
     trainer.train()
     sharded = any(type(p).__name__ == "DTensor" for p in trainer.policy.parameters())
     weights = {}
-    for name, p in trainer.policy.named_parameters():  # full_tensor gathers: every rank takes part
+    for name, p in trainer.model.named_parameters():  # full_tensor gathers: every rank takes part
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         weights[name] = full.detach().double().sum().item()
     with open(f"{out_path}.{rank}", "w") as f:
@@ -99,6 +106,6 @@ def main(out_path: str, per_device_batch: int, uneven: bool, algorithm: str):
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "uneven", sys.argv[4])  # even | uneven, grpo | rloo
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "uneven", sys.argv[4])  # even | uneven, grpo | rloo | ppo
     finally:  # see cli.close_process_group
         close_process_group()

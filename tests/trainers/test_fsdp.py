@@ -1,4 +1,4 @@
-"""GRPO and RLOO with the policy sharded by FSDP2 (`fully_shard`) on 2 CPU processes (gloo).
+"""GRPO, RLOO and PPO with the policy sharded by FSDP2 (`fully_shard`) on 2 CPU processes (gloo).
 
 accelerate 1.15 runs no FSDP on the CPU (with `use_cpu=True` an FSDP launch becomes DDP), so the script
 (`fsdp_grpo.py`) is launched by torchrun and shards the policy itself, as accelerate's FSDP2 path does.
@@ -25,12 +25,15 @@ def _two_processes(tmp_path, out, *args, **env):
 
 
 @pytest.mark.slow
-def test_two_sharded_processes_match_one(tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_two_sharded_processes_match_one(tmp_path, algorithm):
+    """PPO: the sharded module is the policy with its value head, and the sampler calls the policy alone
+    (`loading.route_through_fsdp_root`); its weights include the value head's."""
     pytest.importorskip("accelerate")
     one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
-    # 1 plain process x 8 completions (2 prompts) vs 2 FSDP2 processes x 4 completions (1 prompt each)
-    _run([sys.executable, SCRIPT, one, "8", "even", "grpo"], tmp_path)
-    ranks = _two_processes(tmp_path, two, "4", "even", "grpo")
+    # 1 plain process x 8 completions (GRPO: 2 prompts, PPO: 8) vs 2 FSDP2 processes x 4 completions
+    _run([sys.executable, SCRIPT, one, "8", "even", algorithm], tmp_path)
+    ranks = _two_processes(tmp_path, two, "4", "even", algorithm)
     a, b = (json.load(open(p)) for p in (one, two))
     assert (a["processes"], b["processes"]) == (1, 2)
     assert all(r["sharded"] for r in ranks)
@@ -40,6 +43,7 @@ def test_two_sharded_processes_match_one(tmp_path):
     # one SGD step at lr 1: each weight moved by its gradient; FSDP2 reduce-scatters the gradients (another
     # summation order than one process), so the moves are equal up to float rounding
     moves = {name: a["weights"][name] - a["start"][name] for name in a["weights"]}
+    assert any(name.startswith("v_head.") for name in moves) == (algorithm == "ppo")
     assert all(abs(m) > 1e-5 for m in moves.values()), moves  # every parameter moved, by more than the tolerance
     for name, move in moves.items():
         assert b["weights"][name] - b["start"][name] == pytest.approx(move, rel=1e-4, abs=1e-6), name
