@@ -77,6 +77,8 @@ def main(out_path: str, algorithm: str, processes: int):
     trainer.train()
     steps = [log for log in trainer.state.log_history if "loss" in log]
     ref = getattr(trainer, "ref_model", None)
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    critic = getattr(unwrapped, "v_head", None) or getattr(unwrapped, "value_model", None)
     scorer = getattr(trainer, "reward_scorer", None)
     reward_models = [m for m in (scorer.funcs if scorer else ()) if isinstance(m, torch.nn.Module)]
     after = _weights(trainer.accelerator.unwrap_model(trainer.model)) if algorithm.startswith("ppo") else {}
@@ -91,6 +93,7 @@ def main(out_path: str, algorithm: str, processes: int):
                    "policy_partitioned": zero3_partitioned(trainer.model),
                    "ref_partitioned": ref is not None and zero3_partitioned(ref),
                    "reward_models_partitioned": [zero3_partitioned(m) for m in reward_models],
+                   "critic_partitioned": critic is not None and zero3_partitioned(critic),
                    "moves": moves}, f)
 
 

@@ -53,6 +53,7 @@ def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algori
     assert zero["policy_partitioned"] == (stage == 3) and not plain["policy_partitioned"]
     # ZeRO-3 partitions the reference (DPO, GRPO with beta > 0) like the policy; ZeRO-2 keeps whole weights
     assert zero["ref_partitioned"] == (stage == 3 and algorithm != "sft")
+    assert zero["critic_partitioned"] == (stage == 3 and algorithm.startswith("ppo"))  # trained with the policy
     if algorithm == "dpo_sync":  # the synced reference changed the second loss
         assert plain["loss"][1] != pytest.approx(plain_runs("dpo")["loss"][1], rel=1e-4)
     assert zero["reward_models_partitioned"] == ([stage == 3] if algorithm in ("grpo_rm", "ppo_critic") else [])
