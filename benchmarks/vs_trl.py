@@ -22,6 +22,8 @@ Workloads (default: all but the long ones; --long adds those):
   rloo         the same with the leave-one-out baseline, KL penalty 0.05, num_iterations=1 on both
   sft-long     SFT, batch 2, max_length 2048 (documents of 512-3072 tokens cut to 2048)       [--long]
   grpo-long    GRPO with completions of <= 256 tokens                                      [--long]
+  grpo_tools   multi-turn GRPO with a calculator tool (`tools=`): 2 prompts x 4 episodes x <= 3 tool turns,
+               SmolLM2 fitted once to call it; vs_trl_tools_worker.py (what it matches: its docstring)
 PPO and BCO are not in TRL 1.16 (they moved to trl.experimental in 1.12) and are not compared.
 
 Measured (see benchmarks/README.md): per step, the wall time from the previous step's end to this
@@ -74,6 +76,10 @@ WORKLOADS = {
     "grpo-long": dict(trainer="grpo", data="prompts", unit="samples", long=True, config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=256, learning_rate=1e-6,
         temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
+    "grpo_tools": dict(trainer="grpo", data="tool-prompts", unit="samples", model="tools",
+                       worker="vs_trl_tools_worker.py", config=dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=256, max_tool_calling_iterations=3,
+        learning_rate=1e-6, temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
 }
 SIDES = ("trl", "posttrain")
 
@@ -196,7 +202,7 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
         ctx = lengths["pair/context"]
         per_token = 3 * forward(ctx) + forward(ctx) if spec["trainer"] == "dpo" else 3 * forward(ctx, n - output)
         return per_token * lengths["pair/tokens"]
-    tokens = lengths["prompt/tokens"] + completion_len
+    tokens = lengths.get(spec["data"] + "/tokens", lengths["prompt/tokens"]) + completion_len
     passes = 1 + 3 + (1 if spec["trainer"] == "rloo" else 0)
     return passes * forward((tokens + 1) / 2) * tokens
 
@@ -234,8 +240,9 @@ def run_worker(side: str, workload: str, args, models: dict, data: dict, scratch
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("PYTHONPATH", None)  # the TRL side must not see posttrain
-    proc = subprocess.run([str(python), str(HERE / "vs_trl_worker.py"), str(spec_path)], capture_output=True,
-                          text=True, env=env, cwd=scratch)
+    worker = HERE / spec.get("worker", "vs_trl_worker.py")
+    proc = subprocess.run([str(python), str(worker), str(spec_path)], capture_output=True, text=True, env=env,
+                          cwd=scratch)
     if proc.returncode != 0 or not out.exists():  # reported, and the other workloads still run
         print(f"{workload} on {side} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
         return None
@@ -263,6 +270,7 @@ def summarise(r: dict, unit: str) -> dict:
             "items_per_step": statistics.mean(items), "first_loss": losses[0] if losses else None,
             "completion_len": statistics.mean(lengths) if lengths else None, "peak_rss_mib": r["peak_rss_mib"],
             "samples_per_step": statistics.mean(r["samples"]) if r["samples"] else None,
+            "tool_calls": r.get("tool_calls"), "prefill": r.get("prefill_tokens"),
             "versions": r["versions"], "dtype": r["dtype"], "precision": r.get("precision", r["dtype"]),
             "threads": r["threads"], "times": times}
 
@@ -275,8 +283,13 @@ def same_work(workload: str, trl: dict, ours: dict) -> tuple[bool, str]:
     if unit == "samples":
         limit = WORKLOADS[workload]["config"]["max_completion_length"]
         ok = trl["samples_per_step"] == ours["samples_per_step"] and trl["items_per_step"] == ours["items_per_step"]
-        return ok, (f"samples/step {trl['samples_per_step']:g} / {ours['samples_per_step']:g}, <= {limit} tokens each; "
-                    f"mean completion {_fmt(trl['completion_len'])} / {_fmt(ours['completion_len'])} tokens")
+        note = (f"samples/step {trl['samples_per_step']:g} / {ours['samples_per_step']:g}, <= {limit} tokens each; "
+                f"mean completion {_fmt(trl['completion_len'])} / {_fmt(ours['completion_len'])} tokens")
+        if trl.get("tool_calls") is not None:  # multi-turn: the same tool calls in every step; what each prefilled
+            ok = ok and trl["tool_calls"] == ours["tool_calls"]
+            note += (f"; tool calls per step {trl['tool_calls']} / {ours['tool_calls']}; prompt tokens prefilled "
+                     f"per step {trl['prefill']} / {ours['prefill']}")
+        return ok, note
     a, b = trl["first_loss"], ours["first_loss"]
     note = f"first loss {_fmt(a, 4)} / {_fmt(b, 4)}"
     if WORKLOADS[workload]["config"].get("packing"):
@@ -324,6 +337,11 @@ def main():
     cache.mkdir(parents=True, exist_ok=True)
     models = prepare_models(cache)
     data, lengths = prepare_data(cache, models["causal"])
+    if any(WORKLOADS[n].get("model") == "tools" for n in names):  # SmolLM2 fitted to call the tool, once (cached)
+        import vs_trl_tools_worker
+
+        models["tools"], data["tool-prompts"], lengths["tool-prompts/tokens"] = vs_trl_tools_worker.prepare(
+            cache, models["causal"])
     model_shape = linear_params(models["causal"])
     peak_before = matmul_peak(args.threads)
     load_before = os.getloadavg()[0]
