@@ -8,11 +8,14 @@ token's log-prob, as a `Rollout` (`to_rollout`).
 - `ColocateEngine` (`vllm_mode="colocate"`): a `vllm.LLM` in the training process, sharing its GPU
   (`vllm_gpu_memory_utilization`). Weights are loaded into it by reference through
   `LLM.apply_model(model.load_weights)`, then its prefix cache is reset.
-- `ServerEngine` (`vllm_mode="server"`): a client of the HTTP server that TRL's `trl vllm-serve`
-  ran up to TRL 0.2x (`/health/`, `/get_world_size/`, `/generate/`, `/init_communicator/`,
-  `/update_named_param/`, `/reset_prefix_cache/`, `/close_communicator/`). Each weight is announced
-  over HTTP and then broadcast from this process over vLLM's NCCL communicator
-  (`PyNcclCommunicator` on a `StatelessProcessGroup`), in which this process is the last rank.
+- Server mode (`vllm_mode="server"`): a client of a vLLM server on other GPUs, of whichever protocol it speaks
+  (`speaks_openai` probes GET /v1/models). `ServerEngine`: vLLM's OpenAI-compatible server, which TRL 1.x's
+  `trl vllm-serve` runs (`vllm serve` with its development endpoints): /v1/completions from token ids, weights
+  through vLLM's weight-transfer engine (/init_weight_transfer_engine, /start_weight_update, /update_weights,
+  /finish_weight_update), the tensors broadcast over NCCL from this process as rank 0. `LegacyServerEngine`:
+  the server TRL 0.18-0.2x's `trl vllm-serve` ran (/generate/, /init_communicator/, /update_named_param/, ...),
+  the tensors broadcast from this process as the last rank. Both use vLLM's `PyNcclCommunicator` on a
+  `StatelessProcessGroup`, built by an injectable `communicator_factory`.
 
 What is synced and when: the trainer calls `load_weights(policy_weights(policy))` before a generation
 whenever an optimizer step has happened since the last one (and before the first): every tensor of
@@ -21,7 +24,7 @@ gathered. vLLM's log-probs are not the trainer's (other kernels, maybe another d
 recomputes the behaviour log-probs with the policy where they are used and weights each token's
 policy loss by `truncated_importance_weights` (TRL's `vllm_importance_sampling_correction`).
 
-Only the plumbing is tested here, against a fake `vllm` module and a local HTTP server
+Only the plumbing is tested here, against a fake `vllm` module and local HTTP servers of both protocols
 (tests/rollout/test_vllm_engine.py); vLLM itself and NCCL need a CUDA machine.
 """
 
@@ -32,10 +35,12 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -46,7 +51,7 @@ if TYPE_CHECKING:  # the config's check imports this module: keep that import li
     from posttrain.rollout.generate import Rollout, SamplingConfig
 
 VLLM_MODES = ("colocate", "server")
-# the sampling fields of the server's /generate/ request; it passes its generation_kwargs to SamplingParams
+# the sampling fields of the legacy server's /generate/ request; it passes its generation_kwargs to SamplingParams
 SERVER_REQUEST_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
@@ -77,7 +82,7 @@ def check_vllm(mode: str, use_vllm: bool = True) -> None:
 # ---------------------------------------------------------------- what both modes share
 
 def sampling_fields(sampling: SamplingConfig, extra: dict | None = None) -> dict:
-    """The keywords of vLLM's `SamplingParams` (and of the server's /generate/ request) for `sampling`;
+    """The keywords of vLLM's `SamplingParams` (and of the servers' /v1/completions and /generate/ requests) for `sampling`;
     `extra`: generation_kwargs keys the built-in sampler does not know, passed on unchanged."""
     return {"n": sampling.num_generations, "temperature": sampling.temperature if sampling.do_sample else 0.0,
             "top_p": sampling.top_p, "top_k": sampling.top_k or -1, "min_p": sampling.min_p,
@@ -111,7 +116,7 @@ def policy_weights(model) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, tensor) for each entry of the policy's state dict, as vLLM's `load_weights`
     reads a checkpoint. A PEFT model is merged for the duration (its base names, adapters left out);
     FSDP2 DTensors are gathered (`full_tensor`, every process must iterate); ZeRO-3 parameters are gathered
-    one at a time (every process must iterate)."""
+    one at a time and copied (every process must iterate)."""
     from posttrain.models.loading import is_peft_model, zero3_partitioned
 
     peft, zero3 = is_peft_model(model), zero3_partitioned(model)
@@ -124,8 +129,8 @@ def policy_weights(model) -> Iterator[tuple[str, Tensor]]:
             for name, param in model.named_parameters():
                 with deepspeed.zero.GatheredParameters([param]):
                     clean = _hf_name(name, peft)
-                    if clean is not None:
-                        yield clean, param.data
+                    if clean is not None:  # a copy: the server engine keeps a chunk of tensors after they are yielded
+                        yield clean, param.data.clone()
             return
         for name, tensor in model.state_dict().items():
             clean = _hf_name(name, peft)
@@ -224,50 +229,240 @@ class ColocateEngine:
         self.llm.reset_prefix_cache()
 
 
-# ---------------------------------------------------------------- server
+# ---------------------------------------------------------------- server: HTTP plumbing both protocols share
 
-class ServerEngine:
-    """A client of the `trl vllm-serve` server (TRL 0.2x's HTTP protocol). Every process sends its own prompts
-    to /generate/; only the main process (`is_main`) sends weights: for each tensor, /update_named_param/
-    announces its name, dtype and shape, then the tensor is broadcast from this process's rank over the
-    communicator, and a barrier waits for the server's workers to have loaded it.
+class ServerError(RuntimeError):
+    """The vLLM server answered with an HTTP error (`code`: its status)."""
 
-    communicator_factory(host, port, rank, world_size, device) -> an object with `broadcast(tensor, src)` and
-    `group.barrier()`; by default vLLM's `PyNcclCommunicator` on a `StatelessProcessGroup` (needs CUDA)."""
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _http(base_url: str, path: str, payload: dict | None = None, method: str = "POST", timeout: float = 600.0):
+    """JSON over HTTP with the standard library; an error answer raises ServerError."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(f"{base_url}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as e:
+        raise ServerError(f"vLLM server {base_url}{path} answered {e.code}: "
+                          f"{e.read().decode(errors='replace')[:500]}", e.code) from e
+    return json.loads(body) if body else {}
+
+
+def _wait_for(base_url: str, path: str, timeout: float):
+    """GET `path` until the server answers it (retrying while nothing listens, or it answers 5xx while it
+    starts); its answer. A 4xx answer raises ServerError at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _http(base_url, path, method="GET", timeout=5.0)
+        except ServerError as e:
+            if e.code < 500:
+                raise
+            error = e
+        except (urllib.error.URLError, ConnectionError, OSError) as e:
+            error = e
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"no vLLM server answered at {base_url}{path} within vllm_server_timeout={timeout} "
+                                  "s; start one with `trl vllm-serve --model <the policy>` or set vllm_server_base_url "
+                                  f"/ vllm_server_host / vllm_server_port ({error})") from error
+        time.sleep(min(2.0, max(deadline - time.monotonic(), 0.0)))
+
+
+def speaks_openai(base_url: str, timeout: float) -> bool:
+    """Whether the server at `base_url` is vLLM's OpenAI-compatible server (it answers GET /v1/models), which
+    TRL 1.x's `trl vllm-serve` runs, rather than the server of TRL 0.18-0.2x's `trl vllm-serve` (404 there).
+    Waits up to `timeout` seconds for a server to answer at all."""
+    try:
+        _wait_for(base_url.rstrip("/"), "/v1/models", timeout)
+        return True
+    except ServerError as e:
+        if e.code == 404:
+            return False
+        raise
+
+
+class _Background:
+    """fn(*args) in a daemon thread: an HTTP request that the server answers only once the NCCL transfer it waits
+    for is done, so this process must run its side of the transfer meanwhile. `result()` waits and re-raises."""
+
+    def __init__(self, fn, *args):
+        self._out: dict = {}
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self._out["value"] = fn(*args)
+        except BaseException as e:  # re-raised in the caller's thread by result()
+            self._out["error"] = e
+
+    def result(self):
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out.get("value")
+
+
+class _ServerClient:
+    """What both server protocols share: the URL, the health check, which process sends weights, and the
+    communicator that carries them.
+
+    communicator_factory(host, port, rank, world_size, device) -> an object with `broadcast(tensor, src)` (and,
+    for the legacy protocol, `group.barrier()`); by default vLLM's `PyNcclCommunicator` on a
+    `StatelessProcessGroup` (`nccl_communicator`; needs CUDA)."""
+
+    health_path = "/health"
 
     def __init__(self, base_url: str, timeout: float, group_port: int, pad_token_id: int, eos_token_id,
                  is_main: bool = True, device=None, extra_sampling: dict | None = None, communicator_factory=None):
         self.base_url, self.group_port, self.device = base_url.rstrip("/"), group_port, device
         self.pad_token_id, self.eos_token_id, self.is_main = pad_token_id, eos_token_id, is_main
         self.extra, self.communicator_factory = dict(extra_sampling or {}), communicator_factory or nccl_communicator
-        self.communicator, self.rank = None, None
+        self.communicator = None
         self.wait_until_healthy(timeout)
 
     def _request(self, path: str, payload: dict | None = None, method: str = "POST", timeout: float = 600.0):
-        data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(f"{self.base_url}{path}", data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                body = response.read()
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"vLLM server {self.base_url}{path} answered {e.code}: "
-                               f"{e.read().decode(errors='replace')[:500]}") from e
-        return json.loads(body) if body else {}
+        return _http(self.base_url, path, payload, method, timeout)
 
     def wait_until_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._request("/health/", method="GET", timeout=5.0)
-                return
-            except (urllib.error.URLError, ConnectionError, OSError) as e:
-                if time.monotonic() >= deadline:
-                    raise ConnectionError(f"no vLLM server answered at {self.base_url}/health/ within "
-                                          f"vllm_server_timeout={timeout} s; start one with `trl vllm-serve --model "
-                                          "<the policy>` or set vllm_server_base_url / vllm_server_host / "
-                                          f"vllm_server_port ({e})") from e
-                time.sleep(min(2.0, max(deadline - time.monotonic(), 0.0)))
+        _wait_for(self.base_url, self.health_path, timeout)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Send every weight (main process only; the others must still iterate `weights`, which may gather
+        sharded parameters collectively), then reset the server's prefix cache."""
+        if not self.is_main:
+            for _ in weights:
+                pass
+            return
+        self._send_weights(weights)
+
+
+# ---------------------------------------------------------------- server: vLLM's own server (TRL 1.x)
+
+# the most bytes of tensors announced by one /update_weights request (and held at once while they are sent)
+WEIGHT_CHUNK_BYTES = 256 << 20
+
+
+class ServerEngine(_ServerClient):
+    """A client of vLLM's OpenAI-compatible server with its development endpoints, as TRL 1.x's `trl vllm-serve`
+    runs it (`VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "nccl"}'
+    --logprobs-mode processed_logprobs`).
+
+    Generation: every process sends its own prompts, as token ids, in one POST /v1/completions with
+    `logprobs=0` (the sampled token's log-prob) and `return_token_ids`; the answer's choices are prompt-major
+    (choice `index` = prompt * n + sample) and `finish_reason == "length"` marks a truncated completion.
+
+    Weights, over vLLM's weight-transfer engine: once, /init_weight_transfer_engine opens an NCCL group in which
+    this (main) process is rank 0 and the server's W workers are ranks 1..W (`rank_offset` 1). Each sync is
+    /start_weight_update, then per chunk of tensors (up to `weight_chunk_bytes`) one /update_weights announcing
+    their names, dtypes and shapes, answered once the tensors, broadcast one by one from rank 0 meanwhile, are
+    loaded; then /finish_weight_update and /reset_prefix_cache. The tensors go unpacked (no `packed` field is
+    sent), which every vLLM with these endpoints reads the same way."""
+
+    def __init__(self, *args, weight_chunk_bytes: int = WEIGHT_CHUNK_BYTES, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chunk_bytes = weight_chunk_bytes
+        self.model = self._request("/v1/models", method="GET")["data"][0]["id"]
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Rollout:
+        n = sampling.num_generations
+        request = {"model": self.model, "prompt": [list(ids) for ids in prompt_ids],
+                   **sampling_fields(sampling, self.extra), "logprobs": 0, "return_token_ids": True}
+        choices = sorted(self._request("/v1/completions", request)["choices"], key=lambda c: c["index"])
+        if len(choices) != n * len(prompt_ids):
+            raise RuntimeError(f"the vLLM server returned {len(choices)} completions for {len(prompt_ids)} prompts x "
+                               f"n={n}")
+        rows = []
+        for i, choice in enumerate(choices):
+            if choice.get("token_ids") is None or not choice.get("logprobs"):
+                raise RuntimeError("the vLLM server's /v1/completions answer has no token_ids or logprobs: posttrain "
+                                   "needs a vLLM whose OpenAI server honours return_token_ids and logprobs")
+            rows.append((choice.get("prompt_token_ids") or prompt_ids[i // n], choice["token_ids"],
+                         choice["logprobs"]["token_logprobs"], choice["finish_reason"] == "length"))
+        return to_rollout(*zip(*rows), self.pad_token_id, self.eos_token_id)
+
+    def init_weight_transfer(self) -> None:
+        """Check that the server can take weights, then open the NCCL group with its workers."""
+        try:
+            config = self._request("/server_info?config_format=json", method="GET").get("vllm_config") or {}
+        except ServerError as e:
+            if e.code != 404:
+                raise
+            raise RuntimeError(f"the vLLM server at {self.base_url} does not expose its development endpoints, which "
+                               "the weight sync uses: start it with VLLM_SERVER_DEV_MODE=1 in its environment (`trl "
+                               "vllm-serve` does)") from e
+        if config.get("weight_transfer_config") is None:
+            raise RuntimeError(f"the vLLM server at {self.base_url} has no weight-transfer engine: start it with "
+                               """--weight-transfer-config '{"backend": "nccl"}' (`trl vllm-serve` does)""")
+        mode = (config.get("model_config") or {}).get("logprobs_mode")
+        if mode not in (None, "processed_logprobs"):
+            warnings.warn(f"the vLLM server returns {mode!r} log-probs; the importance-sampling correction expects "
+                          "them after temperature: start it with --logprobs-mode processed_logprobs", stacklevel=2)
+        world_size = int(self._request("/get_world_size", method="GET")["world_size"]) + 1
+        init_info = {"master_address": local_address(urllib.parse.urlparse(self.base_url).hostname),
+                     "master_port": self.group_port, "rank_offset": 1, "world_size": world_size}
+        # the server answers once its workers have joined the group, so this process joins meanwhile
+        answer = _Background(self._request, "/init_weight_transfer_engine", {"init_info": init_info})
+        self.communicator = self.communicator_factory(init_info["master_address"], self.group_port, 0, world_size,
+                                                      self.device)
+        answer.result()
+
+    def _send_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        if self.communicator is None:
+            self.init_weight_transfer()
+        self._request("/start_weight_update", {})
+        chunk, size = [], 0
+        for name, tensor in weights:
+            chunk.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.chunk_bytes:
+                self._send_chunk(chunk)
+                chunk, size = [], 0
+        if chunk:
+            self._send_chunk(chunk)
+        self._request("/finish_weight_update", {})
+        self._request("/reset_prefix_cache")
+
+    def _send_chunk(self, chunk: list[tuple[str, Tensor]]) -> None:
+        update_info = {"names": [name for name, _ in chunk],
+                       "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
+                       "shapes": [list(t.shape) for _, t in chunk]}
+        answer = _Background(self._request, "/update_weights", {"update_info": update_info})
+        for _, tensor in chunk:  # NCCL sends numel elements from data_ptr(): a view must be made contiguous
+            self.communicator.broadcast(tensor.contiguous(), src=0)
+        answer.result()
+
+    def close(self) -> None:
+        """Drop the weight-transfer group (the protocol has no endpoint to close it)."""
+        self.communicator = None
+
+
+def local_address(host: str | None) -> str:
+    """This machine's address on the route to `host`: where the server's workers reach the NCCL group's store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host or "127.0.0.1", 9))  # UDP: picks the route, sends nothing
+            return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+# ---------------------------------------------------------------- server: TRL 0.18-0.2x's own server (legacy)
+
+class LegacyServerEngine(_ServerClient):
+    """A client of the server that `trl vllm-serve` ran up to TRL 0.2x (`/health/`, `/get_world_size/`,
+    `/generate/`, `/init_communicator/`, `/update_named_param/`, `/reset_prefix_cache/`, `/close_communicator/`),
+    used when the server does not answer GET /v1/models. Every process sends its own prompts to /generate/;
+    only the main process sends weights: for each tensor, /update_named_param/ announces its name, dtype and
+    shape, then the tensor is broadcast from this process's rank (the last: the server's workers are ranks
+    0 .. W - 1) over the communicator, and a barrier waits for the server's workers to have loaded it."""
+
+    health_path = "/health/"
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Rollout:
         fields = sampling_fields(sampling, self.extra)
@@ -293,7 +488,7 @@ class ServerEngine:
     def init_communicator(self) -> None:
         try:
             world = int(self._request("/get_world_size/", method="GET")["world_size"])
-        except RuntimeError:  # TRL 0.17's server, one worker per tensor-parallel rank, says only this
+        except ServerError:  # TRL 0.17's server, one worker per tensor-parallel rank, says only this
             world = int(self._request("/get_tensor_parallel_size/", method="GET")["tensor_parallel_size"])
         self.rank, world_size = world, world + 1  # the server's workers are ranks 0 .. world - 1
         payload = {"host": "0.0.0.0", "port": self.group_port, "world_size": world_size}
@@ -303,13 +498,7 @@ class ServerEngine:
         host = urllib.parse.urlparse(self.base_url).hostname
         self.communicator = self.communicator_factory(host, self.group_port, self.rank, world_size, self.device)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Send every weight (main process only; the others must still iterate `weights`, which may gather
-        sharded parameters collectively), then reset the server's prefix cache."""
-        if not self.is_main:
-            for _ in weights:
-                pass
-            return
+    def _send_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         if self.communicator is None:
             self.init_communicator()
         for name, tensor in weights:
@@ -330,7 +519,8 @@ class ServerEngine:
 
 
 def nccl_communicator(host: str, port: int, rank: int, world_size: int, device):
-    """vLLM's NCCL communicator between this process and the server's workers (needs CUDA and vLLM)."""
+    """vLLM's NCCL communicator between this process and the server's workers (needs CUDA and vLLM); the group's
+    store listens at host:port on rank 0's machine."""
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
@@ -339,7 +529,8 @@ def nccl_communicator(host: str, port: int, rank: int, world_size: int, device):
 
 
 def make_engine(args, model_name: str, accelerator, pad_token_id: int, eos_token_id, extra_sampling: dict | None = None):
-    """The engine `use_vllm=True` asks for (`vllm_mode`)."""
+    """The engine `use_vllm=True` asks for (`vllm_mode`); in server mode, the client of the protocol the server
+    speaks (`speaks_openai`)."""
     if args.vllm_mode == "colocate":
         if not model_name:
             raise ValueError("vllm_mode='colocate' loads the policy into vLLM from its name or path, and this policy "
@@ -349,7 +540,8 @@ def make_engine(args, model_name: str, accelerator, pad_token_id: int, eos_token
         return ColocateEngine(resolve(model_name), args, accelerator.num_processes, accelerator.process_index, pad_token_id,
                               eos_token_id, extra_sampling)
     base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-    engine = ServerEngine(base_url, args.vllm_server_timeout, args.vllm_group_port, pad_token_id, eos_token_id,
+    engine_class = ServerEngine if speaks_openai(base_url, args.vllm_server_timeout) else LegacyServerEngine
+    engine = engine_class(base_url, args.vllm_server_timeout, args.vllm_group_port, pad_token_id, eos_token_id,
                           is_main=accelerator.is_main_process, device=accelerator.device, extra_sampling=extra_sampling)
     import atexit
 

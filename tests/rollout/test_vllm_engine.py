@@ -2,8 +2,10 @@
 
 No vLLM runs here. A fake `vllm` module stands in for it (`FakeLLM`: samples with posttrain's own
 sampler and tiny model, and its `load_weights` really copies tensors into that model), and the server
-mode talks to a real HTTP server in a thread that implements the endpoints of `trl vllm-serve`, with a
-fake communicator in place of the NCCL broadcast (which needs a GPU and vLLM). These tests check that
+mode talks to real HTTP servers in threads: one with the endpoints of vLLM's OpenAI-compatible server
+that TRL 1.x's `trl vllm-serve` runs (`FakeVllmServer`), one with those of TRL 0.2x's own server
+(`LegacyFakeServer`), each with a fake communicator in place of the NCCL broadcast (which needs a GPU
+and vLLM). These tests check that
 our side sends the right fields, reads the answers in the right order, syncs every weight at the
 right time and weights the loss correctly; they say nothing about vLLM itself.
 """
@@ -12,9 +14,12 @@ import http.server
 import json
 import math
 import os
+import queue
+import random
 import sys
 import threading
 import types
+import urllib.parse
 
 import pytest
 import torch
@@ -23,7 +28,8 @@ from tests.helpers.online import first_token_reward, online_args, prompts, train
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rollout import vllm_engine
 from posttrain.rollout.generate import SamplingConfig, generate
-from posttrain.rollout.vllm_engine import (ColocateEngine, ServerEngine, policy_weights, sampling_fields,
+from posttrain.rollout.vllm_engine import (ColocateEngine, LegacyServerEngine, ServerEngine, make_engine,
+                                           policy_weights, sampling_fields, speaks_openai,
                                            truncated_importance_weights)
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
@@ -319,10 +325,10 @@ def test_peft_policy_weights_are_merged_under_base_names():
         "model.layers.0.self_attn.q_proj.weight"])
 
 
-# ---------------------------------------------------------------- server mode
+# ---------------------------------------------------------------- server mode, TRL 0.2x's server (legacy)
 
-class FakeServer:
-    """`trl vllm-serve`'s endpoints over real HTTP, in a thread; /generate/ samples with a tiny model that the
+class LegacyFakeServer:
+    """TRL 0.2x's `trl vllm-serve` endpoints over real HTTP, in a thread; /generate/ samples with a tiny model that the
     weight broadcast writes into (through `FakeCommunicator`)."""
 
     def __init__(self):
@@ -415,14 +421,14 @@ class FakeCommunicator:
 
 @pytest.fixture
 def server():
-    s = FakeServer()
+    s = LegacyFakeServer()
     yield s
     s.close()
 
 
 def client(server, **kw):
     tok = load_tokenizer(TINY)
-    return ServerEngine(server.url, 5.0, 51299, tok.pad_token_id, tok.eos_token_id,
+    return LegacyServerEngine(server.url, 5.0, 51299, tok.pad_token_id, tok.eos_token_id,
                         communicator_factory=lambda host, port, rank, world, device: FakeCommunicator(
                             server, host, port, rank, world), **kw)
 
@@ -483,7 +489,10 @@ def test_server_not_main_process_sends_nothing(server):
 def test_server_health_check_times_out_with_a_clear_error():
     with pytest.raises(ConnectionError, match=r"no vLLM server answered at http://127.0.0.1:9/health/ within "
                                               r"vllm_server_timeout=0.3 s"):
-        ServerEngine("http://127.0.0.1:9", 0.3, 51216, 0, 1)
+        LegacyServerEngine("http://127.0.0.1:9", 0.3, 51216, 0, 1)
+    with pytest.raises(ConnectionError, match=r"no vLLM server answered at http://127.0.0.1:9/v1/models within "
+                                              r"vllm_server_timeout=0.3 s; start one with `trl vllm-serve"):
+        speaks_openai("http://127.0.0.1:9", 0.3)
 
 
 def test_trainer_in_server_mode_syncs_and_trains(tmp_path, server, monkeypatch):
@@ -494,7 +503,297 @@ def test_trainer_in_server_mode_syncs_and_trains(tmp_path, server, monkeypatch):
     args = GRPOConfig(**online_args(tmp_path, num_generations=4, beta=0.05), use_vllm=True, vllm_mode="server",
                       vllm_server_base_url=server.url)
     trainer = GRPOTrainer(TINY, first_token_reward, args=args, train_dataset=prompts(16))
+    # no GET /v1/models on this server: the legacy protocol is chosen
+    assert isinstance(trainer.vllm, LegacyServerEngine) and ("/v1/models", None) in server.requests
     server.policy = trainer.policy
     train_and_check(trainer)
     assert server.in_sync == [True, True]
     assert [p for p, _ in server.requests].count("/reset_prefix_cache/") == 2
+
+
+# ---------------------------------------------------------------- server mode, vLLM's own server (TRL 1.x)
+
+class FakeVllmServer:
+    """The endpoints of vLLM's OpenAI-compatible server that TRL 1.x's `trl vllm-serve` runs, over real HTTP in a
+    thread. /v1/completions samples from token-id prompts with a tiny model; as vLLM's workers do,
+    /init_weight_transfer_engine answers once the client has joined the group (`FakeGroup`), and /update_weights
+    receives each announced tensor from the client's broadcast, made meanwhile, and loads it into that model."""
+
+    def __init__(self, workers: int = 2):
+        self.model, self.tok = load_causal_lm(TINY).eval(), load_tokenizer(TINY)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(0.5)
+        self.workers, self.requests, self.answers, self.loaded = workers, [], [], []
+        self.policy, self.in_sync, self.shuffle, self.updating = None, [], False, False
+        self.weight_transfer_config = {"backend": "nccl"}
+        self.in_init, self.joined = threading.Event(), threading.Event()
+        self.wire, self.acks = queue.Queue(), queue.Queue()  # the broadcast: a tensor, then the receiver's ack
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, payload, code=200):
+                body = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                url = urllib.parse.urlparse(self.path)
+                server.requests.append((self.path, None))
+                if url.path == "/health":
+                    return self._reply({})
+                if url.path == "/v1/models":
+                    return self._reply({"object": "list", "data": [{"id": "served/tiny", "object": "model"}]})
+                if url.path == "/get_world_size":
+                    return self._reply({"world_size": server.workers})
+                if url.path == "/server_info" and url.query == "config_format=json":
+                    return self._reply({"vllm_config": {"weight_transfer_config": server.weight_transfer_config,
+                                                        "model_config": {"logprobs_mode": "processed_logprobs"}}})
+                self._reply({"detail": "Not Found"}, 404)
+
+            def do_POST(self):
+                payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                server.requests.append((self.path, payload))
+                try:
+                    answer = server.post(self.path, payload)
+                except (AssertionError, queue.Empty) as e:  # what vLLM would refuse, or a transfer that never came
+                    return self._reply({"error": repr(e)}, 400)
+                if answer is None:
+                    return self._reply({"detail": "Not Found"}, 404)
+                self._reply(answer)
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def post(self, path, payload):
+        if path == "/v1/completions":
+            return self.complete(payload)
+        if path == "/init_weight_transfer_engine":
+            self.in_init.set()
+            assert self.joined.wait(5), "the client did not join the group while the server waited in it"
+            return {}
+        if path == "/start_weight_update":
+            assert not self.updating, "start_weight_update twice"
+            self.updating = True
+            return {}
+        if path == "/update_weights":
+            assert self.updating, "update_weights outside start_weight_update .. finish_weight_update"
+            info = payload["update_info"]
+            state = self.model.state_dict()
+            for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
+                tensor = self.wire.get(timeout=5)  # what the client broadcasts meanwhile
+                assert tensor.dtype == getattr(torch, dtype) and list(tensor.shape) == shape, name
+                with torch.no_grad():
+                    state[name].copy_(tensor)
+                self.loaded.append(name)
+                self.acks.put(name)
+            return {}
+        if path == "/finish_weight_update":
+            assert self.updating, "finish_weight_update without start_weight_update"
+            self.updating = False
+            return {}
+        if path == "/reset_prefix_cache":
+            return {"success": True}
+        return None
+
+    def complete(self, request):
+        if self.policy is not None:
+            policy = dict(self.policy.state_dict())
+            self.in_sync.append(all(torch.equal(t, policy[n]) for n, t in self.model.state_dict().items()))
+        t, n = request["temperature"], request["n"]
+        sampling = SamplingConfig(max_new_tokens=request["max_tokens"], temperature=t or 1.0, do_sample=t > 0,
+                                  top_p=request["top_p"], top_k=max(request["top_k"], 0), min_p=request["min_p"],
+                                  repetition_penalty=request["repetition_penalty"], num_generations=n,
+                                  stop_token_ids=tuple(request["stop_token_ids"]), stop_strings=tuple(request["stop"]))
+        out = generate(self.model, request["prompt"], sampling, pad_token_id=self.tok.pad_token_id,
+                       eos_token_id=self.tok.eos_token_id, tokenizer=self.tok,
+                       generator=torch.Generator().manual_seed(request.get("seed", 0)))
+        choices = []
+        for row, length in enumerate(out.completion_mask.sum(1).tolist()):
+            tokens, logprobs = out.completion_ids[row, :length].tolist(), out.logprobs[row, :length].tolist()
+            choices.append({"index": row, "text": self.tok.decode(tokens), "token_ids": tokens,
+                            "prompt_token_ids": request["prompt"][row // n],
+                            "logprobs": {"tokens": [f"token_id:{x}" for x in tokens], "token_logprobs": logprobs,
+                                         "top_logprobs": [{f"token_id:{x}": lp} for x, lp in zip(tokens, logprobs)],
+                                         "text_offset": list(range(length))},
+                            "finish_reason": "length" if out.is_truncated[row] else "stop", "stop_reason": None})
+        self.answers.append([dict(c) for c in choices])
+        if self.shuffle:  # the client must go by each choice's index, not by the order of the list
+            random.Random(0).shuffle(choices)
+        return {"id": "cmpl-0", "object": "text_completion", "model": request["model"], "choices": choices}
+
+    def paths(self):
+        return [urllib.parse.urlparse(p).path for p, _ in self.requests]
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+class FakeGroup:
+    """Stands in for the NCCL group of vLLM's weight-transfer engine. As with NCCL, joining needs the server's
+    workers to be joining too (inside /init_weight_transfer_engine), and a broadcast from rank 0 completes only
+    when the server, inside /update_weights, receives it: a client that did these one after the other, instead of
+    at the same time, would time out here."""
+
+    def __init__(self, server, host, port, rank, world_size):
+        self.server, self.args = server, (host, port, rank, world_size)
+        assert server.in_init.wait(5), "joined the group while the server was not in /init_weight_transfer_engine"
+        server.joined.set()
+
+    def broadcast(self, tensor, src):
+        assert src == 0 and tensor.is_contiguous()
+        self.server.wire.put(tensor.clone())
+        self.server.acks.get(timeout=5)
+
+
+@pytest.fixture
+def vllm_server():
+    s = FakeVllmServer()
+    yield s
+    s.close()
+
+
+def vllm_client(server, **kw):
+    tok = load_tokenizer(TINY)
+    return ServerEngine(server.url, 5.0, 51300, tok.pad_token_id, tok.eos_token_id,
+                        communicator_factory=lambda host, port, rank, world, device: FakeGroup(
+                            server, host, port, rank, world), **kw)
+
+
+def test_vllm_server_completion_request_fields(vllm_server):
+    engine = vllm_client(vllm_server, extra_sampling={"seed": 7, "presence_penalty": 0.5})
+    assert engine.model == "served/tiny"  # from GET /v1/models
+    prompt_ids = [[5, 6, 7], [8, 9]]
+    engine.generate(prompt_ids, SamplingConfig(max_new_tokens=4, temperature=0.8, top_p=0.9, top_k=5, min_p=0.05,
+                                               repetition_penalty=1.1, num_generations=3, stop_token_ids=(9,),
+                                               stop_strings=("zz",)))
+    path, request = vllm_server.requests[-1]
+    assert path == "/v1/completions"
+    assert request == {"model": "served/tiny", "prompt": prompt_ids, "n": 3, "temperature": 0.8, "top_p": 0.9,
+                       "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "max_tokens": 4, "stop_token_ids": [9],
+                       "stop": ["zz"], "include_stop_str_in_output": True, "seed": 7, "presence_penalty": 0.5,
+                       "logprobs": 0, "return_token_ids": True}
+    # greedy and no top-k, as vLLM spells them
+    engine.generate([[5]], SamplingConfig(max_new_tokens=2, do_sample=False))
+    request = vllm_server.requests[-1][1]
+    assert request["temperature"] == 0.0 and request["top_k"] == -1 and request["n"] == 1
+
+
+def test_vllm_server_completions_come_back_prompt_major(vllm_server):
+    """Each row is the choice with index prompt * n + sample, whatever the order of the answer's list; its token
+    ids, log-probs and truncation flag (finish_reason) are read back."""
+    engine = vllm_client(vllm_server)
+    vllm_server.shuffle = True
+    prompt_ids, n, max_tokens = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], 3, 4
+    stops = tuple(range(3, 1024, 7))  # about one token in seven stops a completion: some stop, some run out
+    rollout = engine.generate(prompt_ids, SamplingConfig(max_new_tokens=max_tokens, num_generations=n,
+                                                         stop_token_ids=stops))
+    choices = vllm_server.answers[-1]
+    assert [c["index"] for c in choices] == list(range(len(prompt_ids) * n))
+    reasons = [c["finish_reason"] for c in choices]
+    assert "length" in reasons and "stop" in reasons
+    for row, choice in enumerate(choices):
+        length = int(rollout.completion_mask[row].sum())
+        assert rollout.prompt_ids[row][rollout.prompt_mask[row].bool()].tolist() == prompt_ids[row // n]
+        assert rollout.completion_ids[row, :length].tolist() == choice["token_ids"]
+        assert rollout.logprobs[row, :length].tolist() == pytest.approx(choice["logprobs"]["token_logprobs"])
+        assert bool(rollout.is_truncated[row]) == (choice["finish_reason"] == "length")
+        if choice["finish_reason"] == "stop":
+            assert choice["token_ids"][-1] in stops or choice["token_ids"][-1] == engine.eos_token_id
+
+
+def test_vllm_server_answer_without_token_ids_is_refused(vllm_server, monkeypatch):
+    engine = vllm_client(vllm_server)
+    real = vllm_server.complete
+    monkeypatch.setattr(vllm_server, "complete", lambda request: {"choices": [
+        {k: v for k, v in c.items() if k != "token_ids"} for c in real(request)["choices"]]})
+    with pytest.raises(RuntimeError, match="no token_ids or logprobs: posttrain needs a vLLM whose OpenAI server "
+                                           "honours return_token_ids"):
+        engine.generate([[5, 6]], SamplingConfig(max_new_tokens=2, num_generations=2))
+
+
+def test_vllm_server_weight_updates(vllm_server):
+    """The group is opened once; each sync is start, /update_weights per chunk (every tensor announced with its
+    name, dtype and shape, then broadcast), finish, and a prefix-cache reset."""
+    engine = vllm_client(vllm_server, weight_chunk_bytes=64 << 10)
+    policy = load_causal_lm(TINY)
+    state = policy.state_dict()
+    for step in range(2):
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.01 * (step + 1))
+        engine.load_weights(policy_weights(policy))
+        for name, tensor in policy.state_dict().items():
+            assert torch.equal(vllm_server.model.state_dict()[name], tensor), name
+    paths = vllm_server.paths()
+    assert paths.count("/init_weight_transfer_engine") == 1 and paths.count("/get_world_size") == 1
+    init = vllm_server.requests[paths.index("/init_weight_transfer_engine")][1]["init_info"]
+    assert init == {"master_address": "127.0.0.1", "master_port": 51300, "rank_offset": 1, "world_size": 3}
+    assert engine.communicator.args == ("127.0.0.1", 51300, 0, 3)  # this process is rank 0 of 1 + 2 workers
+    syncs = paths[paths.index("/init_weight_transfer_engine") + 1:]
+    first = syncs[:syncs.index("/reset_prefix_cache") + 1]
+    assert syncs == first * 2
+    chunks = first.count("/update_weights")
+    assert first == ["/start_weight_update"] + ["/update_weights"] * chunks + ["/finish_weight_update",
+                                                                             "/reset_prefix_cache"]
+    infos = [p["update_info"] for path, p in vllm_server.requests if path == "/update_weights"]
+    # a chunk closes at the tensor that takes it to 64 KiB or more
+    sizes = [[state[name].numel() * 4 for name in info["names"]] for info in infos[:chunks]]
+    assert chunks > 2 and all(sum(c) >= 64 << 10 > sum(c[:-1]) for c in sizes[:-1]) and sum(sizes[-1][:-1]) < 64 << 10
+    announced = [(n, d, s) for info in infos for n, d, s in zip(info["names"], info["dtype_names"], info["shapes"])]
+    assert announced == [(n, "float32", list(t.shape)) for n, t in state.items()] * 2
+    assert vllm_server.loaded == list(state) * 2
+
+
+def test_vllm_server_without_weight_transfer_says_how_to_start_it(vllm_server):
+    vllm_server.weight_transfer_config = None
+    engine = vllm_client(vllm_server)
+    with pytest.raises(RuntimeError, match=r"""no weight-transfer engine: start it with --weight-transfer-config """
+                                           r"""'\{"backend": "nccl"\}'"""):
+        engine.load_weights(policy_weights(load_causal_lm(TINY)))
+
+
+def test_vllm_server_not_main_process_sends_nothing(vllm_server):
+    engine = vllm_client(vllm_server, is_main=False)
+    sent = []
+    engine.load_weights((sent.append(name) or (name, t)) for name, t in load_causal_lm(TINY).state_dict().items())
+    assert len(sent) == 27  # iterated (a sharded policy gathers collectively), but nothing sent
+    assert vllm_server.paths() == ["/health", "/v1/models"] and engine.communicator is None
+
+
+def test_server_protocol_is_probed(vllm_server, server):
+    assert speaks_openai(vllm_server.url, 5.0) and not speaks_openai(server.url, 5.0)
+    args = types.SimpleNamespace(vllm_mode="server", vllm_server_base_url=None, vllm_server_host="127.0.0.1",
+                                 vllm_server_timeout=5.0, vllm_group_port=51301)
+    accelerator = types.SimpleNamespace(is_main_process=True, device=torch.device("cpu"))
+    for fake, engine_class in ((vllm_server, ServerEngine), (server, LegacyServerEngine)):
+        args.vllm_server_port = int(fake.url.rsplit(":", 1)[1])
+        engine = make_engine(args, TINY, accelerator, 0, 2)
+        assert type(engine) is engine_class and engine.base_url == fake.url
+
+
+def test_trainer_with_vllm_server_syncs_and_trains(tmp_path, vllm_server, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setattr(vllm_engine, "cuda_available", lambda: True)
+    monkeypatch.setattr(vllm_engine, "nccl_communicator", lambda host, port, rank, world, device: FakeGroup(
+        vllm_server, host, port, rank, world))
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, beta=0.05), use_vllm=True, vllm_mode="server",
+                      vllm_server_base_url=vllm_server.url)
+    trainer = GRPOTrainer(TINY, first_token_reward, args=args, train_dataset=prompts(16))
+    assert isinstance(trainer.vllm, ServerEngine)
+    vllm_server.policy = trainer.policy
+    train_and_check(trainer)
+    # two generations, each after a sync of every weight: the server sampled with the policy being trained
+    assert vllm_server.in_sync == [True, True]
+    paths = vllm_server.paths()
+    assert paths.count("/init_weight_transfer_engine") == 1 and paths.count("/start_weight_update") == 2
+    assert paths.count("/finish_weight_update") == 2 and paths.count("/reset_prefix_cache") == 2
+    assert vllm_server.loaded == list(trainer.policy.state_dict()) * 2
