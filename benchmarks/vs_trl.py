@@ -24,7 +24,10 @@ Workloads (default: all but the long ones; --long adds those):
   grpo-long    GRPO with completions of <= 256 tokens                                      [--long]
   grpo_tools   multi-turn GRPO with a calculator tool (`tools=`): 2 prompts x 4 episodes x <= 3 tool turns,
                SmolLM2 fitted once to call it; vs_trl_tools_worker.py (what it matches: its docstring)
-PPO and BCO are not in TRL 1.16 (they moved to trl.experimental in 1.12) and are not compared.
+  ppo          PPO, 8 prompts x <= 32 tokens per update, 2 PPO epochs x 2 mini-batches of 4, value and reward model
+  bco          BCO (beta 0.1), batch 8 unpaired rows (4 pairs: chosen desirable, rejected undesirable), no UDM
+TRL 1.16 no longer ships PPO and BCO: their TRL side is TRL 1.12.0's trl.experimental, in .bench-venv-trl112
+(`bash benchmarks/setup_trl112_env.sh`), run by vs_trl_experimental_worker.py (what it matches: its docstring).
 
 Measured (see benchmarks/README.md): per step, the wall time from the previous step's end to this
 step's end (the first step's from the start of training), taken by the same TrainerCallback in both
@@ -50,6 +53,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRL_PYTHON = ROOT / ".bench-venv-trl" / "bin" / "python"
+TRL112_PYTHON = ROOT / ".bench-venv-trl112" / "bin" / "python"  # PPO and BCO: TRL 1.12.0's trl.experimental
 SEED = 0
 PROMPTS = ["Write a short story about a dragon who learns to cook.",
            "Explain, step by step, how a bicycle works."]
@@ -80,6 +84,12 @@ WORKLOADS = {
                        worker="vs_trl_tools_worker.py", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=256, max_tool_calling_iterations=3,
         learning_rate=1e-6, temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
+    "ppo": dict(trainer="ppo", data="prompts", unit="samples", trl="1.12", worker="vs_trl_experimental_worker.py",
+                config=dict(per_device_train_batch_size=8, num_mini_batches=2, num_ppo_epochs=2,
+                            max_completion_length=32, learning_rate=1e-6, temperature=1.0, kl_coef=0.05,
+                            stop_token="eos", num_sample_generations=0)),
+    "bco": dict(trainer="bco", data="pairs", unit="rows", trl="1.12", worker="vs_trl_experimental_worker.py",
+                config=dict(per_device_train_batch_size=8, max_length=256, learning_rate=1e-6, beta=0.1)),
 }
 SIDES = ("trl", "posttrain")
 
@@ -198,11 +208,14 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
 
     if spec["trainer"] == "sft":
         return 3 * forward(lengths[spec["data"] + "/context"])
-    if spec["trainer"] in ("dpo", "reward"):
+    if spec["trainer"] in ("dpo", "reward", "bco"):  # a BCO row is one of a pair's two sequences
         ctx = lengths["pair/context"]
-        per_token = 3 * forward(ctx) + forward(ctx) if spec["trainer"] == "dpo" else 3 * forward(ctx, n - output)
-        return per_token * lengths["pair/tokens"]
+        per_token = 3 * forward(ctx) + forward(ctx) if spec["trainer"] != "reward" else 3 * forward(ctx, n - output)
+        return per_token * lengths["pair/tokens"] / (2 if spec["trainer"] == "bco" else 1)
     tokens = lengths.get(spec["data"] + "/tokens", lengths["prompt/tokens"]) + completion_len
+    if spec["trainer"] == "ppo":  # policy, and critic (no output layer): two no-grad forwards, then fwd + bwd per epoch
+        passes = 2 + 3 * spec["config"]["num_ppo_epochs"]
+        return passes * (forward((tokens + 1) / 2) + forward((tokens + 1) / 2, n - output)) * tokens
     passes = 1 + 3 + (1 if spec["trainer"] == "rloo" else 0)
     return passes * forward((tokens + 1) / 2) * tokens
 
@@ -232,11 +245,12 @@ def run_worker(side: str, workload: str, args, models: dict, data: dict, scratch
     # FLOPs (checkpointing recomputes the forward in the backward) at the same precision.
     config = {**spec["config"], "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16}
     job = {"side": side, "workload": workload, "trainer": spec["trainer"], "config": config,
-           "model": models[spec.get("model", "causal")], "data": data[spec["data"]], "steps": args.steps,
-           "threads": args.threads, "seed": SEED, "output_dir": str(scratch / f"out-{side}"), "out": str(out)}
+           "model": models[spec.get("model", "causal")], "models": models, "data": data[spec["data"]],
+           "steps": args.steps, "threads": args.threads, "seed": SEED, "output_dir": str(scratch / f"out-{side}"),
+           "out": str(out)}
     spec_path = out.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(job))
-    python = args.trl_python if side == "trl" else sys.executable
+    python = trl_python(workload, args) if side == "trl" else sys.executable
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("PYTHONPATH", None)  # the TRL side must not see posttrain
@@ -247,6 +261,10 @@ def run_worker(side: str, workload: str, args, models: dict, data: dict, scratch
         print(f"{workload} on {side} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
         return None
     return json.loads(out.read_text())
+
+
+def trl_python(workload: str, args) -> str:
+    return args.trl112_python if WORKLOADS[workload].get("trl") == "1.12" else args.trl_python
 
 
 def summarise(r: dict, unit: str) -> dict:
@@ -268,6 +286,7 @@ def summarise(r: dict, unit: str) -> dict:
             "first_step_s": times[0], "steady_step_s": statistics.median(times[1:] or times),
             "steady_cpu_step_s": statistics.median(cpu_times) if cpu_times else None,
             "items_per_step": statistics.mean(items), "first_loss": losses[0] if losses else None,
+            "first_logps": {k: v for k, v in (r["logs"] or [{}])[0].items() if k.startswith("logps/")},
             "completion_len": statistics.mean(lengths) if lengths else None, "peak_rss_mib": r["peak_rss_mib"],
             "samples_per_step": statistics.mean(r["samples"]) if r["samples"] else None,
             "tool_calls": r.get("tool_calls"), "prefill": r.get("prefill_tokens"),
@@ -298,6 +317,11 @@ def same_work(workload: str, trl: dict, ours: dict) -> tuple[bool, str]:
         return trl["items_per_step"] == ours["items_per_step"], (
             f"tokens/step {trl['items_per_step']:.0f} / {ours['items_per_step']:.0f}; {note} (bins differ)")
     ok = a is not None and b is not None and abs(a - b) <= 1e-3 * max(1.0, abs(a))
+    if WORKLOADS[workload]["trainer"] == "bco":  # its first loss is log 2 whatever the rows: their log-probs show them
+        for k in ("logps/chosen", "logps/rejected"):
+            u, v = trl["first_logps"].get(k), ours["first_logps"].get(k)
+            ok = ok and u is not None and v is not None and abs(u - v) <= 1e-3 * max(1.0, abs(u))
+            note += f"; first {k} {_fmt(u, 3)} / {_fmt(v, 3)}"
     if unit == "tokens":
         ok = ok and trl["items_per_step"] == ours["items_per_step"]
         note += f"; tokens/step {trl['items_per_step']:.0f} / {ours['items_per_step']:.0f}"
@@ -320,6 +344,7 @@ def main():
     parser.add_argument("--bf16", action="store_true",
                         help="bf16 autocast in both (TRL 1.16's default, even on CPU; off by default here: fp32)")
     parser.add_argument("--trl-python", default=str(TRL_PYTHON), help="python of the TRL environment")
+    parser.add_argument("--trl112-python", default=str(TRL112_PYTHON), help="python of TRL 1.12's (ppo, bco)")
     parser.add_argument("--cache", default=os.path.join(Path.home(), ".cache", "posttrain", "vs-trl"),
                         help="folder for the reward-model weights and the data sets")
     parser.add_argument("--json", help="also write every run's figures here")
@@ -330,8 +355,10 @@ def main():
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload(s) {unknown}: choose among {', '.join(WORKLOADS)}")
-    if not Path(args.trl_python).exists():
-        raise SystemExit(f"no TRL environment at {args.trl_python}: run `bash benchmarks/setup_trl_env.sh` first")
+    for python in sorted({trl_python(n, args) for n in names}):
+        if not Path(python).exists():
+            setup = "setup_trl112_env.sh" if python == args.trl112_python else "setup_trl_env.sh"
+            raise SystemExit(f"no TRL environment at {python}: run `bash benchmarks/{setup}` first")
 
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -396,7 +423,9 @@ def main():
         flops = flops_per_item(workload, lengths, model_shape, completion)
         fraction = {side: med[side]["steady"] * flops / (peak * 1e9) for side in SIDES}
         unit = WORKLOADS[workload]["unit"]
-        print(f"| {workload} | {unit}/s | {med['trl']['steady']:.2f} | {med['posttrain']['steady']:.2f} | "
+        peer = trl[0]["versions"].get("trl")  # the header names the first workload's TRL; PPO and BCO run 1.12
+        label = workload if peer == versions["trl"].get("trl") else f"{workload} (trl {peer})"
+        print(f"| {label} | {unit}/s | {med['trl']['steady']:.2f} | {med['posttrain']['steady']:.2f} | "
               f"{ratio_steady:.2f}x | {med['trl']['whole']:.2f} | {med['posttrain']['whole']:.2f} | {ratio_whole:.2f}x | "
               f"{med['trl']['peak_rss_mib']:.0f} / {med['posttrain']['peak_rss_mib']:.0f} | {rss_ratio:.2f} | "
               f"{med['trl']['first_step_s']:.1f} / {med['posttrain']['first_step_s']:.1f} | "

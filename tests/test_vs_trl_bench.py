@@ -2,6 +2,7 @@
 
 Runs no benchmark and needs no TRL: it checks the numbers the table is made of."""
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -79,3 +80,39 @@ def test_sft_flops_are_three_forwards_of_two_n_plus_attention():
     lengths = {"prompt/tokens": 3.0}
     grpo, rloo = (vs_trl.flops_per_item(w, lengths, model, 5.0) for w in ("grpo", "rloo"))
     assert rloo / grpo == pytest.approx(5 / 4)
+
+
+def test_bco_flops_are_half_a_dpo_pair_and_ppo_counts_policy_and_critic():
+    model = (1000, 100, 2, 8)
+    lengths = {"pair/context": 5.0, "pair/tokens": 20.0, "prompt/tokens": 3.0}
+    # DPO: (3 + 1) forwards of 2000 + 4 * 2 * 8 * 5 = 2320 per token of both sequences; a BCO row is one of them
+    assert vs_trl.flops_per_item("dpo", lengths, model, 0.0) == 4 * 2320 * 20
+    assert vs_trl.flops_per_item("bco", lengths, model, 0.0) == 4 * 2320 * 10
+    # PPO, 2 epochs, 3 + 5 tokens (4.5 keys each): (2 no-grad + 3 x 2) forwards of the policy (2000 + 288 per token)
+    # and of the critic without the output layer (1800 + 288)
+    assert vs_trl.flops_per_item("ppo", lengths, model, 5.0) == 8 * (2288 + 2088) * 8
+
+
+def test_bco_same_work_compares_the_first_log_probs_as_its_first_loss_is_log_2():
+    def run(chosen):
+        logs = [{"loss": 0.6931, "logps/chosen": chosen, "logps/rejected": -80.0}]
+        return vs_trl.summarise({**_run([2.0, 3.0], [8, 8], 3.0), "logs": logs}, "rows")
+
+    assert vs_trl.same_work("bco", run(-60.0), run(-60.02))[0]
+    ok, note = vs_trl.same_work("bco", run(-60.0), run(-64.0))  # the same loss from other rows
+    assert not ok and "logps/chosen -60.000 / -64.000" in note
+
+
+def test_ppo_and_bco_run_trl_1_12_with_their_own_worker(monkeypatch):
+    args = type("Args", (), {"trl_python": "trl116/python", "trl112_python": "trl112/python"})
+    assert [vs_trl.trl_python(w, args) for w in ("sft", "ppo", "bco")] == ["trl116/python"] + ["trl112/python"] * 2
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    assert all((benchmarks / vs_trl.WORKLOADS[w]["worker"]).exists() for w in ("ppo", "bco"))
+    monkeypatch.syspath_prepend(str(benchmarks))
+    worker = importlib.import_module("vs_trl_experimental_worker")
+    pairs = [{"prompt": "p0", "chosen": "c0", "rejected": "r0"}, {"prompt": "p1", "chosen": "c1", "rejected": "r1"}]
+    # pair i -> rows 2i, 2i + 1, so that a batch of an even number of rows read in order holds whole pairs
+    assert worker.unpaired(pairs) == [{"prompt": "p0", "completion": "c0", "label": True},
+                                      {"prompt": "p0", "completion": "r0", "label": False},
+                                      {"prompt": "p1", "completion": "c1", "label": True},
+                                      {"prompt": "p1", "completion": "r1", "label": False}]
