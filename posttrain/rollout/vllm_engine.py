@@ -399,7 +399,8 @@ class ServerEngine(_ServerClient):
         if config.get("weight_transfer_config") is None:
             raise RuntimeError(f"the vLLM server at {self.base_url} has no weight-transfer engine: start it with "
                                """--weight-transfer-config '{"backend": "nccl"}' (`trl vllm-serve` does)""")
-        mode = (config.get("model_config") or {}).get("logprobs_mode")
+        model_config = config.get("model_config")
+        mode = model_config.get("logprobs_mode") if isinstance(model_config, dict) else None
         if mode not in (None, "processed_logprobs"):
             warnings.warn(f"the vLLM server returns {mode!r} log-probs; the importance-sampling correction expects "
                           "them after temperature: start it with --logprobs-mode processed_logprobs", stacklevel=2)

@@ -526,7 +526,7 @@ class FakeVllmServer:
                 p.add_(0.5)
         self.workers, self.requests, self.answers, self.loaded = workers, [], [], []
         self.policy, self.in_sync, self.shuffle, self.updating = None, [], False, False
-        self.weight_transfer_config = {"backend": "nccl"}
+        self.weight_transfer_config, self.logprobs_mode, self.dev_mode = {"backend": "nccl"}, "processed_logprobs", True
         self.in_init, self.joined = threading.Event(), threading.Event()
         self.wire, self.acks = queue.Queue(), queue.Queue()  # the broadcast: a tensor, then the receiver's ack
         server = self
@@ -552,9 +552,9 @@ class FakeVllmServer:
                     return self._reply({"object": "list", "data": [{"id": "served/tiny", "object": "model"}]})
                 if url.path == "/get_world_size":
                     return self._reply({"world_size": server.workers})
-                if url.path == "/server_info" and url.query == "config_format=json":
+                if url.path == "/server_info" and url.query == "config_format=json" and server.dev_mode:
                     return self._reply({"vllm_config": {"weight_transfer_config": server.weight_transfer_config,
-                                                        "model_config": {"logprobs_mode": "processed_logprobs"}}})
+                                                        "model_config": {"logprobs_mode": server.logprobs_mode}}})
                 self._reply({"detail": "Not Found"}, 404)
 
             def do_POST(self):
@@ -753,12 +753,22 @@ def test_vllm_server_weight_updates(vllm_server):
     assert vllm_server.loaded == list(state) * 2
 
 
-def test_vllm_server_without_weight_transfer_says_how_to_start_it(vllm_server):
-    vllm_server.weight_transfer_config = None
-    engine = vllm_client(vllm_server)
+def test_vllm_server_not_set_up_for_training_says_how_to_start_it(vllm_server):
+    policy = load_causal_lm(TINY)
+    vllm_server.dev_mode = False
+    with pytest.raises(RuntimeError, match="does not expose its development endpoints, which the weight sync uses: "
+                                           "start it with VLLM_SERVER_DEV_MODE=1"):
+        vllm_client(vllm_server).load_weights(policy_weights(policy))
+    vllm_server.dev_mode, vllm_server.weight_transfer_config = True, None
     with pytest.raises(RuntimeError, match=r"""no weight-transfer engine: start it with --weight-transfer-config """
                                            r"""'\{"backend": "nccl"\}'"""):
-        engine.load_weights(policy_weights(load_causal_lm(TINY)))
+        vllm_client(vllm_server).load_weights(policy_weights(policy))
+    assert "/init_weight_transfer_engine" not in vllm_server.paths()
+    # log-probs before temperature would skew the importance weights: a warning, and the sync goes on
+    vllm_server.weight_transfer_config, vllm_server.logprobs_mode = {"backend": "nccl"}, "raw_logprobs"
+    with pytest.warns(UserWarning, match="returns 'raw_logprobs' log-probs.*--logprobs-mode processed_logprobs"):
+        vllm_client(vllm_server).load_weights(policy_weights(policy))
+    assert vllm_server.loaded == list(policy.state_dict())
 
 
 def test_vllm_server_not_main_process_sends_nothing(vllm_server):
