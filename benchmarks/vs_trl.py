@@ -2,6 +2,7 @@
 
     bash benchmarks/setup_trl_env.sh                 # once: TRL in its own environment, .bench-venv-trl/
     python benchmarks/vs_trl.py --steps 5 [--rounds 2] [--only sft,dpo] [--long] [--json results.json]
+                                [--allocator-off-too] [--memory-profile]
 
 Every workload is trained by TRL (in .bench-venv-trl) and by posttrain (in the main .venv), each run
 in a fresh process of its own (so its peak memory is its own), the two alternating: round after
@@ -35,6 +36,12 @@ processes; steady items/s is the median over the steps after the first; whole-ru
 all items by the wall time of `trainer.train()` (warm-up included). Peak RSS is the worker's
 `resource.getrusage(RUSAGE_SELF).ru_maxrss`. The fp32 matmul peak is the best time of a
 2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs.
+
+--allocator-off-too adds a third column to every round: posttrain again with
+POSTTRAIN_KEEP_FREED_MEMORY=0 (glibc's malloc left as it is; see posttrain/memory.py), printed as a
+second row per workload against the same TRL runs, so the allocator setting's payoff is measured on
+and off in one alternating run. --memory-profile runs every worker under torch's memory profiler
+(slow: its times are not results) and prints what the tensors held at their peak, by category.
 """
 
 from __future__ import annotations
@@ -92,6 +99,9 @@ WORKLOADS = {
                 config=dict(per_device_train_batch_size=8, max_length=256, learning_rate=1e-6, beta=0.1)),
 }
 SIDES = ("trl", "posttrain")
+# The columns a run can have: the library each runs and the environment its worker gets on top of the run's.
+COLUMNS = {"trl": ("trl", {}), "posttrain": ("posttrain", {}),
+           "posttrain-malloc-off": ("posttrain", {"POSTTRAIN_KEEP_FREED_MEMORY": "0"})}
 
 
 # ---------------------------------------------------------------- model, data and the FLOP model
@@ -237,9 +247,10 @@ def matmul_peak(threads: int, size: int = 2048, repeats: int = 8) -> float:
 
 # ---------------------------------------------------------------- running and summarising
 
-def run_worker(side: str, workload: str, args, models: dict, data: dict, scratch: Path) -> dict:
+def run_worker(column: str, workload: str, args, models: dict, data: dict, scratch: Path) -> dict:
     spec = WORKLOADS[workload]
-    out = scratch / f"{workload}-{side}-{time.monotonic_ns()}.json"
+    side, extra_env = COLUMNS[column]
+    out = scratch / f"{workload}-{column}-{time.monotonic_ns()}.json"
     # TRL 1.16's configs turn gradient checkpointing and bf16 autocast on by default (bf16 even on CPU),
     # posttrain's (like transformers') leave both off: both get the same settings, so both do the same
     # FLOPs (checkpointing recomputes the forward in the backward) at the same precision.
@@ -247,20 +258,25 @@ def run_worker(side: str, workload: str, args, models: dict, data: dict, scratch
     job = {"side": side, "workload": workload, "trainer": spec["trainer"], "config": config,
            "model": models[spec.get("model", "causal")], "models": models, "data": data[spec["data"]],
            "steps": args.steps, "threads": args.threads, "seed": SEED, "output_dir": str(scratch / f"out-{side}"),
-           "out": str(out)}
+           "out": str(out), "memory_profile": args.memory_profile}
     spec_path = out.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(job))
     python = trl_python(workload, args) if side == "trl" else sys.executable
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("PYTHONPATH", None)  # the TRL side must not see posttrain
+    env.update(extra_env)
     worker = HERE / spec.get("worker", "vs_trl_worker.py")
     proc = subprocess.run([str(python), str(worker), str(spec_path)], capture_output=True, text=True, env=env,
                           cwd=scratch)
     if proc.returncode != 0 or not out.exists():  # reported, and the other workloads still run
-        print(f"{workload} on {side} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
+        print(f"{workload} on {column} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
         return None
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    expected = "POSTTRAIN_KEEP_FREED_MEMORY" not in extra_env  # on by default on CPU (Linux, glibc)
+    if side == "posttrain" and result.get("keep_freed_memory", expected) != expected:
+        raise SystemExit(f"{workload} on {column}: the worker's keep_freed_memory was {result.get('keep_freed_memory')}")
+    return result
 
 
 def trl_python(workload: str, args) -> str:
@@ -288,6 +304,7 @@ def summarise(r: dict, unit: str) -> dict:
             "items_per_step": statistics.mean(items), "first_loss": losses[0] if losses else None,
             "first_logps": {k: v for k, v in (r["logs"] or [{}])[0].items() if k.startswith("logps/")},
             "completion_len": statistics.mean(lengths) if lengths else None, "peak_rss_mib": r["peak_rss_mib"],
+            "rss_before_train_mib": r.get("rss_before_train_mib"), "memory_breakdown": r.get("memory_breakdown"),
             "samples_per_step": statistics.mean(r["samples"]) if r["samples"] else None,
             "tool_calls": r.get("tool_calls"), "prefill": r.get("prefill_tokens"),
             "versions": r["versions"], "dtype": r["dtype"], "precision": r.get("precision", r["dtype"]),
@@ -328,6 +345,27 @@ def same_work(workload: str, trl: dict, ours: dict) -> tuple[bool, str]:
     return ok, note
 
 
+def print_memory_breakdowns(runs: dict) -> None:
+    """A table of what held memory in each profiled run: its RSS, and its tensors at their peak by category."""
+    kinds = ("parameter", "gradient", "optimizer_state", "activation", "temporary")
+    print("\nUnder torch's memory profiler (these runs' times are not results; the profiler adds to RSS). MiB:\n")
+    print(f"| workload | column | peak RSS | RSS before train() | tensors at their peak | {' | '.join(kinds)} "
+          "| other tensors | largest tensors at the peak |")
+    print("|---" * (len(kinds) + 7) + "|")
+    for workload, by_column in runs.items():
+        for column, rs in by_column.items():
+            for r in rs:
+                m = r["memory_breakdown"]
+                if not m:
+                    continue
+                cats = m["by_category_mib"]
+                other = sum(v for k, v in cats.items() if k not in kinds)
+                largest = ", ".join(f"{size:.0f} {name}" for size, name in m["largest_mib"][:5])
+                print(f"| {workload} | {column} | {r['peak_rss_mib']:.0f} | {_fmt(r['rss_before_train_mib'], 0)} | "
+                      f"{m['peak_tensor_mib']:.0f} | {' | '.join(f'{cats.get(k, 0):.0f}' for k in kinds)} | "
+                      f"{other:.0f} | {largest} |")
+
+
 def _fmt(x, digits=1):
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -348,6 +386,10 @@ def main():
     parser.add_argument("--cache", default=os.path.join(Path.home(), ".cache", "posttrain", "vs-trl"),
                         help="folder for the reward-model weights and the data sets")
     parser.add_argument("--json", help="also write every run's figures here")
+    parser.add_argument("--allocator-off-too", action="store_true",
+                        help="also run posttrain with POSTTRAIN_KEEP_FREED_MEMORY=0 in every round (a third column)")
+    parser.add_argument("--memory-profile", action="store_true",
+                        help="run under torch's memory profiler and print what held memory at the peak (slow)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2: the steady rate is taken over the steps after the first")
@@ -376,17 +418,18 @@ def main():
           f"fp32 matmul peak {peak_before:.0f} GFLOP/s; load average {load_before:.1f} on {os.cpu_count()} CPUs",
           file=sys.stderr, flush=True)
 
-    runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in SIDES} for w in names}
+    columns = [*SIDES, "posttrain-malloc-off"] if args.allocator_off_too else list(SIDES)
+    runs: dict[str, dict[str, list[dict]]] = {w: {c: [] for c in columns} for w in names}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as scratch:
         for round_ in range(args.rounds):
             for workload in names:
-                for side in (SIDES if round_ % 2 == 0 else SIDES[::-1]):
-                    raw = run_worker(side, workload, args, models, data, Path(scratch))
+                for column in (columns if round_ % 2 == 0 else columns[::-1]):
+                    raw = run_worker(column, workload, args, models, data, Path(scratch))
                     if raw is None:
                         continue
                     s = summarise(raw, WORKLOADS[workload]["unit"])
-                    runs[workload][side].append(s)
-                    print(f"  round {round_ + 1} {workload:<10} {side:<9} steady {s['steady']:8.2f} "
+                    runs[workload][column].append(s)
+                    print(f"  round {round_ + 1} {workload:<10} {column:<9} steady {s['steady']:8.2f} "
                           f"{WORKLOADS[workload]['unit']}/s, whole {s['whole']:8.2f}, first step {s['first_step_s']:.1f} s, "
                           f"peak RSS {s['peak_rss_mib']:.0f} MiB, steady step {s['steady_step_s']:.1f} s "
                           f"({_fmt(s['steady_cpu_step_s'])} CPU s)", file=sys.stderr, flush=True)
@@ -410,32 +453,41 @@ def main():
               "versions": versions, "load": [load_before, load_after], "lengths": lengths, "workloads": {}}
     all_same = True
     for workload, by_side in runs.items():
-        trl, ours = by_side["trl"], by_side["posttrain"]
-        med = {side: {k: statistics.median(r[k] for r in rs) for k in ("steady", "whole", "peak_rss_mib", "first_step_s")}
-               for side, rs in by_side.items()}
-        # the ratio a skeptic would quote: the slower posttrain run against the faster TRL run
-        ratio_steady = min(r["steady"] for r in ours) / max(r["steady"] for r in trl)
-        ratio_whole = min(r["whole"] for r in ours) / max(r["whole"] for r in trl)
-        rss_ratio = max(r["peak_rss_mib"] for r in ours) / min(r["peak_rss_mib"] for r in trl)
-        ok, note = same_work(workload, trl[0], ours[0])
-        all_same &= ok
-        completion = statistics.mean(r["completion_len"] or 0 for r in trl + ours)
-        flops = flops_per_item(workload, lengths, model_shape, completion)
-        fraction = {side: med[side]["steady"] * flops / (peak * 1e9) for side in SIDES}
-        unit = WORKLOADS[workload]["unit"]
-        peer = trl[0]["versions"].get("trl")  # the header names the first workload's TRL; PPO and BCO run 1.12
-        label = workload if peer == versions["trl"].get("trl") else f"{workload} (trl {peer})"
-        print(f"| {label} | {unit}/s | {med['trl']['steady']:.2f} | {med['posttrain']['steady']:.2f} | "
-              f"{ratio_steady:.2f}x | {med['trl']['whole']:.2f} | {med['posttrain']['whole']:.2f} | {ratio_whole:.2f}x | "
-              f"{med['trl']['peak_rss_mib']:.0f} / {med['posttrain']['peak_rss_mib']:.0f} | {rss_ratio:.2f} | "
-              f"{med['trl']['first_step_s']:.1f} / {med['posttrain']['first_step_s']:.1f} | "
-              f"{100 * fraction['trl']:.0f}% / {100 * fraction['posttrain']:.0f}% | {'yes' if ok else 'NO'}: {note} |")
-        report["workloads"][workload] = {"runs": by_side, "ratio_steady": ratio_steady, "ratio_whole": ratio_whole,
-                                         "rss_ratio": rss_ratio, "same_work": ok, "same_work_note": note,
-                                         "flops_per_item": flops, "fraction_of_peak": fraction}
+        med = {column: {k: statistics.median(r[k] for r in rs) for k in ("steady", "whole", "peak_rss_mib", "first_step_s")}
+               for column, rs in by_side.items()}
+        for column in columns[1:]:  # each posttrain column against the same TRL runs
+            trl, ours = by_side["trl"], by_side[column]
+            # the ratio a skeptic would quote: the slower posttrain run against the faster TRL run
+            ratio_steady = min(r["steady"] for r in ours) / max(r["steady"] for r in trl)
+            ratio_whole = min(r["whole"] for r in ours) / max(r["whole"] for r in trl)
+            rss_ratio = max(r["peak_rss_mib"] for r in ours) / min(r["peak_rss_mib"] for r in trl)
+            ok, note = same_work(workload, trl[0], ours[0])
+            all_same &= ok
+            completion = statistics.mean(r["completion_len"] or 0 for r in trl + ours)
+            flops = flops_per_item(workload, lengths, model_shape, completion)
+            fraction = {c: med[c]["steady"] * flops / (peak * 1e9) for c in ("trl", column)}
+            unit = WORKLOADS[workload]["unit"]
+            peer = trl[0]["versions"].get("trl")  # the header names the first workload's TRL; PPO and BCO run 1.12
+            label = workload if peer == versions["trl"].get("trl") else f"{workload} (trl {peer})"
+            if column == "posttrain-malloc-off":
+                label += ", posttrain with malloc untouched"
+            t, o = med["trl"], med[column]
+            print(f"| {label} | {unit}/s | {t['steady']:.2f} | {o['steady']:.2f} | {ratio_steady:.2f}x | "
+                  f"{t['whole']:.2f} | {o['whole']:.2f} | {ratio_whole:.2f}x | "
+                  f"{t['peak_rss_mib']:.0f} / {o['peak_rss_mib']:.0f} | {rss_ratio:.2f} | "
+                  f"{t['first_step_s']:.1f} / {o['first_step_s']:.1f} | "
+                  f"{100 * fraction['trl']:.0f}% / {100 * fraction[column]:.0f}% | {'yes' if ok else 'NO'}: {note} |")
+            figures = {"ratio_steady": ratio_steady, "ratio_whole": ratio_whole, "rss_ratio": rss_ratio,
+                       "same_work": ok, "same_work_note": note, "flops_per_item": flops, "fraction_of_peak": fraction}
+            if column == "posttrain":
+                report["workloads"][workload] = {"runs": by_side, **figures}
+            else:
+                report["workloads"][workload][column] = figures
     print(f"\nRatios: the slower posttrain run over the faster TRL run (steady: median items/s of the steps after the "
           f"first; whole: items over the wall time of train()); RSS ratio: the larger posttrain peak over the smaller "
           f"TRL peak. % of peak: steady items/s x FLOPs per item / the matmul peak (formula in benchmarks/README.md).")
+    if args.memory_profile:
+        print_memory_breakdowns(runs)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if failed:

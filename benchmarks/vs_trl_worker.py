@@ -66,6 +66,50 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def memory_breakdown(prof, largest: int = 10) -> dict:
+    """What the CPU tensors held at the moment their total peaked, from torch's memory profiler.
+
+    MiB by the profiler's category (parameter, optimizer_state, gradient, activation: saved for
+    backward, temporary, input, autograd_detail, uncategorized) and the largest live tensors with
+    theirs. Replays the profiler's allocation timeline (torch 2.13's `_memory_profile`, the data
+    behind `export_memory_timeline`); tensors made before profiling started count once touched."""
+    from collections import Counter
+
+    from torch.profiler._memory_profiler import Action
+
+    profile = prof._memory_profile()
+    events = [(action, key, version, size) for _, action, (key, version), size in profile.timeline
+              if key.device.type == "cpu"]
+
+    def replay(stop):  # live tensors after events[:stop]; the peak total and the event it came at
+        live, total, peak, at = {}, 0, 0, 0
+        for i, (action, key, version, size) in enumerate(events[:stop]):
+            if action in (Action.PREEXISTING, Action.CREATE):
+                live[key], total = (size, version), total + size
+            elif action == Action.INCREMENT_VERSION:
+                live[key] = (size, version + 1)
+            elif action == Action.DESTROY and live.pop(key, None) is not None:
+                total -= size
+            if total > peak:
+                peak, at = total, i + 1
+        return live, peak, at
+
+    _, peak, at = replay(len(events))
+    live, _, _ = replay(at)
+
+    def category(key, version):
+        found = profile._categories.get(key, version)
+        return found.name.lower() if found is not None else "uncategorized"
+
+    tensors = sorted(((size, category(key, version)) for key, (size, version) in live.items()), reverse=True)
+    by_category = Counter()
+    for size, name in tensors:
+        by_category[name] += size
+    return {"peak_tensor_mib": peak / 2**20, "tensors": len(tensors),
+            "by_category_mib": {k: v / 2**20 for k, v in by_category.most_common()},
+            "largest_mib": [[size / 2**20, name] for size, name in tensors[:largest]]}
+
+
 def main():
     spec = json.load(open(sys.argv[1]))
     import torch
@@ -113,9 +157,19 @@ def main():
     trainer.add_callback(clock)
 
     rss_before = rss_mib()
+    profiler = breakdown = None
+    if spec.get("memory_profile"):  # slows every step: a run for where memory goes, not for time
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+        profiler.__enter__()
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the breakdown's own memory
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        breakdown = memory_breakdown(profiler)
     other = "posttrain" if side == "trl" else "trl"
     leaked = sorted(m for m in sys.modules if m == other or m.startswith(other + "."))
     if leaked:
@@ -129,7 +183,10 @@ def main():
         "step_cpu_end": clock.cpu_end,
         "train_seconds": train_seconds, "sft_tokens": counts, "samples": samples,
         "completion_tokens": completion_tokens, "logs": clock.logs,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_train_mib": rss_before,
+        "peak_rss_mib": peak_rss, "rss_before_train_mib": rss_before,
+        "memory_breakdown": breakdown,
+        # posttrain: whether its trainer tuned glibc's malloc (posttrain/memory.py; POSTTRAIN_KEEP_FREED_MEMORY=0 stops it)
+        **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
         "dtype": str(next(trainer.model.parameters()).dtype),
         # the arithmetic the steps ran in: the weights' dtype, or the autocast dtype over it

@@ -82,6 +82,38 @@ def test_sft_flops_are_three_forwards_of_two_n_plus_attention():
     assert rloo / grpo == pytest.approx(5 / 4)
 
 
+_worker_spec = importlib.util.spec_from_file_location("vs_trl_worker", Path(__file__).parents[1] / "benchmarks" / "vs_trl_worker.py")
+vs_trl_worker = importlib.util.module_from_spec(_worker_spec)
+_worker_spec.loader.exec_module(vs_trl_worker)
+
+
+def test_memory_breakdown_finds_the_tensors_live_at_their_peak():
+    from torch.profiler import ProfilerActivity, profile
+
+    mib = 2**20 // 4  # float32 elements per MiB
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        a = torch.ones(3 * mib)
+        b = torch.ones(2 * mib)
+        del a  # the peak (5 MiB) has passed: what comes next stays below it
+        c = torch.ones(mib)
+        del b, c
+    m = vs_trl_worker.memory_breakdown(prof)
+    assert m["peak_tensor_mib"] == pytest.approx(5.0, abs=0.01)
+    sizes = [size for size, _ in m["largest_mib"]]
+    assert sizes[:2] == pytest.approx([3.0, 2.0]) and (len(sizes) < 3 or sizes[2] < 0.01)
+    assert sum(m["by_category_mib"].values()) == pytest.approx(m["peak_tensor_mib"])
+
+
+def test_memory_table_has_one_row_per_profiled_run(capsys):
+    run = {"peak_rss_mib": 900.0, "rss_before_train_mib": 500.0, "memory_breakdown": {
+        "peak_tensor_mib": 300.0, "tensors": 3,
+        "by_category_mib": {"activation": 200.0, "parameter": 60.0, "uncategorized": 40.0},
+        "largest_mib": [[150.0, "activation"], [60.0, "parameter"]]}}
+    vs_trl.print_memory_breakdowns({"sft": {"trl": [run], "posttrain": [{**run, "memory_breakdown": None}]}})
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| sft")]
+    assert rows == ["| sft | trl | 900 | 500 | 300 | 60 | 0 | 0 | 200 | 0 | 40 | 150 activation, 60 parameter |"]
+
+
 def test_bco_flops_are_half_a_dpo_pair_and_ppo_counts_policy_and_critic():
     model = (1000, 100, 2, 8)
     lengths = {"pair/context": 5.0, "pair/tokens": 20.0, "prompt/tokens": 3.0}
