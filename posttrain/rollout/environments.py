@@ -6,15 +6,19 @@ chat template shows). A fresh instance serves one rollout: `reset(**row)` is cal
 the dataset row's columns and may return a string to append to the last user message;
 `get_reward()`, when the class has it, scores the finished rollout from the instance's state.
 
-* `CalculatorEnv`: multiply two 3-digit numbers, which a tiny model cannot do in its head but
-  can with `calculate`; `calculator_dataset` gives the prompts and answers and
-  `calculator_reward` checks the final answer (the answer is in the text, not in the state).
+* `CalculatorEnv`: multiply two 2-digit numbers (32-99, so every product has 4 digits), which a
+  tiny model cannot do in its head but can with `calculate`; `calculator_dataset` gives the
+  prompts and answers and `calculator_reward` checks the final answer (the answer is in the text,
+  not in the state). `CalculatorEnv(show_results=False)` withholds the results: the no-tool baseline.
 * `GuessNumberEnv`: find a secret number with `guess`, answered "higher" / "lower" /
   "correct"; `get_reward` pays success, less for more guesses than binary search needs.
 
 `calculator_traces` / `guess_number_traces` are conversations in which the assistant calls the
 tool and then answers, with the `tools` column the environment would give: a short SFT on them
-teaches a small model the call format before RL.
+teaches a small model the call format before RL. `calculator_traces(list_tools=False)` leaves the
+tools out of the rows (about 70 tokens instead of 300: the template's tool listing is most of a
+row), where the tiny model learns to copy digits several times faster (its attention is spread
+over fewer positions); a few steps on the full rows then carry the skill over to the prompt RL uses.
 """
 
 from __future__ import annotations
@@ -100,14 +104,17 @@ def _number_text(value: int | float) -> str:
 
 
 class CalculatorEnv:
-    """Multiplication of two 3-digit numbers with a calculator tool.
+    """Multiplication of two 2-digit numbers with a calculator tool.
 
     The episode the model should write: call `calculate` with the product, read the result, and
     answer with the number. The answer lives in the text, so `calculator_reward` (a reward
-    function) scores it; `calls` and `results` record what the tool did.
+    function) scores it; `calls` and `results` record what the tool did. With
+    `show_results=False` the tool answers "unavailable" (it still evaluates and records): the
+    same episodes without the tool's help, to show the task is not solved without it.
     """
 
-    def __init__(self):
+    def __init__(self, show_results: bool = True):
+        self.show_results = show_results
         self.calls = 0
         self.results: list[str] = []
 
@@ -116,15 +123,17 @@ class CalculatorEnv:
         self.results = []
 
     def calculate(self, expression: str) -> str:
-        """Evaluate an arithmetic expression.
+        """Evaluate arithmetic.
 
         Args:
-            expression: Numbers with + - * / and parentheses, e.g. "12 * 34".
+            expression: For example 2 * 3.
         """
+        # the schema's texts are short on purpose: they are in every prompt, and digits in them
+        # would be more places for a tiny model's attention to land when it copies the operands
         self.calls += 1
         result = _number_text(evaluate_arithmetic(expression))
         self.results.append(result)
-        return result
+        return result if self.show_results else "unavailable"
 
 
 def _splits(make, split: str, size: int | None, defaults: tuple[int, int], seed: int, name: str) -> list:
@@ -148,14 +157,18 @@ def _splits(make, split: str, size: int | None, defaults: tuple[int, int], seed:
     return items[:test_size] if split == "test" else items[test_size:]
 
 
+FACTORS = (32, 99)  # 32 * 32 = 1024: every product has 4 digits, so the answer's layout never shifts
+
+
 def _factors(rng: random.Random) -> tuple[int, int]:
-    return rng.randint(100, 999), rng.randint(100, 999)
+    return rng.randint(*FACTORS), rng.randint(*FACTORS)
 
 
 def calculator_dataset(split: str = "train", size: int | None = None, seed: int = 0):
     """Rows `prompt` (one user message "What is A * B?") and `answer` (the product, a string).
 
-    Deterministic; train (1000 rows by default) and test (200) never share a pair of factors.
+    A and B are in 32..99 (4624 ordered pairs). Deterministic; train (1000 rows by default) and
+    test (200) never share a pair of factors, so held-out products cannot be memorised.
     """
     from datasets import Dataset
 
@@ -186,13 +199,14 @@ def _call(name: str, **arguments) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def calculator_traces(split: str = "train", size: int | None = None, seed: int = 0):
+def calculator_traces(split: str = "train", size: int | None = None, seed: int = 0, list_tools: bool = True):
     """SFT conversations for the calculator task: `messages` (user, a `calculate` call, its result,
-    the answer) and `tools` (the environment's schemas as a JSON string), one per
+    the answer) and `tools` (the environment's schemas as a JSON string; no `tools` column when
+    `list_tools` is False, so the template leaves the tool listing out), one per
     `calculator_dataset` row of the same split and seed."""
     from datasets import Dataset
 
-    tools = json.dumps(tool_schemas(environment_tools(CalculatorEnv())))
+    tools = {"tools": json.dumps(tool_schemas(environment_tools(CalculatorEnv())))} if list_tools else {}
     rows = []
     for row in calculator_dataset(split, size, seed):
         expression = row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?")
@@ -201,7 +215,7 @@ def calculator_traces(split: str = "train", size: int | None = None, seed: int =
             {"role": "assistant", "content": "", "tool_calls": [_call("calculate", expression=expression)]},
             {"role": "tool", "name": "calculate", "content": _number_text(evaluate_arithmetic(expression))},
             {"role": "assistant", "content": row["answer"]},
-        ], "tools": tools})
+        ], **tools})
     return Dataset.from_list(rows)
 
 

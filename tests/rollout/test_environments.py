@@ -56,6 +56,13 @@ def test_calculator_env_tool_and_its_failures():
     assert env.calls == 0 and env.results == []
 
 
+def test_calculator_env_can_withhold_its_results():
+    env = CalculatorEnv(show_results=False)
+    env.reset()
+    assert env.calculate("47 * 83") == "unavailable" and env.calls == 1 and env.results == ["3901"]
+    assert tool_schemas(environment_tools(env)) == tool_schemas(environment_tools(CalculatorEnv()))
+
+
 def test_calculator_dataset_is_deterministic_with_disjoint_splits():
     train, test = calculator_dataset("train", 300), calculator_dataset("test", 50)
     assert len(train) == 300 and len(test) == 50
@@ -63,7 +70,7 @@ def test_calculator_dataset_is_deterministic_with_disjoint_splits():
     assert not {p[0]["content"] for p in train["prompt"]} & {p[0]["content"] for p in test["prompt"]}
     for row in train.select(range(20)):
         a, b = map(int, row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
-        assert 100 <= a <= 999 and 100 <= b <= 999 and row["answer"] == str(a * b)
+        assert 32 <= a <= 99 and 32 <= b <= 99 and row["answer"] == str(a * b) and len(row["answer"]) == 4
     with pytest.raises(ValueError, match="split"):
         calculator_dataset("valid")
 
@@ -92,6 +99,19 @@ def test_calculator_traces_replay_through_the_environment():
         assert error is None and result["content"] == messages[2]["content"] == row["answer"]
         assert calculator_reward([messages[1:]], [row["answer"]]) == [1.0]
         assert json.loads(trace["tools"]) == tool_schemas(environment_tools(env))
+
+
+def test_calculator_traces_without_the_tool_listing_are_short():
+    tok = load_tokenizer(None, model="posttrain/tiny-qwen2")
+    full, short = calculator_traces("test", 1)[0], calculator_traces("test", 1, list_tools=False)[0]
+    assert "tools" not in short and short["messages"] == full["messages"]
+    listed = encode_text(tok, full["messages"], assistant_only=True, tools=full["tools"])
+    bare = encode_text(tok, short["messages"], assistant_only=True)
+    assert "<tools>" in tok.decode(listed["input_ids"]) and "<tools>" not in tok.decode(bare["input_ids"])
+    assert len(bare["input_ids"]) < len(listed["input_ids"]) // 3
+    # the same trained tokens: the call, then the answer
+    trained = [tok.decode([t for t, m in zip(o["input_ids"], o["loss_mask"]) if m]) for o in (listed, bare)]
+    assert trained[0] == trained[1] and trained[0].endswith(f"{full['messages'][-1]['content']}<|im_end|>")
 
 
 def test_guess_feedback_and_reward():
