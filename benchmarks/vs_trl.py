@@ -24,7 +24,7 @@ Workloads (default: all but the long ones; --long adds those):
   sft-long     SFT, batch 2, max_length 2048 (documents of 512-3072 tokens cut to 2048)       [--long]
   grpo-long    GRPO with completions of <= 256 tokens                                      [--long]
   grpo_tools   multi-turn GRPO with a calculator tool (`tools=`): 2 prompts x 4 episodes x <= 3 tool turns,
-               SmolLM2 fitted once to call it; vs_trl_tools_worker.py (what it matches: its docstring)
+               temperature 0.3, SmolLM2 fitted once to call it; vs_trl_tools_worker.py (details: its docstring)
   ppo          PPO, 8 prompts x <= 32 tokens per update, 2 PPO epochs x 2 mini-batches of 4, value and reward model
   bco          BCO (beta 0.1), batch 8 unpaired rows (4 pairs: chosen desirable, rejected undesirable), no UDM
 TRL 1.16 no longer ships PPO and BCO: their TRL side is TRL 1.12.0's trl.experimental, in .bench-venv-trl112
@@ -90,7 +90,7 @@ WORKLOADS = {
     "grpo_tools": dict(trainer="grpo", data="tool-prompts", unit="samples", model="tools",
                        worker="vs_trl_tools_worker.py", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=256, max_tool_calling_iterations=3,
-        learning_rate=1e-6, temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
+        learning_rate=1e-6, temperature=0.3, beta=0.0, num_iterations=1, shuffle_dataset=False)),
     "ppo": dict(trainer="ppo", data="prompts", unit="samples", trl="1.12", worker="vs_trl_experimental_worker.py",
                 config=dict(per_device_train_batch_size=8, num_mini_batches=2, num_ppo_epochs=2,
                             max_completion_length=32, learning_rate=1e-6, temperature=1.0, kl_coef=0.05,

@@ -15,8 +15,11 @@ the tokenizer's `response_template` (transformers' response parser); it sets one
 templates it knows, so the TRL side sets TRL's own Qwen3 one, which reads this `<tool_call>` format.
 
 SmolLM2-135M-Instruct does not call tools by itself: `prepare_model` (run once by vs_trl.py, in the main
-environment) fits it on the two episodes first (assistant tokens only) and caches the folder, so that
-sampling at temperature 1 writes the calls and both libraries run the same multi-turn work.
+environment) fits it on the two episodes first (assistant tokens only) and caches the folder. Both sides
+sample at temperature 0.3 (vs_trl.py's config), where the fitted model writes the three calls in every
+episode, so both libraries run the same multi-turn work (at temperature 1, a malformed call now and then
+ends TRL's episode, whose parser reads it as text, but gets posttrain's an error `tool` turn, and the
+tool calls per step differ).
 
 Prefill is counted per step where each library feeds prompt tokens to the model: TRL, the token ids it
 passes to `generate` on every turn (`_generate_single_turn`: the first turn's prompts, then each row's
@@ -87,16 +90,16 @@ def episode(text: str, expressions: list[str]) -> list[dict]:
     return messages + [{"role": "assistant", "content": f"The results: {results}."}]
 
 
-def prepare_model(cache: Path, base: str, template: str) -> str:
+def prepare_model(cache: Path, base: str, template: str, lr: float = FIT_LR, steps: int = FIT_STEPS) -> str:
     """A folder with `base` fitted on the two episodes under `template` (cached by their hash): the loss on
-    the assistant tokens ({% generation %} spans), AdamW at FIT_LR until it is below FIT_LOSS (at most
-    FIT_STEPS steps), seed 0."""
+    the assistant tokens ({% generation %} spans), AdamW at `lr` until it is below FIT_LOSS (at most `steps`
+    steps), seed 0."""
     import tempfile
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    key = hashlib.sha256(json.dumps([template, TASKS, FIT_STEPS, FIT_LR, FIT_LOSS, base]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([template, TASKS, steps, lr, FIT_LOSS, base]).encode()).hexdigest()[:12]
     folder = cache / f"smollm2-135m-instruct-tools-{key}"
     if (folder / "config.json").exists():
         return str(folder)
@@ -110,11 +113,11 @@ def prepare_model(cache: Path, base: str, template: str) -> str:
                                             return_assistant_tokens_mask=True)
         ids = torch.tensor([out["input_ids"]])
         batch.append((ids, torch.where(torch.tensor([out["assistant_masks"]]).bool(), ids, -100)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=FIT_LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    for step in range(FIT_STEPS):
+    for step in range(steps):
         loss = sum(model(input_ids=ids, labels=labels).loss for ids, labels in batch) / len(batch)
-        print(f"grpo_tools: fitting the tool caller, step {step + 1}/{FIT_STEPS}: loss {loss.item():.4f}",
+        print(f"grpo_tools: fitting the tool caller, step {step + 1}/{steps}: loss {loss.item():.4f}",
               file=sys.stderr, flush=True)
         if loss.item() < FIT_LOSS:
             break
@@ -210,12 +213,15 @@ def main():
     samples, tool_calls = [], []  # per reward call: (step, episodes), (step, tool calls)
 
     def answer_reward(completions, answers, **kwargs):
-        """The share of the three results in the episode's last assistant message."""
+        """The share of the three results in the episode's last assistant message, plus 0.01 x the episode's
+        place in the batch (both libraries pass them prompt-major): episodes of one prompt that agree still get
+        advantages that are not all 0, the same on both sides, so every step trains on something."""
         step = trainer.state.global_step
         samples.append((step, len(completions)))
         tool_calls.append((step, sum(m["role"] == "tool" for c in completions for m in c)))
         last = [next((m.get("content") or "" for m in reversed(c) if m["role"] == "assistant"), "") for c in completions]
-        return [sum(a in text for a in expected) / len(expected) for text, expected in zip(last, answers)]
+        return [sum(a in text for a in expected) / len(expected) + 0.01 * i
+                for i, (text, expected) in enumerate(zip(last, answers))]
 
     trainer = Trainer(model=spec["model"], reward_funcs=answer_reward, args=args,
                       train_dataset=Dataset.from_list(json.load(open(spec["data"]))), processing_class=tokenizer,
