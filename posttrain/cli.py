@@ -843,13 +843,72 @@ def main(argv: list[str] | None = None) -> int:
 
 def close_process_group() -> None:
     """Destroy the torch.distributed process group a multi-process run (accelerate launch, torchrun) opened,
-    if any: left to interpreter exit, its communication threads can abort the process after a successful run
-    ("terminate called without an active exception", exit code -6), which would make the launch fail."""
+    if any, so that its communication threads (gloo: gloo_tcp_loop, pt_gloo_runloop) are joined now.
+
+    torch's destroy_process_group only unregisters the group: while anything still references it, the group
+    and its threads live on into interpreter teardown, where a finished run now and then aborted ("terminate
+    called without an active exception", exit code -6; PyTorch's analysis, pull request 179291: a gloo worker
+    thread that drops a work object needs the GIL during finalization). In a DDP run two references were
+    left: objects in reference cycles (the trainer and its DDP module), collected here first, and default
+    arguments `group=dist.group.WORLD` of functions defined once the group existed
+    (torch.distributed.nn.functional, which DDP imports; deepspeed.comm.torch). Those defaults become None,
+    which means the default group there too."""
+    import gc
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    world = dist.group.WORLD
+    for f in gc.get_objects():
+        if isinstance(f, types.FunctionType):
+            if f.__defaults__ and any(d is world for d in f.__defaults__):
+                f.__defaults__ = tuple(None if d is world else d for d in f.__defaults__)
+            if f.__kwdefaults__ and any(d is world for d in f.__kwdefaults__.values()):
+                f.__kwdefaults__ = {k: None if d is world else d for k, d in f.__kwdefaults__.items()}
+    del world
+    dist.destroy_process_group()
+
+
+def _group_threads_alive() -> bool:
+    """Whether threads of a gloo process group still run in this process (their names, on Linux)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return any(name in ("pt_gloo_runloop", "gloo_tcp_loop") for name in names)
+
+
+def end_process(code: int):
+    """Exit with `code` after `close_process_group`. Where a process group outlived it -- DeepSpeed keeps its
+    groups in module globals and on ZeRO-3 parameters, out of reach -- its threads would run into interpreter
+    teardown and could abort the finished process (see close_process_group). Then the exit work Python does
+    is done here (non-daemon threads joined, atexit handlers run, output flushed) and the process ends with
+    os._exit(code), which skips that teardown; otherwise it is an ordinary sys.exit."""
+    if not _group_threads_alive():
+        sys.exit(code)
+    import atexit
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls first at exit (CPython)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from posttrain.cli import close_process_group
+from posttrain.cli import close_process_group, end_process
 from posttrain.data.builtin import task_dataset, task_preference_dataset
 from posttrain.models.loading import zero3_partitioned
 
@@ -111,6 +111,7 @@ def _weights(model) -> dict:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | dpo_sync | grpo | grpo_rm, processes
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | dpo_sync | grpo | grpo_rm | ppo | ppo_critic, processes
     finally:  # see cli.close_process_group
         close_process_group()
+    end_process(0)  # see cli.end_process

@@ -21,7 +21,7 @@ import sys
 import torch.distributed as dist
 
 from distributed_grpo import PerPromptSeededGRPO, first_token_reward
-from posttrain.cli import close_process_group
+from posttrain.cli import close_process_group, end_process
 from posttrain.data.builtin import task_dataset
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
@@ -109,3 +109,4 @@ if __name__ == "__main__":
         main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "uneven", sys.argv[4])  # even | uneven, grpo | rloo | ppo
     finally:  # see cli.close_process_group
         close_process_group()
+    end_process(0)  # see cli.end_process
