@@ -109,6 +109,10 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 
 
 VOCAB_CHUNK = 4096  # vocabulary columns per block of the fused head: a block is rows * VOCAB_CHUNK floats
+# The fused head keeps its logits for the backward up to this size and recomputes them there above it:
+# 512 MiB is 2700 positions of a 49k vocabulary in float32, e.g. SFT at batch 2 x 2048 holds 805 MiB of
+# logits next to about 5 GiB of activations; recomputing costs one more (N, H) x (H, V) product.
+KEEP_LOGITS_BYTES = 512 * 2**20
 
 
 def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, index: Tensor, with_stats: bool = False,
@@ -122,7 +126,8 @@ def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, index: Tensor, 
 
     The logits are computed `vocab_chunk` columns at a time with online softmax statistics, so
     no (N, V) temporaries are made besides the logits kept for backward (in the matmul dtype:
-    bf16 under bf16 autocast). Backward turns each block into its gradient
+    bf16 under bf16 autocast; above `KEEP_LOGITS_BYTES` none are kept and backward recomputes each
+    block with the same product, so the values are the same). Backward turns each block into its gradient
     g * (one_hot(index) - softmax) in one reused buffer and feeds it straight to the two matmuls
     (dL/dhidden, dL/dweight); it never builds the (N, V) gradient.
     """
@@ -222,8 +227,10 @@ def _linear_selective_log_softmax(hidden, weight, index, chunk, stats, keep):
 class _LinearSelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, index, chunk, stats):
+        ctx.dtype = _matmul_dtype(hidden)
+        keep = index.numel() * weight.shape[0] * ctx.dtype.itemsize <= KEEP_LOGITS_BYTES
         logps, entropy, argmax, lse, blocks = _linear_selective_log_softmax(hidden, weight, index, chunk, stats,
-                                                                            keep=True)
+                                                                            keep=keep)
         ctx.save_for_backward(hidden, weight, index, lse, *blocks)
         ctx.chunk = chunk
         if stats:
@@ -239,15 +246,16 @@ class _LinearSelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad, hidden, weight, index, lse, blocks):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
-        h = hidden.reshape(-1, hidden.shape[-1])
-        dtype = blocks[0].dtype if blocks else h.dtype
-        h = h.to(dtype)
+        dtype = ctx.dtype
+        h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
         idx, g = index.reshape(-1), grad.reshape(-1).to(lse.dtype)
         grad_hidden = torch.zeros(h.shape, dtype=lse.dtype, device=h.device) if want_hidden else None
         grad_weight = torch.empty_like(weight) if want_weight else None
         buffer = None
-        for block, lo in zip(blocks, range(0, weight.shape[0], ctx.chunk)):
-            hi = lo + block.shape[1]
+        for k, lo in enumerate(range(0, weight.shape[0], ctx.chunk)):
+            hi = min(lo + ctx.chunk, weight.shape[0])
+            # the forward's logits, or the forward's product again
+            block = blocks[k] if blocks else torch.mm(h, weight.detach()[lo:hi].to(dtype).t())
             if buffer is None or buffer.shape != block.shape:
                 buffer = torch.empty(block.shape, dtype=lse.dtype, device=block.device)
             # d logp[i] / d logits[j] = 1[j == index] - softmax[j], times the incoming gradient
