@@ -83,8 +83,8 @@ def episode(text: str, expressions: list[str]) -> list[dict]:
     """The conversation the fitted model writes: a call per expression, each followed by its result, then the list."""
     messages = [{"role": "user", "content": text}]
     for expression in expressions:
-        messages += [{"role": "assistant", "content": "", "tool_calls": [
-                         {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}]},
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
                      {"role": "tool", "name": "calculate", "content": calculate(expression)}]
     results = ", ".join(f"{e} = {r}" for e, r in zip(expressions, answers(expressions)))
     return messages + [{"role": "assistant", "content": f"The results: {results}."}]
@@ -144,7 +144,7 @@ def prepare(cache: Path, base: str) -> tuple[str, str, float]:
     data.write_text(json.dumps(rows()))
     tokenizer = AutoTokenizer.from_pretrained(model)
     lengths = [len(tokenizer.apply_chat_template([{"role": "user", "content": text}], tools=[calculate],
-                                                 add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+                                                 add_generation_prompt=True, return_dict=True)["input_ids"])
                for text, _ in TASKS]
     return model, str(data), sum(lengths) / len(lengths)
 
@@ -219,7 +219,8 @@ def main():
         step = trainer.state.global_step
         samples.append((step, len(completions)))
         tool_calls.append((step, sum(m["role"] == "tool" for c in completions for m in c)))
-        last = [next((m.get("content") or "" for m in reversed(c) if m["role"] == "assistant"), "") for c in completions]
+        last = [next((m.get("content") or "" for m in reversed(c) if m["role"] == "assistant"), "")
+                for c in completions]
         return [sum(a in text for a in expected) / len(expected) + 0.01 * i
                 for i, (text, expected) in enumerate(zip(last, answers))]
 

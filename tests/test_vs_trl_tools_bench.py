@@ -67,7 +67,8 @@ def test_the_shared_template_renders_the_episode_and_trains_only_the_assistant(w
                                                                               "arguments": {"expression": expression}}}]
         assert f"<|im_start|>tool\n{worker.calculate(expression)}<|im_end|>" in turn
     assert turns[-1] == "The results: 123 * 456 = 56088, 789 * 12 = 9468, 345 * 67 = 23115.<|im_end|>\n"
-    out = tok.apply_chat_template(messages, tools=[worker.calculate], return_dict=True, return_assistant_tokens_mask=True)
+    out = tok.apply_chat_template(messages, tools=[worker.calculate], return_dict=True,
+                                  return_assistant_tokens_mask=True)
     trained = tok.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
     assert trained.count("<tool_call>") == 3 and "The results:" in trained
     assert "<|im_start|>" not in trained  # no turn header, so no tool turn

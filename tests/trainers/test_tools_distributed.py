@@ -33,9 +33,9 @@ def test_two_processes_match_one_with_tools(tmp_path, caller_weights, kind):
     one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
     # 1 process x 8 episodes (2 prompts) vs 2 processes x 4 episodes (1 prompt each)
     _run([sys.executable, SCRIPT, one, "8", kind, caller_weights], tmp_path)
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-          SCRIPT, two, "4", kind, caller_weights], tmp_path)
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+          "--main_process_port", str(free_port()), SCRIPT, two, "4", kind, caller_weights], tmp_path)
     a, b = (json.load(open(p)) for p in (one, two))
     assert (a["processes"], b["processes"]) == (1, 2)
     assert a["calls"] > 0 and a["turns"] > 1  # the episodes had tool turns
