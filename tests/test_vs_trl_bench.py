@@ -148,3 +148,29 @@ def test_ppo_and_bco_run_trl_1_12_with_their_own_worker(monkeypatch):
                                       {"prompt": "p0", "completion": "r0", "label": False},
                                       {"prompt": "p1", "completion": "c1", "label": True},
                                       {"prompt": "p1", "completion": "r1", "label": False}]
+
+
+def test_the_allocator_off_column_runs_posttrain_with_malloc_untouched(tmp_path, monkeypatch):
+    # a stand-in worker: it writes what it saw of POSTTRAIN_KEEP_FREED_MEMORY, and claims the trainer
+    # tuned malloc unless told to turn the setting off (or, as "liar", whatever it was told)
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import json, os, sys\n"
+        "spec = json.load(open(sys.argv[1]))\n"
+        "seen = os.environ.get('POSTTRAIN_KEEP_FREED_MEMORY')\n"
+        "kept = True if spec['workload'] == 'liar' else seen != '0'\n"
+        "json.dump({'seen': seen, 'keep_freed_memory': kept}, open(spec['out'], 'w'))\n")
+    for name in ("fake", "liar"):
+        monkeypatch.setitem(vs_trl.WORKLOADS, name, dict(trainer="sft", data="d", unit="tokens", config={},
+                                                         worker=str(worker)))
+    args = type("Args", (), dict(gradient_checkpointing=False, bf16=False, steps=2, threads=1,
+                                 memory_profile=False, trl_python="unused"))()
+    monkeypatch.delenv("POSTTRAIN_KEEP_FREED_MEMORY", raising=False)
+
+    def run(column, workload="fake"):
+        return vs_trl.run_worker(column, workload, args, {"causal": "m"}, {"d": "d.json"}, tmp_path)
+
+    assert run("posttrain") == {"seen": None, "keep_freed_memory": True}
+    assert run("posttrain-malloc-off") == {"seen": "0", "keep_freed_memory": False}
+    with pytest.raises(SystemExit, match="keep_freed_memory was True"):  # the setting did not take: no column
+        run("posttrain-malloc-off", "liar")
