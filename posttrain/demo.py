@@ -12,9 +12,11 @@ On the built-in `reverse` task (reverse a 4-digit string) and the deterministic 
 then prints a table (stage, metric before -> after, wall time) and writes report.md, curves.png
 and every trained model (loadable with from_pretrained) under the output directory.
 
-`--stages tools` (opt-in, about 50 s of CPU) runs a multi-turn tool environment instead: SFT on
-guess-the-number traces, then GRPO with `GuessNumberEnv` (its `guess` method the tool, its
-`get_reward` the reward); it reports the held-out reward before -> after GRPO and shows an episode.
+`--stages tools` (opt-in, a few minutes of CPU) runs two tool environments instead, each SFT on
+tool-call traces then GRPO with the environment: the calculator task (`CalculatorEnv`, 2-digit
+products; it also reports the SFT model's accuracy with the tool results withheld) and
+guess-the-number (`GuessNumberEnv`, its `get_reward` the reward); it reports the held-out
+accuracy / reward before -> after GRPO and shows an episode of each.
 
 `--model smollm2` runs GRPO on the real SmolLM2-135M-Instruct instead, on single-digit sums
 ("What is 8 + 7?") answered within 8 tokens: it knows the sums but starts explanations that the
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "dpo", "bco", "kto")
-# Run only when asked (--stages tools): about 50 s of CPU on its own, more than the default stages together.
+# Run only when asked (--stages tools): a few minutes of CPU, more than the default stages together.
 OPT_IN_STAGES = ("tools",)
 
 
@@ -242,52 +244,107 @@ def _preference(plan, name, tokenizer, pairs, test, start, sft_acc):
     return path, ("held-out accuracy", sft_acc, _accuracy(trainer.model, tokenizer, test, plan))
 
 
-# ---------------------------------------------------------------- tools: a multi-turn environment
+# ---------------------------------------------------------------- tools: a calculator and a multi-turn game
 
-# The guessing game on 1..4 (binary search needs at most 3 guesses; 6 are allowed), measured on tiny-qwen2:
-# a short SFT on binary-search traces teaches the call format and the search half-way; GRPO with the
-# environment's get_reward (1 when found within 3 guesses, less for more) as its only reward, sampled at
-# temperature 0.7, episodes cut by the length limit left out of the loss. Held-out reward over seeds 0-3:
-# 0.555 -> 0.675, 0.525 -> 0.695, 0.56 -> 0.735, 0.55 -> 0.495 (the last seed falls: 30 steps are few).
-TOOLS = dict(high=4, sft_steps=60, sft_lr=5e-3, rl_steps=30, rl_lr=5e-4, temperature=0.7, eval_size=50,
-             mask_truncated=True)
+# Both measured on tiny-qwen2 (numbers in README.md), GRPO sampling at temperature 1 with no KL term.
+# Calculator: A * B with A, B in 32..99, held-out pairs never trained on. The tiny model learns to copy
+# digits in a few hundred SFT steps on the short traces without the tool listing, then in a few steps on
+# the full ones; GRPO with calculator_reward (exact product) then makes the copies surer.
+CALCULATOR = dict(short_sft_steps=220, short_sft_lr=3e-3, sft_steps=10, sft_lr=1e-3, rl_steps=20, rl_lr=3e-4,
+                  temperature=1.0, eval_size=100)
+# Guess-the-number on 1..4 (binary search needs at most 3 guesses; 6 are allowed): SFT on binary-search
+# traces teaches the call format and the search half-way; GRPO with the environment's get_reward (1 when
+# found within 3 guesses, less for more) as its only reward, length-cut episodes left out of the loss.
+GUESS_NUMBER = dict(high=4, sft_steps=60, sft_lr=5e-3, rl_steps=30, rl_lr=5e-4, temperature=1.0, eval_size=50)
 
 
-def run_tools(plan: DemoPlan, sft_steps: int | None = None, rl_steps: int | None = None):
+def _tools_common(plan: DemoPlan) -> dict:
+    return dict(seed=plan.seed, save_strategy="no", report_to="none", lr_scheduler_type="constant",
+                disable_tqdm=False)
+
+
+def _episode(trainer, row) -> list[dict]:
+    """One sampled episode of `row` (prompt messages, then the assistant turns and tool results)."""
+    import dataclasses
+
+    batch = trainer._collate([row])
+    sampling = dataclasses.replace(trainer.sampling, num_generations=1)
+    rollout, episodes = trainer.roll_out(batch, batch["prompt"], dict(batch["columns"]), sampling, mode="eval")
+    return batch["prompt"][0] + episodes.completions(rollout)[0]
+
+
+def run_calculator(plan: DemoPlan) -> tuple[tuple, float, list[dict]]:
+    """SFT on calculator traces (short ones without the tool listing, then full ones), then GRPO with
+    `CalculatorEnv`; returns ("held-out accuracy", before, after GRPO) over 2 sampled episodes per held-out
+    row, the SFT model's accuracy on the same rows with the tool results withheld, and a held-out episode."""
+    import functools
+
+    from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+    from posttrain.rollout.environments import (CalculatorEnv, calculator_dataset, calculator_reward,
+                                                calculator_traces)
+
+    cfg, out, common = CALCULATOR, Path(plan.output_dir), _tools_common(plan)
+    model = plan.model
+    for name, steps, lr, batch, data in (
+            ("calculator_sft_short", cfg["short_sft_steps"], cfg["short_sft_lr"], 32, calculator_traces(list_tools=False)),
+            ("calculator_sft", cfg["sft_steps"], cfg["sft_lr"], 16, calculator_traces())):
+        schedule = dict(lr_scheduler_type="constant_with_warmup", warmup_steps=10) if steps > 10 else {}
+        sft = SFTTrainer(model=model, train_dataset=data,
+                         args=SFTConfig(output_dir=str(out / name), max_steps=steps, learning_rate=lr,
+                                        per_device_train_batch_size=batch, assistant_only_loss=True,
+                                        logging_steps=max(1, steps // 10), **{**common, **schedule}))
+        sft.train()
+        model = sft.model
+    steps = cfg["rl_steps"]
+    args = GRPOConfig(output_dir=str(out / "calculator"), max_steps=steps, learning_rate=cfg["rl_lr"],
+                      per_device_train_batch_size=32, num_generations=8, max_completion_length=96, beta=0.0,
+                      temperature=cfg["temperature"], max_tool_calling_iterations=2, num_generations_eval=2,
+                      per_device_eval_batch_size=cfg["eval_size"], logging_steps=max(1, steps // 10), **common)
+    test = calculator_dataset("test", cfg["eval_size"])
+
+    def trainer(factory):
+        return GRPOTrainer(model=model, processing_class=sft.processing_class, args=args,
+                           reward_funcs=calculator_reward, train_dataset=calculator_dataset("train"),
+                           environment_factory=factory)
+
+    without_tool = trainer(functools.partial(CalculatorEnv, show_results=False)).evaluate(test)["eval_reward"]
+    rl = trainer(CalculatorEnv)
+    before = rl.evaluate(test)["eval_reward"]
+    rl.train()
+    after = rl.evaluate(test)["eval_reward"]
+    _finish(rl, plan, "calculator")
+    return ("held-out accuracy", before, after), without_tool, _episode(rl, test[0])
+
+
+def run_guess_number(plan: DemoPlan) -> tuple[tuple, list[dict]]:
     """SFT on guess-the-number traces, then GRPO with `GuessNumberEnv` as the environment; returns the
     ("held-out reward", before, after) metric (before and after GRPO, the mean `get_reward` of 4 sampled
     episodes per held-out row) and one held-out episode as messages."""
-    import dataclasses
-
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
     from posttrain.rollout.environments import GuessNumberEnv, guess_number_dataset, guess_number_traces
 
-    high, out = TOOLS["high"], Path(plan.output_dir)
-    common = dict(seed=plan.seed, save_strategy="no", report_to="none", lr_scheduler_type="constant",
-                  disable_tqdm=False)
+    cfg, out, common = GUESS_NUMBER, Path(plan.output_dir), _tools_common(plan)
+    high = cfg["high"]
     sft = SFTTrainer(model=plan.model, train_dataset=guess_number_traces("train", 200, high=high),
-                     args=SFTConfig(output_dir=str(out / "tools_sft"), max_steps=sft_steps or TOOLS["sft_steps"],
-                                    learning_rate=TOOLS["sft_lr"], per_device_train_batch_size=8,
+                     args=SFTConfig(output_dir=str(out / "guess_number_sft"), max_steps=cfg["sft_steps"],
+                                    learning_rate=cfg["sft_lr"], per_device_train_batch_size=8,
                                     assistant_only_loss=True, logging_steps=10, **common))
     sft.train()
-    steps = rl_steps or TOOLS["rl_steps"]
-    args = GRPOConfig(output_dir=str(out / "tools"), max_steps=steps, learning_rate=TOOLS["rl_lr"],
+    steps = cfg["rl_steps"]
+    args = GRPOConfig(output_dir=str(out / "guess_number"), max_steps=steps, learning_rate=cfg["rl_lr"],
                       per_device_train_batch_size=32, num_generations=8, max_completion_length=160, beta=0.0,
-                      temperature=TOOLS["temperature"], max_tool_calling_iterations=4, num_generations_eval=4,
-                      mask_truncated_completions=TOOLS["mask_truncated"],
-                      per_device_eval_batch_size=TOOLS["eval_size"], logging_steps=max(1, steps // 10), **common)
-    test = guess_number_dataset("test", TOOLS["eval_size"], high=high)
+                      temperature=cfg["temperature"], max_tool_calling_iterations=4, num_generations_eval=4,
+                      mask_truncated_completions=True, per_device_eval_batch_size=cfg["eval_size"],
+                      logging_steps=max(1, steps // 10), **common)
+    test = guess_number_dataset("test", cfg["eval_size"], high=high)
     trainer = GRPOTrainer(model=sft.model, processing_class=sft.processing_class, args=args,
                           train_dataset=guess_number_dataset("train", 200, high=high),
                           environment_factory=GuessNumberEnv)
     before = trainer.evaluate(test)["eval_reward"]
     trainer.train()
     after = trainer.evaluate(test)["eval_reward"]
-    _finish(trainer, plan, "tools")
-    batch = trainer._collate([test[0]])
-    sampling = dataclasses.replace(trainer.sampling, num_generations=1)
-    rollout, episodes = trainer.roll_out(batch, batch["prompt"], dict(batch["columns"]), sampling, mode="eval")
-    return ("held-out reward", before, after), batch["prompt"][0] + episodes.completions(rollout)[0]
+    _finish(trainer, plan, "guess_number")
+    return ("held-out reward", before, after), _episode(trainer, test[0])
 
 
 def _show_episode(console, messages):
@@ -365,11 +422,21 @@ def run(plan: DemoPlan) -> list[dict]:
             _, metric = _preference(plan, name, tokenizer, pairs, test, start, start_acc)
             record(name, started, metric)
     if "tools" in plan.stages:
+        console.rule("tools: calculator (SFT on traces, then GRPO with CalculatorEnv)")
+        set_seed(plan.seed)
+        started = time.time()
+        metric, without_tool, episode = run_calculator(plan)
+        plan.results.append(dict(stage="calculator, results withheld", metric="held-out accuracy", before=None,
+                                 after=without_tool, seconds=0.0))
+        console.print(f"the SFT model with the tool results withheld: held-out accuracy {without_tool:.2f}")
+        record("calculator", started, metric)
+        console.print("a held-out episode after GRPO:")
+        _show_episode(console, episode)
         console.rule("tools: guess the number (SFT on traces, then GRPO with GuessNumberEnv)")
         set_seed(plan.seed)
         started = time.time()
-        metric, episode = run_tools(plan)
-        record("tools", started, metric)
+        metric, episode = run_guess_number(plan)
+        record("guess_number", started, metric)
         console.print("a held-out episode after GRPO:")
         _show_episode(console, episode)
     report(plan, console)
