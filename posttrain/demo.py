@@ -286,7 +286,8 @@ def run_calculator(plan: DemoPlan) -> tuple[tuple, float, list[dict]]:
     cfg, out, common = CALCULATOR, Path(plan.output_dir), _tools_common(plan)
     model = plan.model
     for name, steps, lr, batch, data in (
-            ("calculator_sft_short", cfg["short_sft_steps"], cfg["short_sft_lr"], 32, calculator_traces(list_tools=False)),
+            ("calculator_sft_short", cfg["short_sft_steps"], cfg["short_sft_lr"], 32,
+             calculator_traces(list_tools=False)),
             ("calculator_sft", cfg["sft_steps"], cfg["sft_lr"], 16, calculator_traces())):
         schedule = dict(lr_scheduler_type="constant_with_warmup", warmup_steps=10) if steps > 10 else {}
         sft = SFTTrainer(model=model, train_dataset=data,

@@ -24,7 +24,8 @@ def test_grpo_with_a_calculator_raises_held_out_accuracy(tmp_path, one_thread):
     assert after > before + CALCULATOR_MARGIN, (before, after)
     # the same SFT model, the same held-out pairs, the tool answering "unavailable": products are not guessed
     assert without_tool < 0.05 < before, (without_tool, before)
-    assert episode[0]["content"].startswith("What is ") and episode[1]["tool_calls"][0]["function"]["name"] == "calculate"
+    assert episode[0]["content"].startswith("What is ")
+    assert episode[1]["tool_calls"][0]["function"]["name"] == "calculate"
     assert (tmp_path / "calculator" / "log_history.json").exists()
 
 
