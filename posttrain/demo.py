@@ -427,10 +427,11 @@ def run(plan: DemoPlan) -> list[dict]:
         set_seed(plan.seed)
         started = time.time()
         metric, without_tool, episode = run_calculator(plan)
+        record("calculator", started, metric)
+        # the SFT model's score without the tool's help (its time is in the calculator row's)
         plan.results.append(dict(stage="calculator, results withheld", metric="held-out accuracy", before=None,
                                  after=without_tool, seconds=0.0))
         console.print(f"the SFT model with the tool results withheld: held-out accuracy {without_tool:.2f}")
-        record("calculator", started, metric)
         console.print("a held-out episode after GRPO:")
         _show_episode(console, episode)
         console.rule("tools: guess the number (SFT on traces, then GRPO with GuessNumberEnv)")
