@@ -327,6 +327,21 @@ def test_peft_policy_weights_are_merged_under_base_names():
 
 # ---------------------------------------------------------------- server mode, TRL 0.2x's server (legacy)
 
+class JsonHandler(http.server.BaseHTTPRequestHandler):
+    """A quiet request handler that answers JSON (both fake servers' base)."""
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, payload, code=200):
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 class LegacyFakeServer:
     """TRL 0.2x's `trl vllm-serve` endpoints over real HTTP, in a thread; /generate/ samples with a tiny model that the
     weight broadcast writes into (through `FakeCommunicator`)."""
@@ -340,17 +355,7 @@ class LegacyFakeServer:
         self.policy, self.in_sync, self.legacy = None, [], False
         server = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, payload, code=200):
-                body = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        class Handler(JsonHandler):
 
             def do_GET(self):
                 server.requests.append((self.path, None))
@@ -531,17 +536,7 @@ class FakeVllmServer:
         self.wire, self.acks = queue.Queue(), queue.Queue()  # the broadcast: a tensor, then the receiver's ack
         server = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, payload, code=200):
-                body = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        class Handler(JsonHandler):
 
             def do_GET(self):
                 url = urllib.parse.urlparse(self.path)
