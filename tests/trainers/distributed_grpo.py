@@ -46,6 +46,20 @@ def _merge(records):
     return merged
 
 
+def join_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """One prompt-major Rollout from per-prompt ones (padded to common widths, records merged)."""
+    records = [p.linear_outputs for p in parts]
+    tool_masks = [p.tool_mask for p in parts]
+    return Rollout(prompt_ids=_cat([p.prompt_ids for p in parts], pad_token_id, left=True),
+                   prompt_mask=_cat([p.prompt_mask for p in parts], 0, left=True),
+                   completion_ids=_cat([p.completion_ids for p in parts], pad_token_id),
+                   completion_mask=_cat([p.completion_mask for p in parts], 0),
+                   logprobs=_cat([p.logprobs for p in parts], 0.0),
+                   is_truncated=torch.cat([p.is_truncated for p in parts]),
+                   linear_outputs=_merge(records) if all(r is not None for r in records) else None,
+                   tool_mask=_cat(tool_masks, 0) if all(m is not None for m in tool_masks) else None)
+
+
 class PerPromptSeededGRPO(GRPOTrainer):
     def sample_completions(self, prompt_ids, sampling=None):
         tok = self.processing_class
@@ -53,14 +67,7 @@ class PerPromptSeededGRPO(GRPOTrainer):
                           eos_token_id=tok.eos_token_id, generator=torch.Generator().manual_seed(sum(ids) + len(ids)),
                           record_linears=self.replays and sampling is None)
                  for ids in prompt_ids]
-        records = [p.linear_outputs for p in parts]
-        return Rollout(prompt_ids=_cat([p.prompt_ids for p in parts], tok.pad_token_id, left=True),
-                       prompt_mask=_cat([p.prompt_mask for p in parts], 0, left=True),
-                       completion_ids=_cat([p.completion_ids for p in parts], tok.pad_token_id),
-                       completion_mask=_cat([p.completion_mask for p in parts], 0),
-                       logprobs=_cat([p.logprobs for p in parts], 0.0),
-                       is_truncated=torch.cat([p.is_truncated for p in parts]),
-                       linear_outputs=_merge(records) if all(r is not None for r in records) else None)
+        return join_rollouts(parts, tok.pad_token_id)
 
 
 def main(out_path: str, per_device_batch: int, replay: bool):

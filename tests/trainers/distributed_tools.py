@@ -20,9 +20,9 @@ from posttrain.cli import close_process_group
 from posttrain.models.loading import load_causal_lm
 from posttrain.rollout import generate as generate_module
 from posttrain.rollout.environments import GuessNumberEnv
-from posttrain.rollout.generate import Rollout, generate
+from posttrain.rollout.generate import generate
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from distributed_grpo import _cat, _merge
+from distributed_grpo import join_rollouts
 
 
 def ping(x: int) -> int:
@@ -55,15 +55,7 @@ class PerPromptSeededGRPO(GRPOTrainer):
                           record_linears=record,
                           continue_turn=_offset(continue_turn, b * G))
                  for b, ids in enumerate(prompt_ids)]
-        records = [p.linear_outputs for p in parts]
-        return Rollout(prompt_ids=_cat([p.prompt_ids for p in parts], tok.pad_token_id, left=True),
-                       prompt_mask=_cat([p.prompt_mask for p in parts], 0, left=True),
-                       completion_ids=_cat([p.completion_ids for p in parts], tok.pad_token_id),
-                       completion_mask=_cat([p.completion_mask for p in parts], 0),
-                       logprobs=_cat([p.logprobs for p in parts], 0.0),
-                       is_truncated=torch.cat([p.is_truncated for p in parts]),
-                       linear_outputs=_merge(records) if all(r is not None for r in records) else None,
-                       tool_mask=None if continue_turn is None else _cat([p.tool_mask for p in parts], 0))
+        return join_rollouts(parts, tok.pad_token_id)
 
 
 def main(out_path: str, per_device_batch: int, kind: str, weights_path: str):
