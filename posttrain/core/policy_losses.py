@@ -274,3 +274,10 @@ def clipped_value_loss(
     per_token = torch.where(mask.bool(), 0.5 * torch.maximum(loss_unclipped, loss_clipped), 0.0)
     clipfrac = (loss_clipped > loss_unclipped) & mask.bool()
     return per_token, clipfrac
+
+
+def truncated_importance_weights(old_logp: Tensor, vllm_logp: Tensor, cap: float) -> Tensor:
+    """min(pi_old / pi_vllm, cap) per token (B, T): the weight of each token's policy loss that corrects
+    for sampling with vLLM's numbers instead of the policy's (truncated importance sampling; TRL's
+    `token_truncate`). No gradient flows through it."""
+    return torch.exp(old_logp.detach() - vllm_logp).clamp(max=cap)

@@ -22,7 +22,7 @@ whenever an optimizer step has happened since the last one (and before the first
 the policy's state dict under its Hugging Face name, PEFT adapters merged in, sharded weights
 gathered. vLLM's log-probs are not the trainer's (other kernels, maybe another dtype): the trainer
 recomputes the behaviour log-probs with the policy where they are used and weights each token's
-policy loss by `truncated_importance_weights` (TRL's `vllm_importance_sampling_correction`).
+policy loss by `core.policy_losses.truncated_importance_weights` (TRL's `vllm_importance_sampling_correction`).
 
 Only the plumbing is tested here, against a fake `vllm` module and local HTTP servers of both protocols
 (tests/rollout/test_vllm_engine.py); vLLM itself and NCCL need a CUDA machine.
@@ -103,13 +103,6 @@ def to_rollout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Seq
                                    len(completion_ids), pad_token_id, eos_token_id)
     rollout.is_truncated = torch.tensor([bool(t) for t in truncated])
     return rollout
-
-
-def truncated_importance_weights(old_logp: Tensor, vllm_logp: Tensor, cap: float) -> Tensor:
-    """min(pi_old / pi_vllm, cap) per token (B, T): the weight of each token's policy loss that corrects
-    for sampling with vLLM's numbers instead of the policy's (truncated importance sampling; TRL's
-    `token_truncate`). No gradient flows through it."""
-    return torch.exp(old_logp.detach() - vllm_logp).clamp(max=cap)
 
 
 def policy_weights(model) -> Iterator[tuple[str, Tensor]]:

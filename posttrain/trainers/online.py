@@ -59,7 +59,7 @@ from posttrain.core.kl import kl_penalty
 from posttrain.core.logprobs import token_logprobs
 from posttrain.core.masked import (AGGREGATIONS, aggregate_loss, count_tokens, masked_mean, masked_sum, masked_var,
                                    top_quantile_mask)
-from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus
+from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus, truncated_importance_weights
 from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewards
 from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.models import loading
@@ -68,7 +68,6 @@ from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, completion_logprobs, generate
 from posttrain.rollout.multiturn import Tooling, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
-from posttrain.rollout.vllm_engine import truncated_importance_weights
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
 from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options, loss_types

@@ -25,12 +25,12 @@ import pytest
 import torch
 from tests.helpers.online import first_token_reward, online_args, prompts, train_and_check
 
+from posttrain.core.policy_losses import truncated_importance_weights
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rollout import vllm_engine
 from posttrain.rollout.generate import SamplingConfig, generate
 from posttrain.rollout.vllm_engine import (ColocateEngine, LegacyServerEngine, ServerEngine, make_engine,
-                                           policy_weights, sampling_fields, speaks_openai,
-                                           truncated_importance_weights)
+                                           policy_weights, sampling_fields, speaks_openai)
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 TINY = "posttrain/tiny-qwen2"
