@@ -35,7 +35,7 @@ import resource
 import sys
 import time
 
-from vs_trl_worker import _posttrain_version, make_step_clock, rss_mib
+from vs_trl_worker import _posttrain_version, check_no_peer_imported, make_step_clock, precision, rss_mib
 
 PAD = "<|endoftext|>"  # PPO's pad token: see the module docstring
 
@@ -158,10 +158,7 @@ def main():
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
-    other = "posttrain" if side == "trl" else "trl"
-    leaked = sorted(m for m in sys.modules if m == other or m.startswith(other + "."))
-    if leaked:
-        raise SystemExit(f"the {side} side imported {other}: {leaked[:5]}")
+    check_no_peer_imported(side)
 
     # one entry per update: the last optimizer step's end of each
     k = steps_per_update
@@ -179,8 +176,7 @@ def main():
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_train_mib": rss_before,
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
         "dtype": str(next(model.parameters()).dtype),
-        "precision": "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else
-        str(next(model.parameters()).dtype),
+        "precision": precision(args, model),
         **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),  # vs_trl.py checks it
     }
     with open(spec["out"], "w") as f:

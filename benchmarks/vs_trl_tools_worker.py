@@ -39,7 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-from vs_trl_worker import _posttrain_version, make_step_clock, rss_mib, trainer_classes
+from vs_trl_worker import (_posttrain_version, check_no_peer_imported, make_step_clock, precision, rss_mib,
+                           trainer_classes)
 
 # (prompt, the three expressions): one tool call per expression, then the three results
 TASKS = [("Use the calculator, one call at a time, for 123 * 456, then 789 * 12, then 345 * 67. "
@@ -236,10 +237,7 @@ def main():
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
-    other = "posttrain" if side == "trl" else "trl"
-    leaked = sorted(m for m in sys.modules if m == other or m.startswith(other + "."))
-    if leaked:
-        raise SystemExit(f"the {side} side imported {other}: {leaked[:5]}")
+    check_no_peer_imported(side)
     versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "datasets")}
     versions[side] = importlib.import_module(side).__version__ if side == "trl" else _posttrain_version()
     steps = len(clock.end)
@@ -253,8 +251,7 @@ def main():
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_train_mib": rss_before,
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
         "dtype": str(next(trainer.model.parameters()).dtype),
-        "precision": "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else
-        str(next(trainer.model.parameters()).dtype),
+        "precision": precision(args, trainer.model),
     }
     with open(spec["out"], "w") as f:
         json.dump(result, f)

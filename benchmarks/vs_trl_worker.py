@@ -170,10 +170,7 @@ def main():
     if profiler is not None:
         profiler.__exit__(None, None, None)
         breakdown = memory_breakdown(profiler)
-    other = "posttrain" if side == "trl" else "trl"
-    leaked = sorted(m for m in sys.modules if m == other or m.startswith(other + "."))
-    if leaked:
-        raise SystemExit(f"the {side} side imported {other}: {leaked[:5]}")
+    check_no_peer_imported(side)
     versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "datasets")}
     versions[side] = importlib.import_module(side).__version__ if side == "trl" else _posttrain_version()
     result = {
@@ -189,12 +186,23 @@ def main():
         **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
         "dtype": str(next(trainer.model.parameters()).dtype),
-        # the arithmetic the steps ran in: the weights' dtype, or the autocast dtype over it
-        "precision": "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else
-        str(next(trainer.model.parameters()).dtype),
+        "precision": precision(args, trainer.model),
     }
     with open(spec["out"], "w") as f:
         json.dump(result, f)
+
+
+def check_no_peer_imported(side: str) -> None:
+    """Stop the run if this side's process imported the other library (each side runs alone)."""
+    other = "posttrain" if side == "trl" else "trl"
+    leaked = sorted(m for m in sys.modules if m == other or m.startswith(other + "."))
+    if leaked:
+        raise SystemExit(f"the {side} side imported {other}: {leaked[:5]}")
+
+
+def precision(args, model) -> str:
+    """The arithmetic the steps ran in: the weights' dtype, or the autocast dtype over it."""
+    return "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else str(next(model.parameters()).dtype)
 
 
 def _posttrain_version() -> str:
