@@ -34,7 +34,7 @@ from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, enable_full_deter
 
 from posttrain.callbacks import SyncRefModelCallback
 from posttrain.memory import keep_freed_memory, make_adam_state
-from posttrain.models import loading
+from posttrain.models import lean, loading
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,15 @@ class BaseConfig(TrainingArguments):
                           "memory (same values as made lazily), so the second step does not fault in new pages. "
                           "The process keeps its peak memory reserved, as a GPU caching allocator does. False "
                           "(or POSTTRAIN_KEEP_FREED_MEMORY=0 in the environment) leaves the C allocator untouched."})
+    lean_activations: bool = field(
+        default=True,
+        metadata={"help": "Compute the model's Llama-style RMSNorms and SwiGLU MLPs (Llama, Mistral, Qwen2/3, SmolLM, "
+                          "... as transformers writes them) with autograd functions that keep only the norm's input "
+                          "and the gate's and up projection's outputs for the backward, recomputing the rest there: "
+                          "about a quarter less activation memory, same forward values bit for bit, gradients equal "
+                          "to rounding. The model object is patched in place (posttrain.models.lean.make_lean); "
+                          "other architectures are left as they are, and so is everything under torch_compile. "
+                          "False: the plain transformers modules (an earlier trainer's patch is undone)."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -322,6 +331,10 @@ class BaseTrainer(Trainer):
         self.tag_model(model)
         model = loading.apply_peft(model, peft_config)
         check_liger(args, model)  # after PEFT: some adapters are refused with liger
+        if args.lean_activations and not args.torch_compile:
+            lean.make_lean(model)  # every trained module (a PPO critic's too); frozen copies made later inherit it
+        else:
+            lean.undo_lean(model)
         self.model_name = model_name
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
