@@ -352,7 +352,7 @@ def _penalise(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                        replay: tuple[LinearRecord, Tensor] | None = None):
+                        replay: tuple[LinearRecord, Tensor] | tuple[LinearRecord, Tensor, bool] | None = None):
     """Log-probs (R, C) of the completion tokens under softmax(logits / temperature), and their
     entropies (R, C) or None, computing each distinct prompt once.
 
@@ -371,7 +371,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
 
     replay: (record, rows) to take the decoder layers' linear outputs from the sampler's record
     (`replay.py`) instead of computing them; rows (R,) are the rollout rows of these completions, and
-    the record must come from the current weights.
+    the record must come from the current weights. (record, rows, True): this forward is the record's
+    last use, and each layer's part of it is let go as soon as the forward has read it.
     """
     R, C = completion_ids.shape
     P = prompt_ids.shape[1]
@@ -421,5 +422,5 @@ def _replayed(replay, layout):
     """`replay.replaying` with the record laid out by `layout(record, rollout_rows)`; nothing without a replay."""
     if replay is None:
         return contextlib.nullcontext()
-    record, rollout_rows = replay
-    return replaying(record, layout(record, rollout_rows.cpu()))
+    record, rollout_rows, *last = replay
+    return replaying(record, layout(record, rollout_rows.cpu()), bool(last and last[0]))

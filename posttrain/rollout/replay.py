@@ -14,9 +14,11 @@ recorded outputs. Values are the sampler's, which equal the forward's up to floa
 decoding kernels sum in another order); the gradients agree to the same precision (tested).
 
 The record holds layers x (sum of the recorded modules' widths) x 4 bytes per prompt and completion
-position until the generation batch's last micro-batch has run its forward; the trainer lets it go
-before that backward. What it saves and costs is measured in benchmarks/README.md ("Where time goes
-in the sampler").
+position, one tensor per layer, until the generation batch's last micro-batch has run its forward. That
+forward is the record's last use (`replaying(..., last=True)`): each layer's tensor goes as soon as the
+forward has gathered that layer's outputs, so the record shrinks while the forward's activations grow,
+and none of it sits beside the activations at their peak. What replay saves and costs is measured in
+benchmarks/README.md ("Where time goes in the sampler").
 
 The record is filled by the sampler's CPU backend (`decode.CPUDecoder`): the prefill's outputs through
 forward hooks (`recording_prefill`), each decoding step's from the lean step's own buffer (`keep_step`).
@@ -39,32 +41,59 @@ from posttrain.rollout import few_rows
 
 class LinearRecord:
     """What the sampler's linear layers returned. modules[l][j] is layer l's j-th recorded module (the same
-    kinds in every layer, e.g. q, k, v, o, gate, up, down). For each kind j, one tensor holds, per layer,
-    the rows [prompt positions | completion positions | one row of zeros]; its two views:
+    kinds in every layer, e.g. q, k, v, o, gate, up, down). Each layer l has one tensor, layers[l]
+    (positions, sum of widths): its rows are [prompt positions | completion positions | one row of zeros],
+    its columns each kind's output side by side (the lean step's own record order). Its views:
 
-    prompt[j]:     (L, B, P, width_j) at each prompt position of the B prefilled (left-padded) prompts
-    completion[j]: (L, N, T, width_j) at completion position t of rollout row n (that token fed back at
-                   step t); zeros where the token was never fed
+    prompt(l, j):     (B, P, width_j) at each prompt position of the B prefilled (left-padded) prompts
+    completion(l, j): (N, T, width_j) at completion position t of rollout row n (that token fed back at
+                      step t); zeros where the token was never fed
     Rollout row n (prompt-major) belongs to prompt n // group. A training forward's outputs are one
-    row gather from that tensor (`layout`, `output`).
+    row gather from a layer's tensor (`layout`, `output`). A layer whose tensor was let go
+    (`release`, after its last use) is None in `layers`.
     """
 
     def __init__(self, modules: list[list[torch.nn.Linear]], prompts: int, prompt_length: int, rows: int,
                  steps: int, group: int):
         self.modules, self.group = modules, group
         self.shape = (prompts, prompt_length, rows, steps)  # B, P, N, T
-        L, cut = len(modules), prompts * prompt_length
-        self.outputs = [torch.zeros(L, cut + rows * steps + 1, m.out_features) for m in modules[0]]
-        self.prompt = [o[:, :cut].view(L, prompts, prompt_length, -1) for o in self.outputs]
-        self.completion = [o[:, cut:cut + rows * steps].view(L, rows, steps, -1) for o in self.outputs]
+        self.widths = [m.out_features for m in modules[0]]
+        self.starts = [sum(self.widths[:j]) for j in range(len(self.widths))]  # each kind's first column
+        positions = prompts * prompt_length + rows * steps + 1
+        self.layers: list[Tensor | None] = [torch.zeros(positions, sum(self.widths)) for _ in modules]
+
+    def _columns(self, layer: int, kind: int) -> Tensor:
+        outputs = self.layers[layer]
+        if outputs is None:
+            raise RuntimeError(f"layer {layer} of the record was let go after its last use")
+        return outputs[:, self.starts[kind]:self.starts[kind] + self.widths[kind]]
+
+    def prompt(self, layer: int, kind: int) -> Tensor:
+        B, P, _, _ = self.shape
+        return self._columns(layer, kind)[:B * P].view(B, P, -1)
+
+    def completion(self, layer: int, kind: int) -> Tensor:
+        B, P, N, T = self.shape
+        return self._columns(layer, kind)[B * P:B * P + N * T].view(N, T, -1)
 
     def keep_step(self, step: int, rows: Tensor, outputs: Tensor):
         """Completion position `step` of rollout rows `rows` (A,), from a lean step's (L, A, sum of widths) record."""
-        start = 0
-        every = len(rows) == self.shape[2]  # no row dropped yet: rows is 0..N-1, a plain slice
-        for part in self.completion:
-            part[:, slice(None) if every else rows, step] = outputs[..., start:start + part.shape[-1]]
-            start += part.shape[-1]
+        B, P, N, T = self.shape
+        if len(rows) == N:  # no row dropped yet: rows is 0..N-1, a strided slice
+            where = slice(B * P + step, B * P + N * T, T)
+        else:
+            where = B * P + rows * T + step
+        for layer, part in zip(self.layers, outputs):
+            layer[where] = part
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the record still holds."""
+        return sum(t.nbytes for t in self.layers if t is not None)
+
+    def release(self, layer: int) -> None:
+        """Let layer `layer`'s outputs go (after their last use); reading them afterwards raises."""
+        self.layers[layer] = None
 
     def layout(self, rows: Tensor, prompt_width: int, completion_width: int) -> Tensor:
         """Where each position of a training forward's sequences is in the record: (S, length) row indices.
@@ -90,7 +119,7 @@ class LinearRecord:
     def output(self, kind: int, layer: int, layout: Tensor) -> Tensor:
         """Module `modules[layer][kind]`'s outputs for the sequences of `layout`: (S, length, width), one row
         gather made on demand (so only the outputs that autograd keeps stay alive, as in an ordinary forward)."""
-        return self.outputs[kind][layer].index_select(0, layout.flatten()).view(*layout.shape, -1)
+        return self._columns(layer, kind).index_select(0, layout.flatten()).view(*layout.shape, -1)
 
 
 @contextlib.contextmanager
@@ -100,8 +129,8 @@ def recording_prefill(record: LinearRecord):
     hooks = []
     try:
         for layer, modules in enumerate(record.modules):
-            for module, part in zip(modules, record.prompt):
-                hooks.append(module.register_forward_hook(functools.partial(_keep_output, part[layer])))
+            for kind, module in enumerate(modules):
+                hooks.append(module.register_forward_hook(functools.partial(_keep_output, record.prompt(layer, kind))))
         yield
     finally:
         for hook in hooks:
@@ -133,29 +162,39 @@ class _KnownLinear(torch.autograd.Function):
 
 
 def _known_forward(record: LinearRecord, kind: int, layer: int, layout: Tensor, module: torch.nn.Linear,
-                   x: Tensor) -> Tensor:
+                   left: list[int] | None, x: Tensor) -> Tensor:
     if x.shape[:-1] != layout.shape:
         raise RuntimeError(f"replayed linear layer got input {tuple(x.shape)}, but the record is laid out for "
                            f"{tuple(layout.shape)} positions: the forward does not match the record's layout")
-    width, weight, bias = record.outputs[kind].shape[-1], module.weight, module.bias
+    width, weight, bias = record.widths[kind], module.weight, module.bias
     if not (few_rows.whole(weight, (width, x.shape[-1])) and (bias is None or few_rows.whole(bias, (width,)))):
         # a sharded, non-contiguous or resized weight: its gradient would not be the plain product
         # _KnownLinear computes, so compute the layer as usual
-        return torch.nn.functional.linear(x, weight, bias)
-    return _KnownLinear.apply(x, weight, bias, record.output(kind, layer, layout))
+        y = torch.nn.functional.linear(x, weight, bias)
+    else:
+        y = _KnownLinear.apply(x, weight, bias, record.output(kind, layer, layout))
+    if left is not None:  # the record's last use: the layer goes once all its modules have been read
+        left[layer] -= 1
+        if left[layer] == 0:
+            record.release(layer)
+    return y
 
 
 @contextlib.contextmanager
-def replaying(record: LinearRecord, layout: Tensor):
+def replaying(record: LinearRecord, layout: Tensor, last: bool = False):
     """Within the block, each recorded module returns its recorded outputs laid out as `layout` instead of
-    computing; a forward must call each one once, on inputs of that layout."""
+    computing; a forward must call each one once, on inputs of that layout.
+
+    last: this forward is the record's last use; each layer's outputs are let go (`LinearRecord.release`)
+    once all of that layer's modules have returned theirs, so the record is gone by the forward's end."""
     patched = []
+    left = [len(modules) for modules in record.modules] if last else None  # per layer: modules yet to be read
     try:
         for layer, modules in enumerate(record.modules):
             for kind, module in enumerate(modules):
                 if "forward" in module.__dict__:
                     raise RuntimeError(f"cannot replay {type(module).__name__}: its forward is already replaced")
-                module.forward = functools.partial(_known_forward, record, kind, layer, layout, module)
+                module.forward = functools.partial(_known_forward, record, kind, layer, layout, module, left)
                 patched.append(module)
         yield
     finally:

@@ -576,7 +576,8 @@ class OnlineTrainer(BaseTrainer):
         if not with_values:
             record = None
             if replay and self._replay is not None and mb.get("old_is_current") and "rollout_row" in mb:
-                record = (self._replay, mb["rollout_row"])
+                # the generation batch's last micro-batch is the record's last use: let it go layer by layer
+                record = (self._replay, mb["rollout_row"], bool(mb.get("last_of_generation")))
             logp, entropy = completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                 mb["completion_mask"], self.args.temperature, with_entropy,
                                                 replay=record)
@@ -615,7 +616,7 @@ class OnlineTrainer(BaseTrainer):
         critic = ADVANTAGES[args.advantage_estimator].critic
         logp, entropy, values = self.forward(model, inputs, with_values=critic, with_entropy=True, replay=True)
         if inputs.get("last_of_generation"):
-            self._replay = None  # the record's last use: let it go before the backward
+            self._replay = None  # the record's last use (each layer went once the forward read it)
         mask = inputs["loss_mask"]
         old_logp = logp.detach() if inputs["old_is_current"] else inputs["old_logp"]
         per_token, stats = POLICY_LOSSES[args.policy_loss].fn(logp, old_logp, inputs["advantages"], mask,

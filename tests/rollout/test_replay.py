@@ -76,14 +76,14 @@ def test_record_holds_what_each_linear_layer_returns(name, compiled, tok, monkey
             want = expected[layer][kind]
             for row in range(N):
                 real = out.prompt_mask[row].bool()
-                got = record.prompt[kind][layer, row // G]
+                got = record.prompt(layer, kind)[row // G]
                 close(got[real], want[row, :P][real])
                 # completion tokens fed back: every token before the row's stop (its stop token may have been
                 # dropped with the row, and the last step's token is never fed)
                 fed = min(int(lengths[row]) - 1, C - 1)
-                close(record.completion[kind][layer, row, :fed], want[row, P:P + fed])
+                close(record.completion(layer, kind)[row, :fed], want[row, P:P + fed])
                 checked += fed
-            assert torch.all(record.completion[kind][layer, :, C - 1:] == 0)  # never fed: zeros
+            assert torch.all(record.completion(layer, kind)[:, C - 1:] == 0)  # never fed: zeros
     assert checked > 0
 
 
@@ -170,9 +170,9 @@ def test_layout_by_hand():
     record = LinearRecord(modules, prompts=2, prompt_length=3, rows=4, steps=3, group=2)
     for kind, offset in ((0, 0.0), (1, 0.5)):
         for b in range(2):
-            record.prompt[kind][0, b] = (10 * b + torch.arange(3.0))[:, None] + offset
+            record.prompt(0, kind)[b] = (10 * b + torch.arange(3.0))[:, None] + offset
         for n in range(4):
-            record.completion[kind][0, n] = (100 * (n + 1) + torch.arange(3.0))[:, None] + offset
+            record.completion(0, kind)[n] = (100 * (n + 1) + torch.arange(3.0))[:, None] + offset
     # two sequences: rows 3 and (empty) of prompt 1, then row 0 alone; last 2 prompt columns, 2 completion positions
     layout = record.layout(torch.tensor([[3, -1], [0, -1]]), prompt_width=2, completion_width=2)
     assert layout.shape == (2, 6)
@@ -195,3 +195,46 @@ def test_replaying_refuses_a_forward_of_another_layout():
     with replaying(record, layout), pytest.raises(RuntimeError, match="does not match the record's layout"):
         model(input_ids=torch.tensor([[1, 2, 3]]))
     assert not any("forward" in m.__dict__ for modules in record.modules for m in modules)  # restored
+
+
+def test_last_use_lets_each_layer_go_as_the_forward_reads_it(tok):
+    """With the last-use flag, each decoder layer's part of the record is freed once the forward has read it
+    (the record's bytes fall layer by layer while the forward runs, to none at its end), and the log-probs,
+    entropies and gradients are bit for bit those of a replay that keeps the record."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = varied("posttrain/tiny-llama")
+    out = rollout_with_early_stops(model, tok)
+    record, rows = out.linear_outputs, torch.arange(12)
+    batch = _subset_like_a_micro_batch(out, rows)
+    full = record.nbytes
+    per_layer = full // len(record.layers)
+    assert full == sum(t.nbytes for t in record.layers) > 0
+    completion_logprobs(model, *batch)  # the output layer's one-off check (`plain_lm_head`) runs here, unhooked
+    held = []  # the record's bytes as each decoder layer starts its forward
+    hooks = [layer.register_forward_pre_hook(lambda m, a: held.append(record.nbytes)) for layer in model.model.layers]
+    model.train()
+    results = []
+    for last in (False, True):
+        held.clear()
+        storages = [StorageWeakRef(t.untyped_storage()) for t in record.layers]
+        logp, entropy = completion_logprobs(model, *batch, temperature=0.9, with_entropy=True,
+                                            replay=(record, rows, last))
+        weights = torch.linspace(-1, 1, logp.numel()).view_as(logp)
+        (logp * weights * batch[3]).sum().backward()
+        results.append((logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+        if not last:
+            assert held == [full] * len(model.model.layers) and record.nbytes == full  # kept for a later use
+        else:
+            # layer l starts with layers 0..l-1 gone; after the forward nothing is left, and no view keeps it alive
+            assert held == [full - l * per_layer for l in range(len(model.model.layers))]
+            assert record.nbytes == 0 and all(s.expired() for s in storages)
+    for hook in hooks:
+        hook.remove()
+    (logp0, ent0, grads0), (logp1, ent1, grads1) = results
+    assert torch.equal(logp1, logp0) and torch.equal(ent1, ent0)
+    for n in grads0:
+        assert torch.equal(grads1[n], grads0[n]), n
+    with pytest.raises(RuntimeError, match="layer 0 of the record was let go after its last use"):
+        record.output(0, 0, record.layout(rows[:1, None], 1, 1))

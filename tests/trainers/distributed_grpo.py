@@ -40,9 +40,10 @@ def _merge(records):
     G = first.group
     merged = LinearRecord(first.modules, len(records), P, G * len(records), T, G)
     for b, r in enumerate(records):
-        for kind in range(len(merged.outputs)):
-            merged.prompt[kind][:, b, P - r.shape[1]:] = r.prompt[kind][:, 0]
-            merged.completion[kind][:, b * G:(b + 1) * G, :r.shape[3]] = r.completion[kind]
+        for layer in range(len(merged.layers)):
+            for kind in range(len(merged.widths)):
+                merged.prompt(layer, kind)[b, P - r.shape[1]:] = r.prompt(layer, kind)[0]
+                merged.completion(layer, kind)[b * G:(b + 1) * G, :r.shape[3]] = r.completion(layer, kind)
     return merged
 
 
