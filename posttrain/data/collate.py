@@ -38,7 +38,8 @@ class LanguageModelingCollator:
       * packed rows (some row holds several sequences): right-padded rows with restarting
         `position_ids` and no attention mask; attention stays within each row's sequences, and
         costs B * T^2 rather than (B * T)^2 for the single row above.
-      * otherwise: right-padded rows with an `attention_mask`.
+      * otherwise: right-padded rows with an `attention_mask` (`flatten_padded` turns such a batch
+        into the padding-free layout later, where that is cheaper).
     """
 
     def __init__(self, pad_token_id: int, padding_free: bool = False):
@@ -72,3 +73,20 @@ class LanguageModelingCollator:
         else:
             batch["attention_mask"] = pad([[1] * len(s) for s in ids], 0)
         return batch
+
+
+def flatten_padded(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """A right-padded causal-LM batch {input_ids, labels, attention_mask} (B, T) in the padding-free
+    layout: ONE row (1, N) of its N real tokens, `position_ids` restarting at 0 for each row, no
+    attention mask. None when that would change which tokens are targets (a row padded on the left,
+    or a target on padding): a row's first label becomes IGNORE_INDEX, as no padded row predicts it.
+    """
+    mask = batch["attention_mask"].bool()  # (B, T)
+    lengths = mask.sum(1)  # (B,)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # (B, T)
+    labels = batch["labels"]
+    if not torch.equal(mask, positions < lengths[:, None]) or bool((labels[~mask] != IGNORE_INDEX).any()):
+        return None
+    labels = labels.masked_fill(positions == 0, IGNORE_INDEX)  # else it would be the previous row's last target
+    return {"input_ids": batch["input_ids"][mask][None], "labels": labels[mask][None],
+            "position_ids": positions[mask][None]}

@@ -52,10 +52,11 @@ from posttrain.core.logprobs import linear_selective_log_softmax, plain_lm_head,
 from posttrain.data import formats
 from posttrain.data.chat import load_chat_template, template_variables
 from posttrain.core.sft_losses import SFT_LOSSES as LOSSES  # loss_type -> per-token loss
-from posttrain.data.collate import IGNORE_INDEX, MASK_COLUMNS, LanguageModelingCollator
+from posttrain.data.collate import IGNORE_INDEX, MASK_COLUMNS, LanguageModelingCollator, flatten_padded
 from posttrain.data.packing import STRATEGIES, pack_dataset, pack_rows
 from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
 from posttrain.models import loading
+from posttrain.models.modes import eval_mode
 from posttrain.trainers.base import (BaseConfig, BaseTrainer, as_dataset, check_datasets, classic_arguments,
                                      map_datasets, seed_run)
 
@@ -139,6 +140,36 @@ class SFTConfig(BaseConfig):
             raise ValueError(f"max_length={self.max_length}: need at least 2 tokens (a context and a target)")
 
 
+def flat_is_cheaper(lengths: list[int], width: int, hidden: int) -> bool:
+    """Whether rows of these lengths cost less as one flat row than padded to `width`, under attention with a
+    dense mask. Cost in token-forwards: a token through the linear layers is 1, a (query, key) pair about
+    1 / (6 hidden); padded rows pay B*T of the first and B*T^2 of the second, the flat row N and N^2 (its
+    block-diagonal mask is dense to the kernel). A batch without padding takes sdpa's mask-free causal path."""
+    def cost(rows: int, length: int) -> float:
+        return rows * length * (1 + length / (6 * hidden))
+
+    n = sum(lengths)
+    return n < len(lengths) * width and cost(1, n) < cost(len(lengths), width)
+
+
+def rows_kept_apart(model, input_ids: torch.Tensor) -> bool:
+    """Whether `model` keeps two sequences that share one row apart, told by restarting position_ids and no
+    attention mask (transformers' own models do under sdpa and eager; a model with its own mask code may not):
+    two 4-token pieces of `input_ids` (its first 8 tokens, repeated if fewer) as one row must give the logits
+    they give as two rows, far closer than the same row without the restart does. Eval mode, no grad, 3 forwards
+    of 8 tokens."""
+    ids = input_ids.reshape(-1)[:8]
+    if not ids.numel():
+        return False
+    ids = ids.repeat(-(-8 // ids.numel()))[:8]
+    restart = torch.arange(4, device=ids.device).repeat(2)[None]
+    with eval_mode(model), torch.no_grad():
+        apart = model(input_ids=ids.view(2, 4), use_cache=False).logits[1].float()
+        one_row = model(input_ids=ids[None], position_ids=restart, use_cache=False).logits[0, 4:].float()
+        run_on = model(input_ids=ids[None], use_cache=False).logits[0, 4:].float()
+    return bool((one_row - apart).abs().max() < 0.1 * (run_on - apart).abs().max())
+
+
 def _column_names(dataset) -> list[str]:
     """Column names; a streamed dataset whose features are unknown shows them in its first row."""
     names = getattr(dataset, "column_names", None)
@@ -206,11 +237,16 @@ class SFTTrainer(BaseTrainer):
         prepare = lambda data, pack: self.prepare_dataset(data, tokenizer, args, pack, formatting_func)  # noqa: E731
         train_dataset = prepare(train_dataset, args.packing)
         eval_dataset = map_datasets(lambda data: prepare(data, args.eval_packing), eval_dataset)
-        if args.padding_free is None:  # one flat row only pays off with varlen (flash) attention kernels
-            attention = str(getattr(model.config, "_attn_implementation", "") or "")
+        attention = str(getattr(model.config, "_attn_implementation", "") or "")
+        if args.padding_free is None and (args.packing or attention not in ("sdpa", "eager")):
+            # flash (varlen kernels): flat packed rows; otherwise full bins, cheaper than one flat row
             args.padding_free = bool(args.packing and "flash" in attention)
+        # still None: unpacked data, dense-mask attention; compute_loss flattens the batches where that is cheaper
+        hidden = getattr(model.config, "hidden_size", None)
+        self._flatten_width = hidden if args.padding_free is None and isinstance(hidden, int) else None
+        self._flat_rows_apart: bool | None = None  # whether the model reads restarting position_ids; checked once
         if data_collator is None:
-            data_collator = LanguageModelingCollator(tokenizer.pad_token_id, padding_free=args.padding_free)
+            data_collator = LanguageModelingCollator(tokenizer.pad_token_id, padding_free=bool(args.padding_free))
         elif args.padding_free:  # the flattening is the collator's work: a custom one would silently skip it
             raise ValueError("padding_free=True flattens batches in SFT's own collator, so it cannot be combined "
                              "with a custom data_collator; drop one of them")
@@ -233,6 +269,8 @@ class SFTTrainer(BaseTrainer):
         if self._prompt_learning and (args.packing or args.padding_free):
             raise ValueError(f"PEFT {peft.peft_type.value} adds virtual tokens before each sequence, so it cannot "
                              "train on packed or padding-free rows; set packing=False and padding_free=False")
+        if self._prompt_learning:
+            self._flatten_width = None
         self._logits_to_keep_mask = "logits_to_keep" in inspect.signature(base.forward).parameters \
             and not self._prompt_learning
         self._fuse_head = self._logits_to_keep_mask  # fuse the output layer into the loss where it is plain
@@ -346,6 +384,8 @@ class SFTTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._flatten_width is not None and "attention_mask" in inputs and "position_ids" not in inputs:
+            inputs = self._flattened_if_cheaper(model, inputs)
         labels = inputs["labels"]  # (B, T), IGNORE_INDEX where no loss
         targets = torch.full_like(labels, IGNORE_INDEX)
         targets[:, :-1] = labels[:, 1:]  # targets[:, t] is predicted by the logits at t
@@ -392,6 +432,22 @@ class SFTTrainer(BaseTrainer):
             self.record({"entropy": entropy.mean(), "mean_token_accuracy": (argmax == targets).float().mean()}, mode)
         outputs.logits = logits
         return (loss, outputs) if return_outputs else loss
+
+    def _flattened_if_cheaper(self, model, inputs: dict) -> dict:
+        """The padded batch as one flat row (`flatten_padded`) where `flat_is_cheaper`, and the model keeps
+        sequences apart by their restarting position_ids (checked on the first batch, on every process)."""
+        if self._flat_rows_apart is None:
+            self._flat_rows_apart = rows_kept_apart(model, inputs["input_ids"][inputs["attention_mask"].bool()])
+            if not self._flat_rows_apart:
+                warnings.warn(f"{type(self.accelerator.unwrap_model(model)).__name__} lets sequences that share a row "
+                              "see each other despite restarting position_ids, so batches stay padded "
+                              "(padding_free=None); padding_free=True would train on mixed sequences", stacklevel=3)
+        if not self._flat_rows_apart:
+            return inputs
+        lengths = inputs["attention_mask"].sum(1).tolist()
+        if not flat_is_cheaper(lengths, inputs["attention_mask"].shape[1], self._flatten_width):
+            return inputs
+        return flatten_padded(inputs) or inputs
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if not any(k.startswith("eval_") for k in logs):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from posttrain.data.collate import IGNORE_INDEX, LanguageModelingCollator
+from posttrain.data.collate import IGNORE_INDEX, LanguageModelingCollator, flatten_padded
 from posttrain.data.packing import best_fit_decreasing, pack_dataset, pack_rows
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 
@@ -80,6 +80,25 @@ def test_collator_padded_and_packed_rows_by_hand():
     assert "attention_mask" not in packed
     assert packed["position_ids"].tolist() == [[0, 0, 1, 2], [0, 1, 2, 3]]  # pads continue the last sequence
     assert packed["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 7, 8], [IGNORE_INDEX, 10, IGNORE_INDEX, IGNORE_INDEX]]
+
+
+def test_flatten_padded_by_hand():
+    batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0], [4, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]),
+             "labels": torch.tensor([[5, 6, 7], [8, 9, IGNORE_INDEX], [IGNORE_INDEX] * 3])}
+    flat = flatten_padded(batch)
+    assert set(flat) == {"input_ids", "labels", "position_ids"}
+    assert flat["input_ids"].tolist() == [[5, 6, 7, 8, 9, 4]]
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
+    # a row's first label was never a target (padded, nothing predicts it); flat, it would follow the row before
+    assert flat["labels"].tolist() == [[IGNORE_INDEX, 6, 7, IGNORE_INDEX, 9, IGNORE_INDEX]]
+    # the same targets as the padded rows: the collator's batch flattens to the collator's padding-free batch
+    rows = [{"input_ids": [5, 6, 7], "loss_mask": [1, 0, 1]}, {"input_ids": [8, 9]}, {"input_ids": [4]}]
+    assert {k: v.tolist() for k, v in flatten_padded(LanguageModelingCollator(0)(rows)).items()} == \
+        {k: v.tolist() for k, v in LanguageModelingCollator(0, padding_free=True)(rows).items()}
+    # left padding, or a target on padding: flattening would change the targets
+    assert flatten_padded({k: v.flip(1) for k, v in batch.items()}) is None
+    assert flatten_padded(dict(batch, labels=batch["input_ids"])) is None
 
 
 @pytest.mark.parametrize("name", ["posttrain/tiny-qwen2", "posttrain/tiny-llama"])

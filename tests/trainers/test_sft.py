@@ -200,7 +200,7 @@ def test_default_args(tmp_path, monkeypatch):
     trainer = SFTTrainer(MODEL, train_dataset=zen())
     assert trainer.args.output_dir == "tiny-qwen2-SFT"
     assert trainer.args.learning_rate == 2e-5 and trainer.args.max_length == 1024
-    assert trainer.args.padding_free is False and not trainer.args.gradient_checkpointing
+    assert trainer.args.padding_free is None and not trainer.args.gradient_checkpointing  # sdpa: per batch
     assert SFTConfig(output_dir="x", packing=True).padding_free is None  # resolved by the trainer:
     packed = SFTTrainer(MODEL, args=SFTConfig(output_dir="x", packing=True, max_length=64), train_dataset=zen())
     assert packed.args.padding_free is False  # sdpa: one bin per row, cheaper attention than one flat row
