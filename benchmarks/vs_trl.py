@@ -2,7 +2,7 @@
 
     bash benchmarks/setup_trl_env.sh                 # once: TRL in its own environment, .bench-venv-trl/
     python benchmarks/vs_trl.py --steps 5 [--rounds 2] [--only sft,dpo] [--long] [--json results.json]
-                                [--allocator-off-too] [--memory-profile]
+                                [--allocator-off-too] [--memory-profile] [--sides posttrain]
 
 Every workload is trained by TRL (in .bench-venv-trl) and by posttrain (in the main .venv), each run
 in a fresh process of its own (so its peak memory is its own), the two alternating: round after
@@ -42,6 +42,8 @@ POSTTRAIN_KEEP_FREED_MEMORY=0 (glibc's malloc left as it is; see posttrain/memor
 second row per workload against the same TRL runs, so the allocator setting's payoff is measured on
 and off in one alternating run. --memory-profile runs every worker under torch's memory profiler
 (slow: its times are not results) and prints what the tensors held at their peak, by category.
+--sides posttrain runs posttrain's workers alone (no TRL environment needed) and prints each run's figures
+and memory breakdown, with no comparison table: for measuring posttrain's own peak RSS or profile.
 """
 
 from __future__ import annotations
@@ -390,6 +392,8 @@ def main():
                         help="also run posttrain with POSTTRAIN_KEEP_FREED_MEMORY=0 in every round (a third column)")
     parser.add_argument("--memory-profile", action="store_true",
                         help="run under torch's memory profiler and print what held memory at the peak (slow)")
+    parser.add_argument("--sides", default="trl,posttrain", choices=["trl,posttrain", "posttrain"],
+                        help="posttrain: run posttrain alone, without TRL and without the comparison table")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2: the steady rate is taken over the steps after the first")
@@ -397,7 +401,8 @@ def main():
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload(s) {unknown}: choose among {', '.join(WORKLOADS)}")
-    for python in sorted({trl_python(n, args) for n in names}):
+    alone = args.sides == "posttrain"
+    for python in sorted({trl_python(n, args) for n in names} if not alone else ()):
         if not Path(python).exists():
             setup = "setup_trl112_env.sh" if python == args.trl112_python else "setup_trl_env.sh"
             raise SystemExit(f"no TRL environment at {python}: run `bash benchmarks/{setup}` first")
@@ -419,6 +424,8 @@ def main():
           file=sys.stderr, flush=True)
 
     columns = [*SIDES, "posttrain-malloc-off"] if args.allocator_off_too else list(SIDES)
+    if alone:
+        columns.remove("trl")
     runs: dict[str, dict[str, list[dict]]] = {w: {c: [] for c in columns} for w in names}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as scratch:
         for round_ in range(args.rounds):
@@ -435,6 +442,15 @@ def main():
                           f"({_fmt(s['steady_cpu_step_s'])} CPU s)", file=sys.stderr, flush=True)
     peak = max(peak_before, matmul_peak(args.threads))
     load_after = os.getloadavg()[0]
+    if alone:  # nothing to compare with: each run's figures (printed above as they came) and where memory went
+        if args.memory_profile:
+            print_memory_breakdowns(runs)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"peak_gflops": peak, "threads": args.threads, "steps": args.steps,
+                                                   "runs": runs, "load": [load_before, load_after]}, indent=1))
+        if not all(rs for by_column in runs.values() for rs in by_column.values()):
+            raise SystemExit("at least one run failed (error above)")
+        return
 
     failed = [w for w, by_side in runs.items() if not all(by_side.values())]
     runs = {w: by_side for w, by_side in runs.items() if w not in failed}
