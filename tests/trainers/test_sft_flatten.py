@@ -40,14 +40,17 @@ def model_inputs(model):
 
 
 def test_flat_is_cheaper_by_hand():
-    # hidden 576 (SmolLM2-135M), 6 * hidden = 3456; padded 4 x 256: 1024 * (1 + 256 / 3456) = 1099.9
-    assert flat_is_cheaper([173, 256, 39, 256], 256, 576)  # 724 * (1 + 724 / 3456) = 875.7
-    assert flat_is_cheaper([256, 52, 256, 220], 256, 576)  # 784 * 1.2269 = 961.9
-    assert not flat_is_cheaper([256, 239, 248, 256], 256, 576)  # 999 * 1.2891 = 1287.8
+    # hidden 576 (SmolLM2-135M), 4 * hidden = 2304; padded 4 x 256: 1024 * (1 + 256 / 2304) = 1137.8
+    assert flat_is_cheaper([173, 256, 39, 256], 256, 576)  # 724 * (1 + 724 / 2304) = 951.5
+    assert flat_is_cheaper([256, 256, 70, 188], 256, 576)  # 770 * 1.3342 = 1027.3
+    assert flat_is_cheaper([256, 256, 128, 192], 256, 576)  # 832 * 1.3611 = 1132.4, near the break-even
+    assert not flat_is_cheaper([256, 256, 136, 192], 256, 576)  # 840 * 1.3646 = 1146.3
+    assert not flat_is_cheaper([256, 239, 248, 256], 256, 576)  # 999 * 1.4336 = 1432.2
+    assert flat_is_cheaper([256, 255, 200, 100], 256, 576)  # 811 * 1.3520 = 1096.5
     assert not flat_is_cheaper([256] * 4, 256, 576)  # no padding: the mask-free causal path stays
-    # a narrow model pays more for attention: hidden 64, 6 * 64 = 384
-    assert flat_is_cheaper([30, 12, 20, 8], 30, 64)  # 70 * (1 + 70 / 384) = 82.8 < 120 * (1 + 30 / 384) = 129.4
-    assert not flat_is_cheaper([300, 250, 280, 10], 300, 64)  # 840 * 3.19 = 2678 > 1200 * 1.78 = 2137
+    # a narrow model pays more for attention: hidden 64, 4 * 64 = 256
+    assert flat_is_cheaper([30, 12, 20, 8], 30, 64)  # 70 * (1 + 70 / 256) = 89.1 < 120 * (1 + 30 / 256) = 134.1
+    assert not flat_is_cheaper([300, 250, 280, 10], 300, 64)  # 840 * 4.28 = 3596 > 1200 * 2.17 = 2606
 
 
 def test_rows_kept_apart_reads_the_model():
@@ -165,8 +168,14 @@ def varied_text(size: int, split: str = "train"):
 
 DATASETS = {
     "text": lambda: varied_text(8),
-    "prompt_completion": lambda: zen("prompt_completion", conversational=True).select(range(8)),  # completion only
-    "assistant_only": lambda: zen("language_modeling", conversational=True).select(range(8)),
+    "prompt_completion": lambda: task_dataset("reverse", size=8).map(  # completion_only_loss
+        lambda row, i: {"prompt": "please " * (3 * (i % 4)) + row["prompt"]}, with_indices=True),
+    "assistant_only": lambda: task_dataset("reverse", size=8).map(  # two turns; the loss on assistant turns only
+        lambda row, i: {"messages": [{"role": "user", "content": row["prompt"] + " please" * (30 * (i == 3))},
+                                     {"role": "assistant", "content": row["answer"]},
+                                     {"role": "user", "content": "again"},
+                                     {"role": "assistant", "content": row["answer"]}]},
+        with_indices=True, remove_columns=["prompt", "completion", "answer"]),
 }
 
 
