@@ -299,7 +299,7 @@ def entropy_from_logits(logits: Tensor, chunk_rows: int = CHUNK_ROWS) -> Tensor:
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored: int | None = None,
                    temperature: float = 1.0, with_entropy: bool = False, return_outputs: bool = False,
-                   exact_positions: bool = False, **model_kwargs):
+                   exact_positions: bool = False, head: torch.nn.Linear | None = None, **model_kwargs):
     """Log-probs of the last `num_scored` tokens of each row under `model` (and their entropies).
 
     input_ids, attention_mask: (B, T). Token t is scored by the logits at t-1, so the model is
@@ -313,13 +313,25 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored:
     model computes exactly the K logits and they come out contiguous: the log-softmax and its
     backward then copy nothing (the last-K+1-then-slice default copies the (B, K, V) logits
     twice). Needs a model whose forward takes a tensor `logits_to_keep` (transformers causal LMs).
+    With `head` (the model's plain output layer, `plain_lm_head`), the model computes no logits: the
+    output layer is fused into the log-softmax (`linear_selective_log_softmax`), so no (B, K, V) logits
+    and no entropy temporaries sit beside the forward's activations, and the logits come back as None.
     """
+    if head is not None and return_outputs:
+        raise ValueError("token_logprobs: the fused output layer (head=) returns no model outputs")
     T = input_ids.shape[1]
     K = T - 1 if num_scored is None else num_scored
     if "position_ids" not in model_kwargs and attention_mask is not None and not bool(attention_mask[:, 0].all()):
         # Left padding (rollouts): positions count real tokens only, as in the sampler; without
         # this, transformers would number the pad columns too and shift every position.
         model_kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if head is not None:
+        hidden = last_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask,
+                                    **model_kwargs)[:, T - K - 1:T - 1]  # (B, K, H): the states that score each token
+        scaled = hidden / temperature if temperature != 1.0 else hidden  # logits / T = (hidden / T) W^T
+        logps, entropy, _ = linear_selective_log_softmax(scaled, head.weight, input_ids[:, T - K:],
+                                                         with_stats=with_entropy)
+        return logps, entropy, None
     if exact_positions:
         keep = torch.arange(T - K - 1, T - 1, device=input_ids.device)
         outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep,

@@ -393,9 +393,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     B = C - 1  # a block's input tokens: a completion's last token scores nothing (its logits would score the next)
     if attn not in ("sdpa", "eager") or k == 1 or cost(U, P + k * B) >= cost(R, P + C):  # little or no sharing
         ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+        head = plain_lm_head(unwrap(model), ids)  # fused into the log-softmax where plain: no (R, C, V) logits
         with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
             logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
-                                              with_entropy=with_entropy, exact_positions=True)
+                                              with_entropy=with_entropy, exact_positions=True, head=head)
         return logp, entropy
     device = completion_ids.device
     rows = torch.tensor(owner, device=device) * k + torch.tensor(block, device=device)  # (R,) slot of each row

@@ -1,5 +1,6 @@
 """Log-prob core against an independent float64 reference."""
 
+import copy
 import math
 
 import pytest
@@ -112,6 +113,36 @@ def test_token_logprobs_exact_positions_matches_the_default(tiny_lm):
     assert exact_logits.is_contiguous() and exact_logits.shape == logits.shape
     torch.testing.assert_close(exact, default, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(exact_logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_token_logprobs_with_the_fused_head_matches_the_model_logits(tiny_lm):
+    """head=: log-probs, entropies and gradients of the left-padded rows equal those of the model's own logits
+    (float64 copy of the model: the same numbers up to float64 rounding), and no logits are made."""
+    from posttrain.core.logprobs import plain_lm_head
+
+    model, tok = tiny_lm
+    model = copy.deepcopy(model).double()
+    a, b = tok("Beautiful is better than ugly.")["input_ids"], tok("Flat is")["input_ids"]
+    width = max(len(a), len(b))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in (a, b)])  # left-padded
+    mask = (torch.arange(width)[None] >= torch.tensor([[width - len(a)], [width - len(b)]])).long()
+    head = plain_lm_head(model, ids)
+    assert head is model.get_output_embeddings()
+    results = []
+    for fused in (None, head):
+        logps, entropy, logits = token_logprobs(model, ids, mask, num_scored=3, temperature=0.7, with_entropy=True,
+                                                head=fused)
+        assert (logits is None) == (fused is not None)
+        (logps * torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float64)).sum().backward()
+        results.append((logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+    (l0, e0, g0), (l1, e1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(e1, e0, rtol=1e-10, atol=1e-10)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-9, atol=1e-10, msg=lambda m, n=n: f"{n}: {m}")
+    with pytest.raises(ValueError, match="returns no model outputs"):
+        token_logprobs(model, ids, mask, head=head, return_outputs=True)
 
 
 def test_custom_gradient_and_stats_match_float64_reference():
