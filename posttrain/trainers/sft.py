@@ -446,6 +446,8 @@ class SFTTrainer(BaseTrainer):
         """The padded batch as one flat row (`flatten_padded`) where `flat_is_cheaper`, and the model keeps
         sequences apart by their restarting position_ids (checked on the first batch, on every process)."""
         if self._flat_rows_apart is None:
+            if self._fuse_head:  # decided first: ZeRO-3 can leave the head's weight gathered after the check's forwards
+                plain_lm_head(self.accelerator.unwrap_model(model), inputs["input_ids"])
             self._flat_rows_apart = rows_kept_apart(model, inputs["input_ids"][inputs["attention_mask"].bool()])
             if not self._flat_rows_apart:
                 warnings.warn(f"{type(self.accelerator.unwrap_model(model)).__name__} lets sequences that share a row "
