@@ -3,20 +3,21 @@
 Written as transformers writes them, a Llama-style RMSNorm (`weight * (x * rsqrt(mean(x^2) + eps))`,
 in float32) makes autograd keep its input, the normalised input and the reciprocal RMS, and a
 SwiGLU MLP (`down(silu(gate(x)) * up(x))`) keeps the gate's output (SiLU's input), SiLU's output
-and the up projection's output. Per token and layer that is 2 x hidden + 3 x intermediate floats
-beside what the linear layers keep. The functions here keep only the norm's input and reciprocal
-RMS, and the gate's and up's outputs (SiLU is recomputed in the backward): hidden + intermediate
-floats fewer per layer (2 x 576 + 1536 = 2688 for SmolLM2-135M, about a quarter of its activations).
+and the up projection's output, beside what the linear layers keep. The functions here keep only
+the norm's input and reciprocal RMS, and the gate's and up's outputs (the rest is recomputed in the
+backward): per token and layer 2 x hidden + intermediate floats fewer (2 x 576 + 1536 = 2688 for
+SmolLM2-135M, about a quarter of its activations).
 
 The forward runs the same operations in the same order as the transformers modules, so values are
-bit for bit those of the unpatched model; the backward is the derivative written out:
+bit for bit those of the unpatched model. The backward is the derivative,
 
     RMSNorm, n = x rstd, y = w n:   dw = sum_tokens dy n,   dx = rstd (g - n mean(g n)),  g = dy w
     SwiGLU,  y = silu(a) b:         db = dy silu(a),        da = dy b silu'(a)
 
-(the SwiGLU's are the very kernels autograd runs, so its gradients are bit-identical too; the
-norm's agree to rounding). Only what autograd records changes; without gradients (generation,
-reference models) the modules' own forward runs.
+computed with the steps (and kernels) autograd takes through the modules' operations, in its
+order, so the gradients are bit for bit those of the unpatched model too (float32, bfloat16,
+float64; tested). Only what autograd keeps changes; without gradients (generation, reference
+models) the modules' own forward runs.
 
 `make_lean(model)` patches, in place, the modules known to compute exactly that: each one's class
 becomes a subclass whose forward uses the functions (`undo_lean` restores the class). The MLP keeps
@@ -46,10 +47,15 @@ SWIGLU_MLPS = frozenset({
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), in float32 as LlamaRMSNorm; keeps x and rstd."""
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), in float32 as LlamaRMSNorm; keeps x and rstd.
+
+    Called as apply(x, x, weight, eps): x goes in twice, as it feeds two operations in the
+    module (h^2 and h * rstd), so that a float32 x receives their two gradients one after the other,
+    as autograd adds them to the other gradients of x (the residual stream's), in the same order.
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    def forward(ctx, x: Tensor, x_again: Tensor, weight: Tensor, eps: float) -> Tensor:
         h = x.to(torch.float32)
         rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, weight, rstd)
@@ -57,15 +63,22 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        # autograd's own steps for the forward's operations, so the gradients are its own bit for bit
         x, weight, rstd = ctx.saved_tensors
-        n = x.to(torch.float32) * rstd  # the normalised input, recomputed
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad * n.to(x.dtype)).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
+        h = x.to(torch.float32)
+        n = (h * rstd).to(x.dtype)  # the normalised input, recomputed as the forward made it
+        grad_x = grad_x_again = grad_w = None
+        if ctx.needs_input_grad[2]:  # y = weight * n
+            grad_w = (grad * n).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
         if ctx.needs_input_grad[0]:
-            g = (grad * weight).to(x.dtype).to(torch.float32)  # the casts autograd's path would make
-            grad_x = (rstd * (g - n * (g * n).mean(-1, keepdim=True))).to(x.dtype)
-        return grad_x, grad_w, None
+            g = (grad * weight).to(x.dtype).to(torch.float32)  # through y = weight * n and n's cast
+            grad_rstd = (g * h).sum(-1, keepdim=True)  # through h * rstd
+            grad_var = -0.5 * grad_rstd * rstd.pow(3)  # rstd = rsqrt(var + eps)
+            grad_square = grad_var.expand_as(h) / h.shape[-1]  # var = mean(h^2)
+            grad_x, grad_x_again = g * rstd, grad_square * (2.0 * h)  # through h * rstd, through h^2
+            if x.dtype != torch.float32:  # h is a cast of x: autograd sums the two before casting back
+                grad_x, grad_x_again = (grad_x + grad_x_again).to(x.dtype), None
+        return grad_x, grad_x_again, grad_w, None
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -97,7 +110,7 @@ class LeanRMSNorm:
     def forward(self, hidden_states: Tensor) -> Tensor:
         if not _recording(hidden_states, self.weight):
             return super().forward(hidden_states)
-        return RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+        return RMSNormFunction.apply(hidden_states, hidden_states, self.weight, self.variance_epsilon)
 
 
 class LeanSwiGLU:

@@ -77,8 +77,8 @@ class BaseConfig(TrainingArguments):
         metadata={"help": "Compute the model's Llama-style RMSNorms and SwiGLU MLPs (Llama, Mistral, Qwen2/3, SmolLM, "
                           "... as transformers writes them) with autograd functions that keep only the norm's input "
                           "and the gate's and up projection's outputs for the backward, recomputing the rest there: "
-                          "about a quarter less activation memory, same forward values bit for bit, gradients equal "
-                          "to rounding. The model object is patched in place (posttrain.models.lean.make_lean); "
+                          "about a quarter less activation memory, with the same values and gradients bit for bit. "
+                          "The model object is patched in place (posttrain.models.lean.make_lean); "
                           "other architectures are left as they are, and so is everything under torch_compile. "
                           "False: the plain transformers modules (an earlier trainer's patch is undone)."})
 
