@@ -32,7 +32,7 @@ Departures from the usual recipe, all for speed and none changing the objective:
   into a single row of their real tokens, with restarting position ids, where that costs less
   than the padded rows (`flat_is_cheaper`: fewer tokens through the layers, against attention
   over (sum of lengths)^2 pairs of a dense mask instead of B * L^2). On the SFT benchmark's
-  batches (4 x 256, 693 real tokens of 1024 on average) most batches flatten. Targets, the loss
+  data (batches of 4 x 256, about 700 real tokens of 1024) three batches in four flatten. Targets, the loss
   denominator and every metric are those of the padded batch; a model that does not keep
   sequences apart by their position ids (checked once) stays padded;
 * the vocabulary projection is fused with the loss (`linear_selective_log_softmax`): the model
