@@ -10,7 +10,6 @@ import torch
 from datasets import Dataset
 
 from posttrain.data.builtin import task_dataset, zen
-from posttrain.data.collate import IGNORE_INDEX
 from posttrain.models.loading import load_causal_lm
 from posttrain.trainers.sft import SFTConfig, SFTTrainer, flat_is_cheaper, rows_kept_apart
 
