@@ -1,5 +1,8 @@
 """Helpers of the online-trainer tests."""
 
+import copy
+import dataclasses
+
 
 def greedy_reward(model, tok, dataset, reward_func, max_new_tokens: int = 8) -> float:
     """Mean reward of greedy completions on `dataset` (held-out prompts)."""
@@ -120,7 +123,13 @@ def assert_learns(trainer, name: str):
 
 def batch_loss_and_grads(trainer, model, rollout, scores) -> tuple[float, dict]:
     """Train one generation batch's micro-batches without an optimizer step: (the summed loss, each
-    parameter's accumulated gradient)."""
+    parameter's accumulated gradient). The rollout can be trained on again: the last micro-batch lets the
+    sampler's record go layer by layer (`replay.py`), so the batch is built on a copy of it."""
+    record = rollout.linear_outputs
+    if record is not None:
+        record = copy.copy(record)
+        record.layers = [t.clone() for t in record.layers]
+        rollout = dataclasses.replace(rollout, linear_outputs=record)
     micro = trainer.build_experience(rollout, scores)
     assert len(micro) == trainer.args.gradient_accumulation_steps
     model.zero_grad()
