@@ -246,3 +246,13 @@ def test_the_known_classes_compute_what_llamas_do():
         reference = LlamaRMSNorm if name in RMS_NORMS else LlamaMLP
         assert inspect.getsource(cls.forward) == inspect.getsource(reference.forward), name
         assert cls.__module__.startswith("transformers.models.")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradients_under_gradient_checkpointing_are_the_plain_models(reentrant):
+    plain = llama().train()
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    lean = lean_copy(plain)
+    ids = tokens(plain)
+    g_plain, g_lean = grads(plain, ids), grads(lean, ids)
+    assert [n for n, g in g_plain.items() if not torch.equal(g_lean[n], g)] == []
