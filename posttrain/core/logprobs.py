@@ -155,8 +155,10 @@ def plain_lm_head(model, input_ids: Tensor):
     if known is not None and known[0] is head:
         return known[1]
     config = getattr(model, "config", None)
-    # (a partitioned weight, e.g. DeepSpeed ZeRO-3, lives only inside the forward: shape (0,), not plain)
-    plain = type(head) is torch.nn.Linear and head.bias is None and head.weight.dim() == 2 and all(
+    # A DeepSpeed ZeRO-3 weight (ds_id) lives only inside the module's own forward: outside it, it is
+    # shape (0,), or still full when a generation or check happened to leave it gathered -- never plain.
+    plain = type(head) is torch.nn.Linear and head.bias is None and head.weight.dim() == 2 and not hasattr(
+        head.weight, "ds_id") and all(
         getattr(config, k, None) in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
     if plain:
         with eval_mode(model), torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):

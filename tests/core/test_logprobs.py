@@ -145,6 +145,20 @@ def test_token_logprobs_with_the_fused_head_matches_the_model_logits(tiny_lm):
         token_logprobs(model, ids, mask, head=head, return_outputs=True)
 
 
+def test_a_zero3_partitioned_head_is_never_plain(tiny_lm):
+    """A DeepSpeed ZeRO-3 weight (marked by `ds_id`) is whole only inside its module's forward: even when a
+    generation left it gathered, the fused head must not take it (its gradient would be the (0,) partition)."""
+    from posttrain.core.logprobs import plain_lm_head
+
+    model, tok = tiny_lm
+    model = copy.deepcopy(model)
+    ids = torch.tensor([tok("Simple is better than complex.")["input_ids"]])
+    assert plain_lm_head(model, ids) is model.get_output_embeddings()
+    model = copy.deepcopy(model)
+    model.get_output_embeddings().weight.ds_id = 7
+    assert plain_lm_head(model, ids) is None
+
+
 def test_custom_gradient_and_stats_match_float64_reference():
     from posttrain.core.logprobs import selective_log_softmax_stats
 
