@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.masked import shared_prefix_attention_mask
+from posttrain.models import document_attention
 from posttrain.models.modes import eval_mode
 
 CHUNK_ROWS = 1024  # rows of (V,) logits processed at once; bounds the temporary to CHUNK_ROWS * V floats
@@ -362,9 +363,12 @@ def sequence_logprobs(token_logps: Tensor, mask: Tensor) -> Tensor:
 
 
 def attention_kind(model) -> str | None:
-    """The model's attention implementation ("sdpa", "eager", ...), through a DDP wrapper."""
+    """The model's attention implementation ("sdpa", "eager", ...), through a DDP wrapper. Document attention
+    (`models.document_attention`, which SFT switches sdpa models to) is "sdpa": it is sdpa where no caller
+    passes sequence boundaries."""
     inner = getattr(model, "module", model)  # DDP
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    kind = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    return "sdpa" if kind == document_attention.ATTENTION else kind
 
 
 def length_groups(lengths: list[int], per_forward: int) -> list[list[int]]:

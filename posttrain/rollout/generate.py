@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.core.logprobs import pack_groups, packed_logps, plain_lm_head, selective_log_softmax, token_logprobs
+from posttrain.core.logprobs import (attention_kind, pack_groups, packed_logps, plain_lm_head, selective_log_softmax,
+                                     token_logprobs)
 from posttrain.data.collate import pad
 from posttrain.rollout.backends import ModelForward, SamplerBackend, decodes_in_lockstep, model_device, unwrap
 from posttrain.rollout.decode import CPUDecoder, lean_decoder
@@ -384,7 +385,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         owner.append(u)
         block.append(taken[u])
     config = getattr(unwrap(model), "config", None)
-    attn, hidden = getattr(config, "_attn_implementation", None), getattr(config, "hidden_size", None) or 1024
+    attn, hidden = attention_kind(model), getattr(config, "hidden_size", None) or 1024
     U, k = len(first), max(block) + 1
 
     def cost(rows: int, length: int) -> float:  # in token-forwards; a dense-mask attention pair costs ~1 / (6 hidden)

@@ -26,13 +26,18 @@ Departures from the usual recipe, all for speed and none changing the objective:
   boolean mask), so prompts and padding never reach the vocabulary projection;
 * packing (best-fit decreasing or wrapped) with position ids restarting per sequence: packed
   sequences never attend to each other, so packed and unpacked training give the same loss.
-  Without flash attention a packed batch stays one bin per row (attention costs B * L^2, not
-  the (B * L)^2 of one flattened row); `padding_free=True` flattens it anyway;
+  Without flash attention a packed batch stays one bin per row; `padding_free=True` flattens it
+  anyway;
+* under sdpa, rows that hold several sequences use document attention
+  (`models.document_attention`): each sequence attends causally to itself only, computed on its
+  own, so attention costs the sum of the sequences' squared lengths instead of a dense
+  block-diagonal mask over the row (the model's config names it "posttrain_sdpa"; without
+  sequence boundaries it is sdpa unchanged);
 * unpacked batches under sdpa or eager attention (`padding_free=None`) are flattened one by one
   into a single row of their real tokens, with restarting position ids, where that costs less
-  than the padded rows (`flat_is_cheaper`: fewer tokens through the layers, against attention
-  over (sum of lengths)^2 pairs of a dense mask instead of B * L^2). On the SFT benchmark's
-  data (batches of 4 x 256, about 700 real tokens of 1024) three batches in four flatten. Targets, the loss
+  than the padded rows (`flat_is_cheaper`: fewer tokens through the layers; under eager
+  attention, against (sum of lengths)^2 pairs of a dense mask instead of B * L^2). Under sdpa
+  (document attention) every batch with padding flattens. Targets, the loss
   denominator and every metric are those of the padded batch; a model that does not keep
   sequences apart by their position ids (checked once) stays padded;
 * the vocabulary projection is fused with the loss (`linear_selective_log_softmax`): the model
@@ -55,14 +60,15 @@ import torch
 from datasets import IterableDataset
 from transformers import TrainingArguments
 
-from posttrain.core.logprobs import linear_selective_log_softmax, plain_lm_head, selective_log_softmax_stats
+from posttrain.core.logprobs import (attention_kind, linear_selective_log_softmax, plain_lm_head,
+                                     selective_log_softmax_stats)
 from posttrain.data import formats
 from posttrain.data.chat import load_chat_template, template_variables
 from posttrain.core.sft_losses import SFT_LOSSES as LOSSES  # loss_type -> per-token loss
 from posttrain.data.collate import IGNORE_INDEX, MASK_COLUMNS, LanguageModelingCollator, flatten_padded
 from posttrain.data.packing import STRATEGIES, pack_dataset, pack_rows
 from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
-from posttrain.models import loading
+from posttrain.models import document_attention, loading
 from posttrain.models.modes import eval_mode
 from posttrain.trainers.base import (BaseConfig, BaseTrainer, as_dataset, check_datasets, classic_arguments,
                                      map_datasets, seed_run)
@@ -94,7 +100,9 @@ class SFTConfig(BaseConfig):
                                         "restarting position_ids. None: packed data is flattened with a "
                                         "flash-attention model (varlen kernels), else one bin per row (attention "
                                         "B*L^2, not (B*L)^2); unpacked data under sdpa/eager is flattened batch by "
-                                        "batch where a cost model finds it cheaper than padding (same loss), and "
+                                        "batch where a cost model finds it cheaper than padding (same loss; under sdpa, "
+                                        "whose rows of several sequences use document attention, whenever there is "
+                                        "padding), and "
                                         "kept padded under other attention implementations."})
     completion_only_loss: bool | None = field(
         default=None, metadata={"help": "Loss on completion tokens only, for prompt-completion data. "
@@ -148,17 +156,20 @@ class SFTConfig(BaseConfig):
             raise ValueError(f"max_length={self.max_length}: need at least 2 tokens (a context and a target)")
 
 
-def flat_is_cheaper(lengths: list[int], width: int, hidden: int) -> bool:
-    """Whether rows of these lengths cost less as one flat row than padded to `width`, under attention with a
-    dense mask. Cost in token-forwards: a token through the layers is 1, a (query, key) pair 1 / (4 hidden);
-    padded rows pay B*T of the first and B*T^2 of the second, the flat row N and N^2 (its block-diagonal mask
-    is dense to the kernel). The FLOPs alone give 1 / (6 hidden) per pair; CPU sdpa's forward + backward on
-    SmolLM2-135M measured 1 / (4.7 hidden). A batch without padding takes sdpa's mask-free causal path."""
+def flat_is_cheaper(lengths: list[int], width: int, hidden: int, documents: bool = False) -> bool:
+    """Whether rows of these lengths cost less as one flat row than padded to `width`. Cost in token-forwards:
+    a token through the layers is 1, a (query, key) pair 1 / (4 hidden); padded rows pay B*T of the first and
+    B*T^2 of the second. The flat row pays N of the first, and under attention with a dense mask N^2 of the
+    second (its block-diagonal mask is dense to the kernel), under document attention (`documents`,
+    `models.document_attention`) only sum(length^2): then it is cheaper whenever it drops padding. The FLOPs
+    alone give 1 / (6 hidden) per pair; CPU sdpa's forward + backward on SmolLM2-135M measured 1 / (4.7 hidden).
+    A batch without padding takes sdpa's mask-free causal path."""
     def cost(rows: int, length: int) -> float:
         return rows * length * (1 + length / (4 * hidden))
 
     n = sum(lengths)
-    return n < len(lengths) * width and cost(1, n) < cost(len(lengths), width)
+    flat = sum(cost(1, length) for length in lengths) if documents else cost(1, n)
+    return n < len(lengths) * width and flat < cost(len(lengths), width)
 
 
 def rows_kept_apart(model, input_ids: torch.Tensor) -> bool:
@@ -246,10 +257,13 @@ class SFTTrainer(BaseTrainer):
         prepare = lambda data, pack: self.prepare_dataset(data, tokenizer, args, pack, formatting_func)  # noqa: E731
         train_dataset = prepare(train_dataset, args.packing)
         eval_dataset = map_datasets(lambda data: prepare(data, args.eval_packing), eval_dataset)
-        attention = str(getattr(model.config, "_attn_implementation", "") or "")
+        attention = str(attention_kind(model) or "")  # document attention (a model trained before) counts as sdpa
         if args.padding_free is None and (args.packing or attention not in ("sdpa", "eager")):
             # flash (varlen kernels): flat packed rows; otherwise full bins, cheaper than one flat row
             args.padding_free = bool(args.packing and "flash" in attention)
+        # rows holding several sequences attend within each one only, at its own cost (sdpa; flash does already)
+        several = args.packing or args.eval_packing or args.padding_free is not False  # rows of several sequences
+        self._documents = attention == "sdpa" and several and document_attention.enable(model)
         # still None: unpacked data, dense-mask attention; compute_loss flattens the batches where that is cheaper
         hidden = getattr(model.config, "hidden_size", None)
         self._flatten_width = hidden if args.padding_free is None and isinstance(hidden, int) else None
@@ -400,6 +414,8 @@ class SFTTrainer(BaseTrainer):
         targets[:, :-1] = labels[:, 1:]  # targets[:, t] is predicted by the logits at t
         keep = targets != IGNORE_INDEX  # (B, T)
         model_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        if self._documents and "position_ids" in inputs and "attention_mask" not in inputs:
+            model_inputs.update(document_attention.boundaries(inputs["position_ids"]))  # where each sequence starts
         if self.aux_loss_enabled:
             model_inputs["output_router_logits"] = True
         head = None
@@ -456,7 +472,7 @@ class SFTTrainer(BaseTrainer):
         if not self._flat_rows_apart:
             return inputs
         lengths = inputs["attention_mask"].sum(1).tolist()
-        if not flat_is_cheaper(lengths, inputs["attention_mask"].shape[1], self._flatten_width):
+        if not flat_is_cheaper(lengths, inputs["attention_mask"].shape[1], self._flatten_width, self._documents):
             return inputs
         return flatten_padded(inputs) or inputs
 
