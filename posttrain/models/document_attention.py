@@ -69,10 +69,13 @@ def register() -> None:
 
 def enable(model) -> bool:
     """Switch `model` (a transformers model, its config's attention "sdpa") to document attention, in place.
-    Returns whether its attention is document attention now; any other attention is left alone."""
+    Returns whether its attention is document attention now; any other attention is left alone, and so is a
+    model whose class is not one of transformers' own (remote or user code may read the attention's name
+    itself, or not pass the boundaries on)."""
     config = getattr(model, "config", None)
     kind = getattr(config, "_attn_implementation", None)
-    if kind != "sdpa":
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    if kind != "sdpa" or not type(inner).__module__.startswith("transformers.models."):
         return kind == ATTENTION
     register()
     config._attn_implementation = ATTENTION

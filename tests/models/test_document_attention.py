@@ -75,6 +75,13 @@ def test_several_packed_rows_with_trailing_padding():
 def test_only_sdpa_is_switched_and_bad_boundaries_are_refused():
     eager = llama(attention="eager")
     assert not enable(eager) and eager.config._attn_implementation == "eager"
+
+    class OwnLlama(LlamaForCausalLM):  # user or remote code: it may read the attention's name itself
+        pass
+
+    torch.manual_seed(0)
+    own = OwnLlama(LlamaConfig(**SHAPE, attn_implementation="sdpa"))
+    assert not enable(own) and own.config._attn_implementation == "sdpa"
     model = llama()
     enable(model)
     ids = torch.randint(0, SHAPE["vocab_size"], (1, 6))
