@@ -9,6 +9,9 @@ sequence: sum(length^2) / 2. On CPU there is no flash-attention package, so this
 the same arguments: with `cu_seq_lens_q` it runs causal SDPA on each sequence alone (transformers'
 own `sdpa_attention_forward`, `is_causal=True`) and joins the outputs; without them it is
 transformers' SDPA unchanged. A sequence's output is then exactly what it is in a row of its own.
+A caller may also pass its own block-diagonal mask (B, 1, T, T) with the boundaries: each sequence
+then attends under its diagonal block (a reward model's `[prompt | chosen | rejected]` pairs, each
+completion seeing the prompt and itself), and causally where that block is the causal mask.
 
 On SmolLM2-135M, a forward and backward over one flat row of four sequences (808 tokens) takes
 about 3.9 s against 4.8 s with the dense block mask (2 threads).
@@ -31,8 +34,9 @@ def document_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
                   cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
     """transformers' attention-function signature: query (B, Hq, T, D), key and value (B, Hkv, T, D) ->
     (B, T, Hq, D), None. With `cu_seq_lens_q` (int, (S + 1,): where each of the S sequences of the B * T
-    flattened positions starts, then B * T), each sequence attends causally to itself only; the block mask
-    transformers built (`attention_mask`) is then not read. Else transformers' SDPA as it is."""
+    flattened positions starts, then B * T), each sequence attends to itself only: under the slice of
+    `attention_mask` (B, 1, T, T) that covers it, or causally where that slice is causal or there is no mask
+    (the block mask transformers builds for restarting positions is). Else transformers' SDPA as it is."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if cu_seq_lens_q is None:
@@ -49,9 +53,20 @@ def document_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     for s, e in zip(bounds[:-1], bounds[1:]):  # a sequence's slice of its row: a view, no copy
         r, a, b = s // T, s % T, s % T + e - s
         q, k, v = (t[r:r + 1, :, a:b] for t in (query, key, value))
-        parts.append(sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)[0])
+        mask = None if attention_mask is None else attention_mask[r:r + 1, :, a:b, a:b]
+        if mask is not None and _is_causal(mask):
+            mask = None
+        parts.append(sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
+                                            is_causal=mask is None)[0])
     out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (1, B * T, Hq, D)
     return out.view(B, T, *out.shape[2:]), None
+
+
+def _is_causal(mask: torch.Tensor) -> bool:
+    """Whether a (1, 1 or H, L, L) mask, boolean (True: attend) or additive (0: attend), is the causal one."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    L = allowed.shape[-1]
+    return bool(torch.equal(allowed, torch.ones(L, L, dtype=torch.bool, device=mask.device).tril().expand_as(allowed)))
 
 
 def register() -> None:

@@ -10,7 +10,10 @@ Departures: a pair's prompt goes through the model once: each pair is one sequen
 [prompt | chosen | rejected] whose block mask lets each completion see the prompt and itself only
 (`core.logprobs.pack_pairs`), and each completion's score is read at its last token, so the
 model computes what the two [prompt | completion] rows would give, up to float rounding, on
-P + C_c + C_r tokens instead of 2 P + C_c + C_r. Models whose attention takes no block mask, or
+P + C_c + C_r tokens instead of 2 P + C_c + C_r. Under sdpa (document attention,
+`models.document_attention`) a batch's pairs go through the model as ONE padding-free row, each
+pair attending under its own block mask: one forward per batch, no padding. Models whose
+attention takes no block mask, or
 whose score head is not a plain map of the last hidden state, get the two rows stacked along the
 batch instead. Ranked data (several responses per prompt) expands to every ordered pair.
 """
@@ -27,6 +30,7 @@ from torch import Tensor
 
 from posttrain.core.logprobs import attention_kind, length_groups, pack_pairs
 from posttrain.core.preference_losses import pairwise_reward_loss
+from posttrain.models import document_attention
 from posttrain.models.loading import is_peft_model
 from posttrain.trainers.base import BaseConfig, classic_arguments
 from posttrain.trainers.preference_base import PreferenceTrainer
@@ -105,7 +109,8 @@ def pair_rewards(model, input_ids: Tensor, attention_mask: Tensor, completion_ma
 
     input_ids, attention_mask, completion_mask: (2B, T) right-padded [prompt | completion] rows.
     Where the model allows (`plain_score_head`), each pair is one packed sequence [prompt | chosen |
-    rejected] and the head reads each completion's last token; on CPU, where a forward costs little
+    rejected] and the head reads each completion's last token; under document attention all pairs go
+    in one padding-free row (`_flat_pair_rewards`); otherwise, on CPU, where a forward costs little
     beyond its tokens, pairs of uneven length go in groups of similar length (`length_groups`,
     `per_forward` = 16 tokens by default) so that less of the work is padding. Else the 2B rows go
     through the model as they are.
@@ -113,6 +118,8 @@ def pair_rewards(model, input_ids: Tensor, attention_mask: Tensor, completion_ma
     head = plain_score_head(model, input_ids)
     if head is None:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0]
+    if _attention(model) == document_attention.ATTENTION:
+        return _flat_pair_rewards(model, head, input_ids, attention_mask, completion_mask)
     B = input_ids.shape[0] // 2
     if per_forward is None and input_ids.device.type == "cpu":
         per_forward = 16
@@ -125,6 +132,35 @@ def pair_rewards(model, input_ids: Tensor, attention_mask: Tensor, completion_ma
         hidden = model(**packed.model_inputs(model), output_hidden_states=True, use_cache=False).hidden_states[-1]
         scores.append(head(packed.at_last(hidden, by_slot=True))[:, 0])  # (2b,): the group's chosen, its rejected
     return torch.cat(scores)[torch.cat(rows).argsort()]
+
+
+def _attention(model) -> str | None:
+    inner = getattr(model, "module", model)  # DDP
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
+
+
+def _flat_pair_rewards(model, head, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> Tensor:
+    """`pair_rewards` in one forward under document attention: every pair's [prompt | chosen | rejected]
+    tokens side by side in ONE row with no padding, each pair one sequence (`cu_seq_lens_q`) under its own
+    block mask (a block-diagonal (1, 1, N, N) mask whose diagonal blocks document attention reads), so a
+    batch is one forward whatever its pairs' lengths: no padding, and one gradient per weight."""
+    packed = pack_pairs(input_ids, attention_mask, completion_mask)  # (B, L)
+    valid = packed.valid.bool()
+    B, L = valid.shape
+    device = valid.device
+    row = torch.arange(B, device=device)[:, None].expand(B, L)[valid]  # (N,) pair of each kept token
+    col = torch.arange(L, device=device)[None].expand(B, L)[valid]  # (N,) its column in the pair's row
+    blocks = packed.attention_mask()  # (B, 1, L, L) boolean
+    mask = (row[:, None] == row[None]) & blocks[row[:, None], 0, col[:, None], col[None]]  # (N, N)
+    flat_index = (valid.reshape(-1).cumsum(0) - 1).view(B, L)  # column in the flat row of each kept token
+    lengths = valid.sum(1)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    longest = int(lengths.max())
+    hidden = model(input_ids=packed.input_ids[valid][None], attention_mask=mask[None, None],
+                   position_ids=packed.position_ids[valid][None], output_hidden_states=True, use_cache=False,
+                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest).hidden_states[-1]
+    last = flat_index.gather(1, packed.last_at)  # (B, 2) each completion's last token in the flat row
+    return head(hidden[0, last.t().reshape(-1)])[:, 0]  # (2B,): chosen rows first, as the collator lays them out
 
 
 class RewardTrainer(PreferenceTrainer):
@@ -155,6 +191,8 @@ class RewardTrainer(PreferenceTrainer):
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          peft_config=_seq_cls_peft(peft_config), callbacks=callbacks, optimizers=optimizers,
                          needs_reference=False, model_kind="seq-cls", compute_metrics=compute_metrics)
+        # each batch's pairs as one padding-free row, each pair attending within itself (see pair_rewards)
+        document_attention.enable(self.accelerator.unwrap_model(self.model))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = self.mode()

@@ -152,6 +152,18 @@ def test_packed_pairs_give_the_scores_and_gradients_of_the_two_row_forward(atten
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
         for name, grad in want_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
+    # document attention (what RewardTrainer switches sdpa models to): all pairs in one padding-free row
+    from posttrain.models import document_attention
+
+    if document_attention.enable(model):
+        calls = []
+        model.get_input_embeddings().register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+        got, grads = scores_and_grads(lambda: pair_rewards(model, ids, mask, cmask))
+        assert calls == [torch.Size([1, int(mask[:3].sum() + cmask[3:].sum())])]  # one row: every pair, no padding
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
+    assert document_attention.enable(model) == (attention == "sdpa")
 
 
 def test_prompt_learning_adapters_take_the_two_row_forward():
