@@ -421,6 +421,26 @@ class PackedGroups:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask(dtype),
                 "position_ids": self.position_ids}
 
+    def one_row_inputs(self) -> tuple[dict, Tensor]:
+        """The groups side by side in ONE row without padding, for document attention
+        (`models.document_attention`): input_ids, position_ids and a block-diagonal (1, 1, N, N) boolean
+        mask whose diagonal blocks are the groups' block masks, with each group's bounds as `cu_seq_lens_q`
+        / `_k`; and (U, L) the column of each packed token in that row (-1 where none)."""
+        valid = self.valid.bool()
+        U, L = valid.shape
+        device = valid.device
+        group = torch.arange(U, device=device)[:, None].expand(U, L)[valid]  # (N,) group of each kept token
+        col = torch.arange(L, device=device)[None].expand(U, L)[valid]  # (N,) its column in the group's row
+        blocks = self.attention_mask()  # (U, 1, L, L)
+        mask = (group[:, None] == group[None]) & blocks[group[:, None], 0, col[:, None], col[None]]  # (N, N)
+        lengths = valid.sum(1)
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        longest = int(lengths.max())
+        where = torch.where(valid, valid.reshape(-1).cumsum(0).view(U, L) - 1, -1)
+        return {"input_ids": self.input_ids[valid][None], "attention_mask": mask[None, None],
+                "position_ids": self.position_ids[valid][None], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+                "max_length_q": longest, "max_length_k": longest}, where
+
     def at_scores(self, values: Tensor, by_slot: bool = False) -> Tensor:
         """(U, k * C, ...) entries of `values` (U, L, ...) at the scoring columns, group by group, or
         with `by_slot` (k * U, C, ...): every group's first completion, then every group's second, ..."""

@@ -145,21 +145,9 @@ def _flat_pair_rewards(model, head, input_ids: Tensor, attention_mask: Tensor, c
     block mask (a block-diagonal (1, 1, N, N) mask whose diagonal blocks document attention reads), so a
     batch is one forward whatever its pairs' lengths: no padding, and one gradient per weight."""
     packed = pack_pairs(input_ids, attention_mask, completion_mask)  # (B, L)
-    valid = packed.valid.bool()
-    B, L = valid.shape
-    device = valid.device
-    row = torch.arange(B, device=device)[:, None].expand(B, L)[valid]  # (N,) pair of each kept token
-    col = torch.arange(L, device=device)[None].expand(B, L)[valid]  # (N,) its column in the pair's row
-    blocks = packed.attention_mask()  # (B, 1, L, L) boolean
-    mask = (row[:, None] == row[None]) & blocks[row[:, None], 0, col[:, None], col[None]]  # (N, N)
-    flat_index = (valid.reshape(-1).cumsum(0) - 1).view(B, L)  # column in the flat row of each kept token
-    lengths = valid.sum(1)
-    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-    longest = int(lengths.max())
-    hidden = model(input_ids=packed.input_ids[valid][None], attention_mask=mask[None, None],
-                   position_ids=packed.position_ids[valid][None], output_hidden_states=True, use_cache=False,
-                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest).hidden_states[-1]
-    last = flat_index.gather(1, packed.last_at)  # (B, 2) each completion's last token in the flat row
+    inputs, where = packed.one_row_inputs()
+    hidden = model(**inputs, output_hidden_states=True, use_cache=False).hidden_states[-1]  # (1, N, H)
+    last = where.gather(1, packed.last_at)  # (B, 2) each completion's last token in the row
     return head(hidden[0, last.t().reshape(-1)])[:, 0]  # (2B,): chosen rows first, as the collator lays them out
 
 

@@ -234,3 +234,32 @@ def test_fused_head_under_bf16_autocast_matches_the_autocast_head():
         grads.append((logps, hidden.grad, weight.grad))
     for plain, fused in zip(*grads):
         assert fused.dtype == plain.dtype and torch.allclose(fused, plain, atol=2e-2, rtol=2e-2)
+
+
+def test_one_row_inputs_put_the_groups_side_by_side_under_their_own_block_masks():
+    """Two preference pairs of 2 + 1 + 2 and 3 + 2 + 1 tokens: one row of 11 tokens, the pairs' bounds
+    (0, 5, 11), each diagonal block the pair's own mask over its real tokens, nothing across pairs."""
+    from posttrain.core.logprobs import pack_pairs
+
+    rows = [([5, 6], [7], [8, 9]), ([10, 11, 12], [13, 14], [15])]
+    T = 6
+    ids, mask, cmask = (torch.zeros(4, T, dtype=torch.long) for _ in range(3))
+    for i, (prompt, chosen, rejected) in enumerate(rows):
+        for r, completion in ((i, chosen), (2 + i, rejected)):
+            seq = prompt + completion
+            ids[r, :len(seq)], mask[r, :len(seq)] = torch.tensor(seq), 1
+            cmask[r, len(prompt):len(seq)] = 1
+    packed = pack_pairs(ids, mask, cmask)
+    inputs, where = packed.one_row_inputs()
+    assert inputs["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 2, 3, 0, 1, 2, 3, 4, 3]]
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 5, 11] and inputs["max_length_q"] == 6
+    valid = packed.valid.bool()
+    blocks = packed.attention_mask()
+    flat = inputs["attention_mask"][0, 0]
+    for g, (start, end) in enumerate(((0, 5), (5, 11))):
+        keep = valid[g].nonzero().flatten()
+        assert torch.equal(flat[start:end, start:end], blocks[g, 0][keep][:, keep])
+        assert torch.equal(where[g, keep], torch.arange(start, end))
+    assert not flat[:5, 5:].any() and not flat[5:, :5].any()
+    assert flat[3].tolist()[:5] == [True, True, False, True, False]  # the rejected token sees the prompt, not chosen
