@@ -53,7 +53,8 @@ def document_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     for s, e in zip(bounds[:-1], bounds[1:]):  # a sequence's slice of its row: a view, no copy
         r, a, b = s // T, s % T, s % T + e - s
         q, k, v = (t[r:r + 1, :, a:b] for t in (query, key, value))
-        mask = None if attention_mask is None else attention_mask[r:r + 1, :, a:b, a:b]
+        m = 0 if attention_mask is None or attention_mask.shape[0] == 1 else r  # a batch-1 mask serves every row
+        mask = None if attention_mask is None else attention_mask[m:m + 1, :, a:b, a:b]
         if mask is not None and _is_causal(mask):
             mask = None
         parts.append(sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
