@@ -366,9 +366,10 @@ def attention_kind(model) -> str | None:
     """The model's attention implementation ("sdpa", "eager", ...), through a DDP wrapper. Document attention
     (`models.document_attention`, which SFT switches sdpa models to) is "sdpa": it is sdpa where no caller
     passes sequence boundaries."""
+    if document_attention.active(model):
+        return "sdpa"
     inner = getattr(model, "module", model)  # DDP
-    kind = getattr(getattr(inner, "config", None), "_attn_implementation", None)
-    return "sdpa" if kind == document_attention.ATTENTION else kind
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
 
 
 def length_groups(lengths: list[int], per_forward: int) -> list[list[int]]:

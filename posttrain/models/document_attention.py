@@ -98,6 +98,12 @@ def enable(model) -> bool:
     return True
 
 
+def active(model) -> bool:
+    """Whether `model` (or the module a DDP wrapper holds) runs document attention."""
+    inner = getattr(model, "module", model)  # DDP
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None) == ATTENTION
+
+
 def disable(model) -> None:
     """Back to plain "sdpa" where `enable` switched it."""
     config = getattr(model, "config", None)

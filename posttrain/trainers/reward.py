@@ -118,7 +118,7 @@ def pair_rewards(model, input_ids: Tensor, attention_mask: Tensor, completion_ma
     head = plain_score_head(model, input_ids)
     if head is None:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0]
-    if _attention(model) == document_attention.ATTENTION:
+    if document_attention.active(model):
         return _flat_pair_rewards(model, head, input_ids, attention_mask, completion_mask)
     B = input_ids.shape[0] // 2
     if per_forward is None and input_ids.device.type == "cpu":
@@ -132,11 +132,6 @@ def pair_rewards(model, input_ids: Tensor, attention_mask: Tensor, completion_ma
         hidden = model(**packed.model_inputs(model), output_hidden_states=True, use_cache=False).hidden_states[-1]
         scores.append(head(packed.at_last(hidden, by_slot=True))[:, 0])  # (2b,): the group's chosen, its rejected
     return torch.cat(scores)[torch.cat(rows).argsort()]
-
-
-def _attention(model) -> str | None:
-    inner = getattr(model, "module", model)  # DDP
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
 
 
 def _flat_pair_rewards(model, head, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> Tensor:
