@@ -7,7 +7,7 @@ A training step over N tokens multiplies, in each of the 30 decoder layers, the 
 gate, up and down weights (forward), and in the backward multiplies each output gradient by the weight
 (input gradient) and by the input (weight gradient); the output layer does the same with the 49152 x 576
 embedding (`--no-head` leaves it out: a reward model scores with a 576 x 1 head). Each product is timed
-alone, best of `--repeats`, with q/k/v and gate/up also timed as one product of the stacked weights and
+alone, best of `--repeats` and the faster of PyTorch's two float32 matmul libraries (its sgemm, oneDNN), with q/k/v and gate/up also timed as one product of the stacked weights and
 the faster arrangement taken; AdamW's update of the 134.5 M parameters (the faster of torch's foreach and
 fused implementations; both libraries default to the fused one) is timed the same way. Attention, norms, activations, the loss and the data
 are left out, so the sum is a floor: no fp32 implementation that does these products and this update can
@@ -36,12 +36,20 @@ def best_time(fn, repeats: int) -> float:
     return best
 
 
+def product_time(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
+    """Seconds of a @ b.T: the faster of PyTorch's sgemm (torch.mm) and oneDNN's matmul (where the build has it)."""
+    best = best_time(lambda: torch.mm(a, b.t()), repeats)
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        best = min(best, best_time(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""), repeats))
+    return best
+
+
 def linear_step(tokens: int, inputs: int, outputs: int, repeats: int) -> float:
     """Seconds of y = x W^T, dx = dy W and dW = dy^T x for `tokens` rows, each timed alone."""
     x, w, dy = torch.randn(tokens, inputs), torch.randn(outputs, inputs), torch.randn(tokens, outputs)
-    forward = best_time(lambda: torch.mm(x, w.t()), repeats)
-    grad_input = best_time(lambda: torch.mm(dy, w), repeats)
-    grad_weight = best_time(lambda: torch.mm(dy.t(), x), repeats)
+    forward = product_time(x, w, repeats)
+    grad_input = product_time(dy, w.t(), repeats)
+    grad_weight = product_time(dy.t(), x.t(), repeats)
     return forward + grad_input + grad_weight
 
 

@@ -233,17 +233,22 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
 
 
 def matmul_peak(threads: int, size: int = 2048, repeats: int = 8) -> float:
-    """fp32 GFLOP/s of the best of `repeats` size^3 torch.mm on `threads` threads."""
+    """fp32 GFLOP/s of the best of `repeats` size^3 products on `threads` threads, the faster of PyTorch's two
+    float32 matmul libraries: its sgemm (torch.mm) and oneDNN (where the build has it)."""
     import torch
 
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
+    products = [lambda: torch.mm(a, b)]
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
+    for product in products:
+        product()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
 
 
@@ -260,7 +265,7 @@ def run_worker(column: str, workload: str, args, models: dict, data: dict, scrat
     job = {"side": side, "workload": workload, "trainer": spec["trainer"], "config": config,
            "model": models[spec.get("model", "causal")], "models": models, "data": data[spec["data"]],
            "steps": args.steps, "threads": args.threads, "seed": SEED, "output_dir": str(scratch / f"out-{side}"),
-           "out": str(out), "memory_profile": args.memory_profile}
+           "out": str(out), "memory_profile": args.memory_profile, "time_profile": args.time_profile}
     spec_path = out.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(job))
     python = trl_python(workload, args) if side == "trl" else sys.executable
@@ -392,6 +397,8 @@ def main():
                         help="also run posttrain with POSTTRAIN_KEEP_FREED_MEMORY=0 in every round (a third column)")
     parser.add_argument("--memory-profile", action="store_true",
                         help="run under torch's memory profiler and print what held memory at the peak (slow)")
+    parser.add_argument("--time-profile", action="store_true",
+                        help="print every run's operators by CPU time over the steps after the first (slows steps)")
     parser.add_argument("--sides", default="trl,posttrain", choices=["trl,posttrain", "posttrain"],
                         help="posttrain: run posttrain alone, without TRL and without the comparison table")
     args = parser.parse_args()
@@ -436,6 +443,8 @@ def main():
                         continue
                     s = summarise(raw, WORKLOADS[workload]["unit"])
                     runs[workload][column].append(s)
+                    if raw.get("time_profile"):
+                        print(f"\n{workload} on {column}, steps after the first:\n{raw['time_profile']}", file=sys.stderr)
                     print(f"  round {round_ + 1} {workload:<10} {column:<9} steady {s['steady']:8.2f} "
                           f"{WORKLOADS[workload]['unit']}/s, whole {s['whole']:8.2f}, first step {s['first_step_s']:.1f} s, "
                           f"peak RSS {s['peak_rss_mib']:.0f} MiB, steady step {s['steady_step_s']:.1f} s "

@@ -61,6 +61,30 @@ def make_step_clock():
     return StepClock()
 
 
+def make_time_profile(rows: int = 30):
+    """torch's profiler over the steps after the first (the steady state): `table` is the operators by
+    their own CPU time, summed over those steps. Profiling slows every step: a run for where time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import TrainerCallback
+
+    class TimeProfile(TrainerCallback):
+        def __init__(self):
+            self.profiler, self.table, self.steps = None, None, 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.steps += 1
+            if self.steps == 2:
+                self.profiler = profile(activities=[ProfilerActivity.CPU])
+                self.profiler.__enter__()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.profiler is not None:
+                self.profiler.__exit__(None, None, None)
+                self.table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+    return TimeProfile()
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -155,6 +179,9 @@ def main():
         trainer.data_collator = collate
     clock = make_step_clock()
     trainer.add_callback(clock)
+    timed = make_time_profile() if spec.get("time_profile") else None
+    if timed is not None:
+        trainer.add_callback(timed)
 
     rss_before = rss_mib()
     profiler = breakdown = None
@@ -182,6 +209,7 @@ def main():
         "completion_tokens": completion_tokens, "logs": clock.logs,
         "peak_rss_mib": peak_rss, "rss_before_train_mib": rss_before,
         "memory_breakdown": breakdown,
+        "time_profile": timed.table if timed is not None else None,
         # posttrain: whether its trainer tuned glibc's malloc (posttrain/memory.py; POSTTRAIN_KEEP_FREED_MEMORY=0 stops it)
         **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,

@@ -104,6 +104,21 @@ def test_memory_breakdown_finds_the_tensors_live_at_their_peak():
     assert sum(m["by_category_mib"].values()) == pytest.approx(m["peak_tensor_mib"])
 
 
+def test_time_profile_covers_the_steps_after_the_first():
+    timed = vs_trl_worker.make_time_profile()
+    a = torch.randn(64, 64)
+    timed.on_step_begin(None, None, None)
+    torch.softmax(a, -1)  # the first step: not profiled
+    timed.on_step_begin(None, None, None)
+    torch.mm(a, a)
+    timed.on_step_begin(None, None, None)
+    torch.mm(a, a)
+    timed.on_train_end(None, None, None)
+    mm = [line for line in timed.table.splitlines() if line.strip().startswith("aten::mm ")]
+    assert len(mm) == 1 and mm[0].split()[-1] == "2"  # two calls, one per profiled step
+    assert "aten::softmax" not in timed.table
+
+
 def test_memory_table_has_one_row_per_profiled_run(capsys):
     run = {"peak_rss_mib": 900.0, "rss_before_train_mib": 500.0, "memory_breakdown": {
         "peak_tensor_mib": 300.0, "tensors": 3,
@@ -164,7 +179,7 @@ def test_the_allocator_off_column_runs_posttrain_with_malloc_untouched(tmp_path,
         monkeypatch.setitem(vs_trl.WORKLOADS, name, dict(trainer="sft", data="d", unit="tokens", config={},
                                                          worker=str(worker)))
     args = type("Args", (), dict(gradient_checkpointing=False, bf16=False, steps=2, threads=1,
-                                 memory_profile=False, trl_python="unused"))()
+                                 memory_profile=False, time_profile=False, trl_python="unused"))()
     monkeypatch.delenv("POSTTRAIN_KEEP_FREED_MEMORY", raising=False)
 
     def run(column, workload="fake"):
