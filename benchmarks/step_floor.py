@@ -7,8 +7,9 @@ A training step over N tokens multiplies, in each of the 30 decoder layers, the 
 gate, up and down weights (forward), and in the backward multiplies each output gradient by the weight
 (input gradient) and by the input (weight gradient); the output layer does the same with the 49152 x 576
 embedding (`--no-head` leaves it out: a reward model scores with a 576 x 1 head). Each product is timed
-alone, best of `--repeats` and the faster of PyTorch's two float32 matmul libraries (its sgemm, oneDNN), with q/k/v and gate/up also timed as one product of the stacked weights and
-the faster arrangement taken; AdamW's update of the 134.5 M parameters (the faster of torch's foreach and
+alone, best of `--repeats` and in the faster of PyTorch's two float32 matmul libraries (its sgemm,
+oneDNN), with q/k/v and gate/up also timed as one product of the stacked weights and the faster
+arrangement taken; AdamW's update of the 134.5 M parameters (the faster of torch's foreach and
 fused implementations; both libraries default to the fused one) is timed the same way. Attention, norms, activations, the loss and the data
 are left out, so the sum is a floor: no fp32 implementation that does these products and this update can
 take less time per step, whatever its kernels. `--peer-rate` (tokens/s of the peer, e.g. TRL's steady
