@@ -18,8 +18,10 @@ about 3.9 s against 4.8 s with the dense block mask (2 threads).
 
 `enable(model)` switches a model whose attention is "sdpa" to this implementation
 (`ATTENTION`, registered with transformers' attention and mask interfaces; the mask is SDPA's, so
-callers that do not pass the boundaries get exactly SDPA). `boundaries(position_ids)` gives the
-keyword arguments for a batch whose rows restart their positions at each sequence.
+callers that do not pass the boundaries get exactly SDPA); `disable(model)` switches it back to plain
+"sdpa", for code that reads the attention's name itself. The name is not saved with the model (its
+config's `_attn_implementation` is not serialised). `boundaries(position_ids)` gives the keyword
+arguments for a batch whose rows restart their positions at each sequence.
 """
 
 from __future__ import annotations

@@ -92,6 +92,13 @@ def test_only_sdpa_is_switched_and_bad_boundaries_are_refused():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_saved_model_loads_with_plain_sdpa(tmp_path):
+    model = llama(torch.float32)
+    assert enable(model) and model.config._attn_implementation == ATTENTION
+    model.save_pretrained(tmp_path)
+    assert LlamaForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
+
+
 def test_sft_trains_packed_rows_with_document_attention(tmp_path):
     """SFTTrainer switches an sdpa model to document attention when rows can hold several sequences (packing,
     or flattened padded batches), and the packed run's first loss is the unpacked run's (same sequences)."""
