@@ -265,7 +265,8 @@ def run_worker(column: str, workload: str, args, models: dict, data: dict, scrat
     job = {"side": side, "workload": workload, "trainer": spec["trainer"], "config": config,
            "model": models[spec.get("model", "causal")], "models": models, "data": data[spec["data"]],
            "steps": args.steps, "threads": args.threads, "seed": SEED, "output_dir": str(scratch / f"out-{side}"),
-           "out": str(out), "memory_profile": args.memory_profile, "time_profile": args.time_profile}
+           "out": str(out), "memory_profile": args.memory_profile, "time_profile": args.time_profile,
+           "op_times": args.op_times}
     spec_path = out.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(job))
     python = trl_python(workload, args) if side == "trl" else sys.executable
@@ -399,6 +400,9 @@ def main():
                         help="run under torch's memory profiler and print what held memory at the peak (slow)")
     parser.add_argument("--time-profile", action="store_true",
                         help="print every run's operators by CPU time over the steps after the first (slows steps)")
+    parser.add_argument("--op-times", action="store_true",
+                        help="print every run's operators by wall time over the steps after the first, and its "
+                             "matrix products by shape with their GFLOP/s (a dispatch mode; slows steps)")
     parser.add_argument("--sides", default="trl,posttrain", choices=["trl,posttrain", "posttrain"],
                         help="posttrain: run posttrain alone, without TRL and without the comparison table")
     args = parser.parse_args()
@@ -445,6 +449,8 @@ def main():
                     runs[workload][column].append(s)
                     if raw.get("time_profile"):
                         print(f"\n{workload} on {column}, steps after the first:\n{raw['time_profile']}", file=sys.stderr)
+                    if raw.get("op_times"):
+                        print(f"\n{workload} on {column}, operators by wall time:\n{raw['op_times']}", file=sys.stderr)
                     print(f"  round {round_ + 1} {workload:<10} {column:<9} steady {s['steady']:8.2f} "
                           f"{WORKLOADS[workload]['unit']}/s, whole {s['whole']:8.2f}, first step {s['first_step_s']:.1f} s, "
                           f"peak RSS {s['peak_rss_mib']:.0f} MiB, steady step {s['steady_step_s']:.1f} s "

@@ -85,6 +85,80 @@ def make_time_profile(rows: int = 30):
     return TimeProfile()
 
 
+def product_flops(a, b) -> int:
+    """Floating-point operations of the matrix product of `a` (..., M, K) by `b` (..., K, N): 2 x M x K x N per batch."""
+    batch_rows = 1
+    for d in a.shape[:-1]:
+        batch_rows *= d
+    return 2 * batch_rows * a.shape[-1] * b.shape[-1]
+
+
+def make_op_times(rows: int = 25):
+    """Every ATen operator's wall time over the steps after the first, taken by a `TorchDispatchMode` (the
+    backward's operators included): `table` lists the operators by total time, then the matrix products
+    by operand shapes with the GFLOP/s each reached inside the steps. Unlike torch's profiler it keeps
+    only running sums (no heap growth); each operator pays a Python call (tens of microseconds), so
+    steps run slower: a run for where time goes, not for timing. It sees what a sampling profiler
+    cannot split, e.g. the share of attention, whose own small products run inside the operator."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import TrainerCallback
+
+    products = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+                torch.ops.aten.addmm_.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
+
+    class Timed(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.products = {}, {}  # name -> [calls, seconds]; (name, shapes) -> [calls, seconds, flops]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            seconds = time.perf_counter() - start
+            name = str(func)
+            calls = self.ops.setdefault(name, [0, 0.0])
+            calls[0], calls[1] = calls[0] + 1, calls[1] + seconds
+            if func in products:  # the operands are the last two tensor arguments
+                a, b = [x for x in args if isinstance(x, torch.Tensor)][-2:]
+                key = (name, tuple(a.shape), tuple(b.shape))
+                row = self.products.setdefault(key, [0, 0.0, 0])
+                row[0], row[1], row[2] = row[0] + 1, row[1] + seconds, row[2] + product_flops(a, b)
+            return out
+
+    class OpTimes(TrainerCallback):
+        def __init__(self):
+            self.mode, self.table, self.steps = None, None, 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.steps += 1
+            if self.steps == 2:
+                self.mode = Timed()
+                self.mode.__enter__()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.mode is None:
+                return
+            self.mode.__exit__(None, None, None)
+            ops, prods = self.mode.ops, self.mode.products
+            total = sum(s for _, s in ops.values())
+            lines = [f"operators over {self.steps - 1} step(s): {total:.3f} s in {sum(c for c, _ in ops.values())} calls",
+                     f"{'seconds':>9} {'share':>6} {'calls':>7}  operator"]
+            for name, (calls, seconds) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:rows]:
+                lines.append(f"{seconds:9.3f} {seconds / total:6.1%} {calls:7d}  {name}")
+            p_seconds, p_flops = sum(r[1] for r in prods.values()), sum(r[2] for r in prods.values())
+            if p_seconds > 0:
+                lines.append(f"matrix products: {p_seconds:.3f} s, {p_flops / 1e9:.4g} GFLOP, "
+                             f"{p_flops / p_seconds / 1e9:.0f} GFLOP/s")
+                lines.append(f"{'seconds':>9} {'GFLOP/s':>8} {'calls':>6}  operator (operand shapes)")
+                for (name, a, b), (calls, seconds, flops) in sorted(prods.items(), key=lambda kv: -kv[1][1])[:rows]:
+                    rate = flops / seconds / 1e9 if seconds > 0 else float("nan")
+                    lines.append(f"{seconds:9.3f} {rate:8.0f} {calls:6d}  {name} {a} x {b}")
+            self.table = "\n".join(lines)
+
+    return OpTimes()
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -182,6 +256,9 @@ def main():
     timed = make_time_profile() if spec.get("time_profile") else None
     if timed is not None:
         trainer.add_callback(timed)
+    op_times = make_op_times() if spec.get("op_times") else None
+    if op_times is not None:
+        trainer.add_callback(op_times)
 
     rss_before = rss_mib()
     profiler = breakdown = None
@@ -210,6 +287,7 @@ def main():
         "peak_rss_mib": peak_rss, "rss_before_train_mib": rss_before,
         "memory_breakdown": breakdown,
         "time_profile": timed.table if timed is not None else None,
+        "op_times": op_times.table if op_times is not None else None,
         # posttrain: whether its trainer tuned glibc's malloc (posttrain/memory.py; POSTTRAIN_KEEP_FREED_MEMORY=0 stops it)
         **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,

@@ -119,6 +119,28 @@ def test_time_profile_covers_the_steps_after_the_first():
     assert "aten::softmax" not in timed.table
 
 
+def test_op_times_cover_the_steps_after_the_first_and_count_product_flops():
+    timed = vs_trl_worker.make_op_times()
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    timed.on_step_begin(None, None, None)
+    torch.softmax(a, -1)  # the first step: not timed
+    timed.on_step_begin(None, None, None)
+    torch.mm(a, b)
+    x = torch.randn(3, 8, 16, requires_grad=True)
+    torch.bmm(x, torch.randn(3, 16, 4)).sum().backward()  # the backward's operators are seen too
+    timed.on_step_begin(None, None, None)
+    torch.mm(a, b)
+    timed.on_train_end(None, None, None)
+    ops, products = timed.mode.ops, timed.mode.products
+    assert "aten._softmax.default" not in ops
+    assert products["aten.mm.default", (8, 16), (16, 4)][:1] == [2]  # two calls, one per timed step
+    assert products["aten.mm.default", (8, 16), (16, 4)][2] == 2 * (2 * 8 * 16 * 4)
+    assert products["aten.bmm.default", (3, 8, 16), (3, 16, 4)][2] == 2 * 3 * 8 * 16 * 4
+    assert ("aten.bmm.default", (3, 8, 4), (3, 4, 16)) in products  # the backward's product (grad of x)
+    assert "matrix products:" in timed.table and "aten.mm.default (8, 16) x (16, 4)" in timed.table
+    assert vs_trl_worker.product_flops(torch.empty(3, 8, 16), torch.empty(3, 16, 4)) == 2 * 3 * 8 * 16 * 4
+
+
 def test_memory_table_has_one_row_per_profiled_run(capsys):
     run = {"peak_rss_mib": 900.0, "rss_before_train_mib": 500.0, "memory_breakdown": {
         "peak_tensor_mib": 300.0, "tensors": 3,
@@ -179,7 +201,8 @@ def test_the_allocator_off_column_runs_posttrain_with_malloc_untouched(tmp_path,
         monkeypatch.setitem(vs_trl.WORKLOADS, name, dict(trainer="sft", data="d", unit="tokens", config={},
                                                          worker=str(worker)))
     args = type("Args", (), dict(gradient_checkpointing=False, bf16=False, steps=2, threads=1,
-                                 memory_profile=False, time_profile=False, trl_python="unused"))()
+                                 memory_profile=False, time_profile=False, op_times=False,
+                                 trl_python="unused"))()
     monkeypatch.delenv("POSTTRAIN_KEEP_FREED_MEMORY", raising=False)
 
     def run(column, workload="fake"):
