@@ -51,16 +51,24 @@ def document_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     if bounds[0] != 0 or bounds[-1] != B * T or any(s // T != (e - 1) // T for s, e in zip(bounds[:-1], bounds[1:])):
         raise ValueError(f"document attention: cu_seq_lens_q must run from 0 to {B * T} (batch x length), "
                          f"each sequence within one row, got {bounds}")
+    lengths = [[] for _ in range(B)]  # each row's sequences' lengths, in order: they tile the row
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        lengths[s // T].append(e - s)
+    # each sequence's (H, L, D) views, split off its row: the backward joins their gradients with one
+    # concatenation per row, where slicing would zero-fill a full-size gradient per sequence and add them up
+    rows = [t.unbind(0) if B > 1 else (t.squeeze(0),) for t in (query, key, value)]
     parts = []
-    for s, e in zip(bounds[:-1], bounds[1:]):  # a sequence's slice of its row: a view, no copy
-        r, a, b = s // T, s % T, s % T + e - s
-        q, k, v = (t[r:r + 1, :, a:b] for t in (query, key, value))
-        m = 0 if attention_mask is None or attention_mask.shape[0] == 1 else r  # a batch-1 mask serves every row
-        mask = None if attention_mask is None else attention_mask[m:m + 1, :, a:b, a:b]
-        if mask is not None and _is_causal(mask):
-            mask = None
-        parts.append(sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
-                                            is_causal=mask is None)[0])
+    for r in range(B):
+        a = 0
+        for q, k, v in zip(*(row[r].split(lengths[r], dim=1) for row in rows)):
+            b = a + q.shape[1]
+            m = 0 if attention_mask is None or attention_mask.shape[0] == 1 else r  # a batch-1 mask serves every row
+            mask = None if attention_mask is None else attention_mask[m:m + 1, :, a:b, a:b]
+            if mask is not None and _is_causal(mask):
+                mask = None
+            parts.append(sdpa_attention_forward(module, q[None], k[None], v[None], mask, dropout=dropout,
+                                                scaling=scaling, is_causal=mask is None)[0])
+            a = b
     out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (1, B * T, Hq, D)
     return out.view(B, T, *out.shape[2:]), None
 

@@ -72,6 +72,26 @@ def test_several_packed_rows_with_trailing_padding():
             start += n
 
 
+def test_the_sequences_gradients_are_joined_not_zero_filled_and_added():
+    """Each sequence's query, key and value are split off their row (SplitBackward: one concatenation per row in
+    the backward), not sliced (SliceBackward: a zero-filled full-size gradient per sequence, then summed)."""
+    from posttrain.models.document_attention import document_sdpa
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    for B, cu in ((1, [0, 3, 5, 8]), (2, [0, 3, 8, 10, 16])):
+        q, k, v = (torch.randn(B, h, 8, 4, requires_grad=True) for h in (4, 2, 2))
+        out = document_sdpa(module, q, k, v, None, cu_seq_lens_q=torch.tensor(cu), cu_seq_lens_k=torch.tensor(cu))[0]
+        seen, stack = set(), [out.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is not None and node not in seen:
+                seen.add(node)
+                stack.extend(f for f, _ in node.next_functions)
+        names = {type(node).__name__ for node in seen}
+        assert "SliceBackward0" not in names and any(n.startswith("SplitWithSizesBackward") for n in names), names
+
+
 def test_only_sdpa_is_switched_and_bad_boundaries_are_refused():
     eager = llama(attention="eager")
     assert not enable(eager) and eager.config._attn_implementation == "eager"
