@@ -61,32 +61,42 @@ def make_step_clock():
     return StepClock()
 
 
-def make_time_profile(rows: int = 30):
-    """torch's profiler over the steps after the first (the steady state): `table` is the operators by
-    their own CPU time, summed over those steps. Profiling slows every step: a run for where time goes."""
-    from torch.profiler import ProfilerActivity, profile
+def after_first_step(make, summarise):
+    """A callback that enters the context `make()` as the second step begins and, when training ends, leaves it
+    and sets `table` to `summarise(context, steps)`: a profile of the steps after the first (the steady state)."""
     from transformers import TrainerCallback
 
-    class TimeProfile(TrainerCallback):
+    class AfterFirstStep(TrainerCallback):
         def __init__(self):
-            self.profiler, self.table, self.steps = None, None, 0
+            self.context, self.table, self.steps = None, None, 0
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.steps += 1
             if self.steps == 2:
-                self.profiler = profile(activities=[ProfilerActivity.CPU])
-                self.profiler.__enter__()
+                self.context = make()
+                self.context.__enter__()
 
         def on_train_end(self, args, state, control, **kwargs):
-            if self.profiler is not None:
-                self.profiler.__exit__(None, None, None)
-                self.table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+            if self.context is not None:
+                self.context.__exit__(None, None, None)
+                self.table = summarise(self.context, self.steps - 1)
 
-    return TimeProfile()
+    return AfterFirstStep()
+
+
+def make_time_profile(rows: int = 30):
+    """torch's profiler over the steps after the first (the steady state): `table` is the operators by
+    their own CPU time, summed over those steps. Profiling slows every step: a run for where time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def summarise(prof, steps):
+        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+    return after_first_step(lambda: profile(activities=[ProfilerActivity.CPU]), summarise)
 
 
 def product_flops(a, b) -> int:
-    """Floating-point operations of the matrix product of `a` (..., M, K) by `b` (..., K, N): 2 x M x K x N per batch."""
+    """Floating-point operations of the product of `a` (..., M, K) by `b` (..., K, N): 2 x M x K x N per batch."""
     batch_rows = 1
     for d in a.shape[:-1]:
         batch_rows *= d
@@ -102,7 +112,6 @@ def make_op_times(rows: int = 25):
     cannot split, e.g. the share of attention, whose own small products run inside the operator."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import TrainerCallback
 
     products = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
                 torch.ops.aten.addmm_.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
@@ -126,37 +135,24 @@ def make_op_times(rows: int = 25):
                 row[0], row[1], row[2] = row[0] + 1, row[1] + seconds, row[2] + product_flops(a, b)
             return out
 
-    class OpTimes(TrainerCallback):
-        def __init__(self):
-            self.mode, self.table, self.steps = None, None, 0
+    def summarise(mode, steps):
+        ops, prods = mode.ops, mode.products
+        total = sum(s for _, s in ops.values())
+        lines = [f"operators over {steps} step(s): {total:.3f} s in {sum(c for c, _ in ops.values())} calls",
+                 f"{'seconds':>9} {'share':>6} {'calls':>7}  operator"]
+        for name, (calls, seconds) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:rows]:
+            lines.append(f"{seconds:9.3f} {seconds / total:6.1%} {calls:7d}  {name}")
+        p_seconds, p_flops = sum(r[1] for r in prods.values()), sum(r[2] for r in prods.values())
+        if p_seconds > 0:
+            lines.append(f"matrix products: {p_seconds:.3f} s, {p_flops / 1e9:.4g} GFLOP, "
+                         f"{p_flops / p_seconds / 1e9:.0f} GFLOP/s")
+            lines.append(f"{'seconds':>9} {'GFLOP/s':>8} {'calls':>6}  operator (operand shapes)")
+            for (name, a, b), (calls, seconds, flops) in sorted(prods.items(), key=lambda kv: -kv[1][1])[:rows]:
+                rate = flops / seconds / 1e9 if seconds > 0 else float("nan")
+                lines.append(f"{seconds:9.3f} {rate:8.0f} {calls:6d}  {name} {a} x {b}")
+        return "\n".join(lines)
 
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.steps += 1
-            if self.steps == 2:
-                self.mode = Timed()
-                self.mode.__enter__()
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if self.mode is None:
-                return
-            self.mode.__exit__(None, None, None)
-            ops, prods = self.mode.ops, self.mode.products
-            total = sum(s for _, s in ops.values())
-            lines = [f"operators over {self.steps - 1} step(s): {total:.3f} s in {sum(c for c, _ in ops.values())} calls",
-                     f"{'seconds':>9} {'share':>6} {'calls':>7}  operator"]
-            for name, (calls, seconds) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:rows]:
-                lines.append(f"{seconds:9.3f} {seconds / total:6.1%} {calls:7d}  {name}")
-            p_seconds, p_flops = sum(r[1] for r in prods.values()), sum(r[2] for r in prods.values())
-            if p_seconds > 0:
-                lines.append(f"matrix products: {p_seconds:.3f} s, {p_flops / 1e9:.4g} GFLOP, "
-                             f"{p_flops / p_seconds / 1e9:.0f} GFLOP/s")
-                lines.append(f"{'seconds':>9} {'GFLOP/s':>8} {'calls':>6}  operator (operand shapes)")
-                for (name, a, b), (calls, seconds, flops) in sorted(prods.items(), key=lambda kv: -kv[1][1])[:rows]:
-                    rate = flops / seconds / 1e9 if seconds > 0 else float("nan")
-                    lines.append(f"{seconds:9.3f} {rate:8.0f} {calls:6d}  {name} {a} x {b}")
-            self.table = "\n".join(lines)
-
-    return OpTimes()
+    return after_first_step(Timed, summarise)
 
 
 def rss_mib() -> float:

@@ -131,7 +131,7 @@ def test_op_times_cover_the_steps_after_the_first_and_count_product_flops():
     timed.on_step_begin(None, None, None)
     torch.mm(a, b)
     timed.on_train_end(None, None, None)
-    ops, products = timed.mode.ops, timed.mode.products
+    ops, products = timed.context.ops, timed.context.products
     assert "aten._softmax.default" not in ops
     assert products["aten.mm.default", (8, 16), (16, 4)][:1] == [2]  # two calls, one per timed step
     assert products["aten.mm.default", (8, 16), (16, 4)][2] == 2 * (2 * 8 * 16 * 4)
