@@ -233,23 +233,18 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
 
 
 def matmul_peak(threads: int, size: int = 2048, repeats: int = 8) -> float:
-    """fp32 GFLOP/s of the best of `repeats` size^3 products on `threads` threads, the faster of PyTorch's two
-    float32 matmul libraries: its sgemm (torch.mm) and oneDNN (where the build has it)."""
+    """fp32 GFLOP/s of the best of `repeats` size^3 products on `threads` threads, in the faster of PyTorch's two
+    float32 matmul libraries, as `step_floor.py` times its products (its sgemm, torch.mm, and oneDNN)."""
     import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # step_floor.py is this script's neighbour
+        sys.path.insert(0, here)
+    from step_floor import product_time
 
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
-    products = [lambda: torch.mm(a, b)]
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
-    best = float("inf")
-    for product in products:
-        product()
-        for _ in range(repeats):
-            start = time.perf_counter()
-            product()
-            best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+    return 2 * size**3 / product_time(a, b, repeats) / 1e9
 
 
 # ---------------------------------------------------------------- running and summarising

@@ -104,6 +104,11 @@ def test_memory_breakdown_finds_the_tensors_live_at_their_peak():
     assert sum(m["by_category_mib"].values()) == pytest.approx(m["peak_tensor_mib"])
 
 
+def test_matmul_peak_times_products_as_step_floor_does():
+    peak = vs_trl.matmul_peak(1, size=64, repeats=2)  # GFLOP/s of a 64^3 product: positive and finite
+    assert 0 < peak < float("inf")
+
+
 def test_time_profile_covers_the_steps_after_the_first():
     timed = vs_trl_worker.make_time_profile()
     a = torch.randn(64, 64)
