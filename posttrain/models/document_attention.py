@@ -59,10 +59,9 @@ def document_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     rows = [t.unbind(0) if B > 1 else (t.squeeze(0),) for t in (query, key, value)]
     parts = []
     for r in range(B):
-        a = 0
+        a, m = 0, 0 if attention_mask is None or attention_mask.shape[0] == 1 else r  # a batch-1 mask serves every row
         for q, k, v in zip(*(row[r].split(lengths[r], dim=1) for row in rows)):
             b = a + q.shape[1]
-            m = 0 if attention_mask is None or attention_mask.shape[0] == 1 else r  # a batch-1 mask serves every row
             mask = None if attention_mask is None else attention_mask[m:m + 1, :, a:b, a:b]
             if mask is not None and _is_causal(mask):
                 mask = None
