@@ -114,3 +114,51 @@ def test_trainer_makes_the_adam_state_when_it_keeps_freed_memory(tmp_path, keep)
     assert bool(optimizer.state) == keep
     if keep:
         assert all(float(s["step"]) == 0 for s in optimizer.state.values())
+
+
+def _in_file_mappings(tensors) -> list[bool]:
+    """Whether each tensor's first byte lies in a mapping of a file (/proc/self/maps)."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return [any(s <= t.data_ptr() < e for s, e in ranges) for t in tensors]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_file_backed_parameters_are_copied_once_keeping_identity_values_and_ties(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.memory import own_file_backed
+    from posttrain.models.tiny import tiny_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path("tiny-qwen2"))
+    params = list(model.parameters())
+    assert all(_in_file_mappings(params))  # safetensors maps the checkpoint: what the copy is for
+    shared = torch.nn.Parameter(params[1].data[:2])  # a second parameter viewing another's storage
+    before = [p.detach().clone() for p in params]
+    ids = [id(p) for p in params]
+    assert own_file_backed(params + [shared, params[0]]) == len(params) + 1  # params[0] twice: copied once
+    assert not any(_in_file_mappings(params + [shared]))
+    assert [id(p) for p in model.parameters()] == ids
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert shared.untyped_storage().data_ptr() == params[1].untyped_storage().data_ptr()  # still one storage
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied as before
+    assert own_file_backed(params) == 0  # in the process's memory now: nothing to do
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_trainer_copies_its_trained_weights_out_of_the_checkpoint_file(tmp_path):
+    from datasets import Dataset
+
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, disable_tqdm=True, use_cpu=True, report_to="none",
+                     keep_freed_memory=False)
+    trainer = SFTTrainer("posttrain/tiny-qwen2", args=args, train_dataset=Dataset.from_list([{"text": "a b c"}] * 4))
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert any(_in_file_mappings(trained))
+    trainer.create_optimizer()
+    assert not any(_in_file_mappings(trained))

@@ -33,7 +33,7 @@ from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, enable_full_deter
                                         set_seed)
 
 from posttrain.callbacks import SyncRefModelCallback
-from posttrain.memory import keep_freed_memory, make_adam_state
+from posttrain.memory import keep_freed_memory, make_adam_state, own_file_backed
 from posttrain.models import lean, loading
 
 logger = logging.getLogger(__name__)
@@ -349,6 +349,7 @@ class BaseTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
+        own_file_backed(p for group in optimizer.param_groups for p in group["params"])  # before the first write
         if self._heap_kept:
             make_adam_state(optimizer)
         return optimizer
