@@ -1,12 +1,12 @@
 """Process memory habits for training on CPU: glibc's allocator, trained weights in the process's own
 memory, and Adam's state made up front.
 
-None is trainer logic; `BaseTrainer` owns the trained weights always and applies the other two when
-`keep_freed_memory` is set (the default on CPU). `keep_freed_memory()` changes malloc for the whole process (the user's code included, for
-the rest of its life), so it can be turned off two ways: the config field (`keep_freed_memory=False`,
-CLI `--keep_freed_memory false`) or, for every trainer of a process without touching code,
-`POSTTRAIN_KEEP_FREED_MEMORY=0` in the environment. benchmarks/README.md has what it was measured to
-save.
+None is trainer logic; `BaseTrainer` copies the trained weights always and applies the other two
+when `keep_freed_memory` is set (the default on CPU). `keep_freed_memory()` changes malloc for the
+whole process (the user's code included, for the rest of its life), so it can be turned off two
+ways: the config field (`keep_freed_memory=False`, CLI `--keep_freed_memory false`) or, for every
+trainer of a process without touching code, `POSTTRAIN_KEEP_FREED_MEMORY=0` in the environment.
+benchmarks/README.md has what each was measured to save.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def own_file_backed(params) -> int:
     are the file's until the first write to each page copies it (a copy-on-write fault per 4 KiB page).
     The optimizer's first step writes every trained parameter, so a training run would pay one such
     fault per page there: 139k faults for SmolLM2-135M, 1.3-3 s on a 2-core EPYC. One copy of each
-    parameter first costs about 0.4 s and lets the mapping go once no tensor uses it. A parameter keeps
+    parameter first costs 0.25-0.4 s and lets the mapping go once no tensor uses it. A parameter keeps
     its identity (the optimizer and tied weights still refer to it): its storage is copied, once for
     all the parameters that share it, and each is set to the same view of the copy.
     """

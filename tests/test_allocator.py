@@ -128,7 +128,7 @@ def _in_file_mappings(tensors) -> list[bool]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
-def test_file_backed_parameters_are_copied_once_keeping_identity_values_and_ties(tmp_path):
+def test_file_backed_parameters_are_copied_once_keeping_identity_values_and_ties():
     from transformers import AutoModelForCausalLM
 
     from posttrain.memory import own_file_backed
