@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.masked import shared_prefix_attention_mask
-from posttrain.models import document_attention
+from posttrain.models import document_attention, products
 from posttrain.models.modes import eval_mode
 
 CHUNK_ROWS = 1024  # rows of (V,) logits processed at once; bounds the temporary to CHUNK_ROWS * V floats
@@ -158,7 +158,7 @@ def plain_lm_head(model, input_ids: Tensor):
     config = getattr(model, "config", None)
     # A DeepSpeed ZeRO-3 weight (ds_id) lives only inside the module's own forward: outside it, it is
     # shape (0,), or still full when a generation or check happened to leave it gathered -- never plain.
-    plain = type(head) is torch.nn.Linear and head.bias is None and head.weight.dim() == 2 and not hasattr(
+    plain = products.is_linear(head) and head.bias is None and head.weight.dim() == 2 and not hasattr(
         head.weight, "ds_id") and all(
         getattr(config, k, None) in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
     if plain:
@@ -196,7 +196,7 @@ def _linear_selective_log_softmax(hidden, weight, index, chunk, stats, keep):
     top = total = spread = argmax = None  # running max, sum exp(x - top), sum exp(x - top) * (x - top), argmax
     for lo in range(0, V, chunk):
         hi = min(lo + chunk, V)
-        block = torch.mm(h, weight.detach()[lo:hi].to(dtype).t())  # (N, hi - lo) logits
+        block = products.mm(h, weight.detach()[lo:hi].to(dtype).t())  # (N, hi - lo) logits
         if keep:
             blocks.append(block)
         x = block if block.dtype == acc else block.to(acc)
@@ -258,7 +258,7 @@ class _LinearSelectiveLogSoftmax(torch.autograd.Function):
         for k, lo in enumerate(range(0, weight.shape[0], ctx.chunk)):
             hi = min(lo + ctx.chunk, weight.shape[0])
             # the forward's logits, or the forward's product again
-            block = blocks[k] if blocks else torch.mm(h, weight.detach()[lo:hi].to(dtype).t())
+            block = blocks[k] if blocks else products.mm(h, weight.detach()[lo:hi].to(dtype).t())
             if buffer is None or buffer.shape != block.shape:
                 buffer = torch.empty(block.shape, dtype=lse.dtype, device=block.device)
             # d logp[i] / d logits[j] = 1[j == index] - softmax[j], times the incoming gradient
@@ -273,14 +273,14 @@ class _LinearSelectiveLogSoftmax(torch.autograd.Function):
             w = weight[lo:hi].to(dtype)
             if want_hidden:
                 if part.dtype == grad_hidden.dtype:
-                    grad_hidden.addmm_(part, w)
+                    products.addmm_(grad_hidden, part, w)
                 else:
-                    grad_hidden += torch.mm(part, w)
+                    grad_hidden += products.mm(part, w)
             if want_weight:
                 if grad_weight.dtype == dtype:
-                    torch.mm(part.t(), h, out=grad_weight[lo:hi])
+                    products.mm_into(grad_weight[lo:hi], part.t(), h)
                 else:
-                    grad_weight[lo:hi] = torch.mm(part.t(), h)
+                    grad_weight[lo:hi] = products.mm(part.t(), h)
         if want_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype).view(hidden.shape)
         return grad_hidden, grad_weight, None, None, None

@@ -41,6 +41,7 @@ import functools
 import torch
 from torch import Tensor
 
+from posttrain.models import products
 from posttrain.rollout import few_rows
 from posttrain.rollout.backends import ModelForward, roomy_layer_class
 from posttrain.rollout.few_rows import few_rows_linear
@@ -148,7 +149,7 @@ def lean_decoder(model) -> LeanDecoder | None:
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return None
     linears = [model.lm_head] + [m for layer in layer_linears(model) for m in layer]
-    if not all(type(m) is torch.nn.Linear for m in linears):
+    if not all(products.is_linear(m) for m in linears):
         return None
     # the step reads weights outside any forward: sharded ones (FSDP, ZeRO-3) are never whole there
     if not all(few_rows.whole(p) for p in model.parameters()):
@@ -317,9 +318,9 @@ def _detach(t):
 def _head_forward(head: torch.nn.Linear, x: Tensor) -> Tensor:
     weight, bias = head.weight, head.bias  # looked up per call: FSDP gathers the weight only within a forward
     if not few_rows.whole(weight, (weight.shape[0], x.shape[-1])):
-        return torch.nn.functional.linear(x, weight, bias)
+        return products.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.mm(weight, flat.t()).t().contiguous()  # (W x^T)^T: MKL splits the vocabulary rows over threads
+    out = products.mm(weight, flat.t()).t().contiguous()  # (W x^T)^T: MKL splits the vocabulary rows over threads
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -332,7 +333,7 @@ def transposed_head(model):
     a transformer layer's small matrices x W^T stays the faster order; figures in benchmarks/README.md).
     Same values up to float rounding. No-grad decoding only; any other head is left alone."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not (type(head) is torch.nn.Linear and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
+    if not (products.is_linear(head) and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
             and "forward" not in head.__dict__ and not torch.is_autocast_enabled("cpu")):
         yield False
         return

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from posttrain.models import products
+
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 MAX_ROWS = 16  # beyond this PyTorch's GEMM is about as fast (benchmarks/README.md)
@@ -127,7 +129,7 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     otherwise through `F.linear`."""
     fn = few_rows_kernel()
     if fn is None or not _usable(x, weight, bias):
-        return torch.nn.functional.linear(x, weight, bias)
+        return products.linear(x, weight, bias)
     K, N = x.shape[-1], weight.shape[0]
     flat = x.reshape(-1, K)
     if flat.stride(-1) != 1:
@@ -151,7 +153,7 @@ def few_rows_linears(model):
     Yields whether the kernel is in use. For no-grad decoding (the products keep no autograd graph);
     a module whose forward is already replaced is left alone, and forward hooks still run. A weight that
     is not `whole` when the layer runs (sharded, non-contiguous, of another shape) goes through `F.linear`."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
+    linears = [m for m in model.modules() if products.is_linear(m) and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
     if not linears or not available() or torch.is_autocast_enabled("cpu"):
         yield False

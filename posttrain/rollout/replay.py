@@ -36,6 +36,7 @@ import functools
 import torch
 from torch import Tensor
 
+from posttrain.models import products
 from posttrain.rollout import few_rows
 
 
@@ -155,8 +156,8 @@ class _KnownLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         want_x, want_w, want_b = ctx.needs_input_grad[:3]
         flat = grad.reshape(-1, grad.shape[-1])
-        grad_x = torch.matmul(grad, weight.to(grad.dtype)).to(x.dtype) if want_x else None
-        grad_w = torch.mm(flat.t(), x.reshape(-1, x.shape[-1]).to(flat.dtype)).to(weight.dtype) if want_w else None
+        grad_x = products.mm(flat, weight.to(grad.dtype)).view(*grad.shape[:-1], -1).to(x.dtype) if want_x else None
+        grad_w = products.mm(flat.t(), x.reshape(-1, x.shape[-1]).to(flat.dtype)).to(weight.dtype) if want_w else None
         grad_b = flat.sum(0) if ctx.has_bias and want_b else None
         return grad_x, grad_w, grad_b, None
 
@@ -170,7 +171,7 @@ def _known_forward(record: LinearRecord, kind: int, layer: int, layout: Tensor, 
     if not (few_rows.whole(weight, (width, x.shape[-1])) and (bias is None or few_rows.whole(bias, (width,)))):
         # a sharded, non-contiguous or resized weight: its gradient would not be the plain product
         # _KnownLinear computes, so compute the layer as usual
-        y = torch.nn.functional.linear(x, weight, bias)
+        y = products.linear(x, weight, bias)
     else:
         y = _KnownLinear.apply(x, weight, bias, record.output(kind, layer, layout))
     if left is not None:  # the record's last use: the layer goes once all its modules have been read

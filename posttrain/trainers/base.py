@@ -34,7 +34,7 @@ from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, enable_full_deter
 
 from posttrain.callbacks import SyncRefModelCallback
 from posttrain.memory import keep_freed_memory, make_adam_state, own_file_backed
-from posttrain.models import lean, loading
+from posttrain.models import lean, loading, products
 
 logger = logging.getLogger(__name__)
 
@@ -335,6 +335,10 @@ class BaseTrainer(Trainer):
             lean.make_lean(model)  # every trained module (a PPO critic's too); frozen copies made later inherit it
         else:
             lean.undo_lean(model)
+        if args.torch_compile:
+            products.disable(model)
+        else:  # float32 CPU products through oneDNN where MKL's sgemm runs narrower (products.backend())
+            products.enable(model)
         self.model_name = model_name
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
@@ -502,6 +506,8 @@ class BaseTrainer(Trainer):
         else:
             ref_model = loading.load_causal_lm(ref_model, **(self.args.model_init_kwargs or {}))
             ref_model.requires_grad_(False).eval()
+            if not self.args.torch_compile:
+                products.enable(ref_model)
         return loading.prepare_frozen(self.accelerator, ref_model)  # sharded like the policy under ZeRO-3 and FSDP2
 
     def reference_context(self, ref_model):

@@ -64,6 +64,7 @@ def main(out_path: str, per_device_batch: int, kind: str, weights_path: str):
     generate_module.replaying = lambda *a: replayed.append(1) or real(*a)
     args = GRPOConfig(output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch, num_generations=4,
                       max_completion_length=48, max_tool_calling_iterations=2, learning_rate=1e-2, max_steps=1,
+                      optim="sgd",
                       logging_steps=1, beta=0.1, shuffle_dataset=False, report_to="none", disable_tqdm=True,
                       use_cpu=True, ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
                       save_strategy="no")
@@ -77,10 +78,14 @@ def main(out_path: str, per_device_batch: int, kind: str, weights_path: str):
                                    "secret": 1, "low": 1, "high": high} for high in [1, 2] * 4])
         extra = {"environment_factory": GuessNumberEnv}
     trainer = PerPromptSeededGRPO(model, episode_reward, args=args, train_dataset=data, **extra)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     trainer.train()
     if trainer.accelerator.is_main_process:
         log = trainer.state.log_history[0]
-        weights = {n: p.detach().double().sum().item() for n, p in trainer.policy.named_parameters()}
+        # each parameter's update (SGD: the learning rate times the gradient, averaged over all episodes):
+        # its sum and its L1 norm
+        updates = {n: (p.detach() - before[n]).double() for n, p in trainer.policy.named_parameters()}
+        weights = {n: [u.sum().item(), u.abs().sum().item()] for n, u in updates.items()}
         with open(out_path, "w") as f:
             json.dump({"loss": log["loss"], "reward": log["reward"], "reward_std": log["reward_std"],
                        "calls": log["tools/calls_per_completion"], "turns": log["tools/turns_per_episode"],

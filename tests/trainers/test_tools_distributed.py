@@ -45,5 +45,12 @@ def test_two_processes_match_one_with_tools(tmp_path, caller_weights, kind):
     assert (b["calls"], b["turns"]) == pytest.approx((a["calls"], a["turns"]), abs=1e-6)
     assert (b["reward"], b["reward_std"]) == pytest.approx((a["reward"], a["reward_std"]), abs=1e-6)
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
-    for name, value in a["weights"].items():
-        assert b["weights"][name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
+    # the same update of every parameter: plain SGD, so the update is the learning rate times the gradient
+    # averaged over all 8 episodes (Adam's first step, lr * sign(gradient), would turn float32 rounding in
+    # near-zero gradients into whole steps and hide a wrongly scaled gradient); within float32 rounding of
+    # the gradient's terms, summed in another order over two processes
+    assert all(norm > 0 for _, norm in a["weights"].values())  # every parameter moved
+    for name, (total, norm) in a["weights"].items():
+        other_total, other_norm = b["weights"][name]
+        assert other_norm == pytest.approx(norm, rel=1e-5), name
+        assert abs(other_total - total) <= 1e-5 * norm, name
