@@ -24,8 +24,8 @@ tokens/s counts real (non-padding) tokens trained on per second of step time (fo
 backward, optimizer step; the batch is fetched before the clock starts), median over the
 measured steps (and over --repeat runs). tok/CPU-s divides by this process's CPU time instead of wall time: with
 --threads 1 it is immune to other processes competing for the cores, so use it on a shared
-machine. Peak memory is the process's peak resident set size from
-`resource.getrusage(RUSAGE_SELF).ru_maxrss` (weights, gradients, AdamW state, activations);
+machine. Peak memory is the process's peak resident set size, VmHWM in /proc/self/status (weights,
+gradients, AdamW state, activations; not ru_maxrss, which a child inherits from its parent over exec);
 "train +" is that peak minus the resident size just before training.
 """
 
@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -165,7 +164,7 @@ def child(spec: dict) -> dict:
 
     rss_before = rss_mib()
     trainer.train()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
     w = spec["warmup"]
     steps, cpu, tokens = marks["step"][w:], marks["cpu"][w:], counts[w:w + spec["steps"]]
     return {

@@ -33,8 +33,8 @@ TRL 1.16 no longer ships PPO and BCO: their TRL side is TRL 1.12.0's trl.experim
 Measured (see benchmarks/README.md): per step, the wall time from the previous step's end to this
 step's end (the first step's from the start of training), taken by the same TrainerCallback in both
 processes; steady items/s is the median over the steps after the first; whole-run items/s divides
-all items by the wall time of `trainer.train()` (warm-up included). Peak RSS is the worker's
-`resource.getrusage(RUSAGE_SELF).ru_maxrss`. The fp32 matmul peak is the best time of a
+all items by the wall time of `trainer.train()` (warm-up included). Peak RSS is the worker's own
+VmHWM (/proc/self/status; getrusage's ru_maxrss would carry this script's own peak over into the worker). The fp32 matmul peak is the best time of a
 2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs.
 
 --allocator-off-too adds a third column to every round: posttrain again with

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import importlib
 import json
-import resource
 import sys
 import time
 
-from vs_trl_worker import _posttrain_version, check_no_peer_imported, make_step_clock, precision, rss_mib
+from vs_trl_worker import _posttrain_version, check_no_peer_imported, make_step_clock, peak_rss_mib, precision, rss_mib
 
 PAD = "<|endoftext|>"  # PPO's pad token: see the module docstring
 
@@ -173,7 +172,7 @@ def main():
         "train_begin": clock.train_begin - start if clock.train_begin else None,
         "step_end": [t - start for t in ends], "step_cpu_end": cpu_ends, "optimizer_steps_per_step": k,
         "train_seconds": train_seconds, "sft_tokens": [], "samples": samples, "logs": logs,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_train_mib": rss_before,
+        "peak_rss_mib": peak_rss_mib(), "rss_before_train_mib": rss_before,
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
         "dtype": str(next(model.parameters()).dtype),
         "precision": precision(args, model),

@@ -34,13 +34,12 @@ import hashlib
 import importlib
 import json
 import operator
-import resource
 import sys
 import time
 from pathlib import Path
 
-from vs_trl_worker import (_posttrain_version, check_no_peer_imported, make_step_clock, precision, rss_mib,
-                           trainer_classes)
+from vs_trl_worker import (_posttrain_version, check_no_peer_imported, make_step_clock, peak_rss_mib, precision,
+                           rss_mib, trainer_classes)
 
 # (prompt, the three expressions): one tool call per expression, then the three results
 TASKS = [("Use the calculator, one call at a time, for 123 * 456, then 789 * 12, then 345 * 67. "
@@ -248,7 +247,7 @@ def main():
         "step_cpu_end": clock.cpu_end, "train_seconds": train_seconds, "sft_tokens": [],
         "samples": per_step(samples, steps), "tool_calls": per_step(tool_calls, steps),
         "prefill_tokens": per_step(prefill, steps), "completion_tokens": [], "logs": clock.logs,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_train_mib": rss_before,
+        "peak_rss_mib": peak_rss_mib(), "rss_before_train_mib": rss_before,
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
         "dtype": str(next(trainer.model.parameters()).dtype),
         "precision": precision(args, trainer.model),

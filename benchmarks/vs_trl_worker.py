@@ -160,6 +160,17 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def peak_rss_mib() -> float:
+    """This process's own peak RSS: VmHWM, the high-water mark of its address space. Not getrusage's
+    ru_maxrss, which Linux carries over exec from the parent's address space (a vfork-ed child execs from
+    the parent's): a worker started by vs_trl.py would report at least vs_trl.py's own peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def memory_breakdown(prof, largest: int = 10) -> dict:
     """What the CPU tensors held at the moment their total peaked, from torch's memory profiler.
 
@@ -266,7 +277,7 @@ def main():
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the breakdown's own memory
+    peak_rss = peak_rss_mib()  # before the breakdown's own memory
     if profiler is not None:
         profiler.__exit__(None, None, None)
         breakdown = memory_breakdown(profiler)
