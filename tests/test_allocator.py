@@ -162,3 +162,32 @@ def test_trainer_copies_its_trained_weights_out_of_the_checkpoint_file(tmp_path)
     assert any(_in_file_mappings(trained))
     trainer.create_optimizer()
     assert not any(_in_file_mappings(trained))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_frozen_copy_takes_over_the_file_mapping():
+    """frozen_copy: the reference keeps the checkpoint's pages, the trained model takes the deep copy's."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.memory import own_file_backed
+    from posttrain.models.loading import frozen_copy
+    from posttrain.models.tiny import tiny_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path("tiny-qwen2"))
+    params = list(model.parameters())
+    ids, before = [id(p) for p in params], [p.detach().clone() for p in params]
+    assert all(_in_file_mappings(params))
+    ref = frozen_copy(model)
+    assert not any(_in_file_mappings(params))  # the model's weights are the process's own now
+    assert all(_in_file_mappings(list(ref.parameters())))  # the frozen copy reads the file's pages
+    assert [id(p) for p in model.parameters()] == ids and all(p.requires_grad for p in params)
+    assert not any(p.requires_grad for p in ref.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(torch.equal(a, b) for a, b in zip(before, ref.parameters()))
+    for m in (model, ref):
+        assert m.get_input_embeddings().weight is m.get_output_embeddings().weight  # tied as before
+    assert model.get_input_embeddings().weight is not ref.get_input_embeddings().weight
+    assert own_file_backed(params) == 0  # nothing left for the optimizer's copy
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(ref(tokens).logits, model(tokens).logits, rtol=0, atol=0)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from posttrain.cache import build_in, cache_dir
+from posttrain.memory import hand_over_file_backed
 from posttrain.models import tiny
 
 BUILTIN_PREFIX = "posttrain/"
@@ -283,6 +284,7 @@ def frozen_copy(model):
             ref.generation_config = copy.deepcopy(model.generation_config)
     else:
         ref = copy.deepcopy(model)
+        hand_over_file_backed(model, ref)  # the copy keeps the checkpoint's mapping; the model takes the copy
     ref.requires_grad_(False)
     return ref.eval()
 
