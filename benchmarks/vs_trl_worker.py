@@ -116,6 +116,8 @@ def make_op_times(rows: int = 25):
     products = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
                 torch.ops.aten.addmm_.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
 
+    onednn_linear = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
+
     class Timed(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -128,8 +130,13 @@ def make_op_times(rows: int = 25):
             name = str(func)
             calls = self.ops.setdefault(name, [0, 0.0])
             calls[0], calls[1] = calls[0] + 1, calls[1] + seconds
+            operands = None
             if func in products:  # the operands are the last two tensor arguments
-                a, b = [x for x in args if isinstance(x, torch.Tensor)][-2:]
+                operands = [x for x in args if isinstance(x, torch.Tensor)][-2:]
+            elif func is onednn_linear:  # posttrain's products on non-Intel CPUs: x (..., K) by W^T, W (N, K)
+                operands = args[0], args[1].t()
+            if operands is not None:
+                a, b = operands
                 key = (name, tuple(a.shape), tuple(b.shape))
                 row = self.products.setdefault(key, [0, 0.0, 0])
                 row[0], row[1], row[2] = row[0] + 1, row[1] + seconds, row[2] + product_flops(a, b)
