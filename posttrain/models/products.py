@@ -13,8 +13,8 @@ Intel's when the build has both MKL and oneDNN, else "torch" (PyTorch's own choi
 environment variable POSTTRAIN_CPU_MATMUL=onednn or =torch sets it; POSTTRAIN_NO_KERNELS=1 means "torch".
 The choice is a rule, not a timing, so a run and its resumption make the same one and compute the same
 numbers: oneDNN's products are deterministic for a given thread count, and a row's result does not depend
-on the other rows of a product of two rows or more (tested; sgemm's does below 12 rows), but they are not
-bit for bit sgemm's (another summation order, the same float32 accuracy).
+on the other rows of a product of two rows or more (tested; sgemm's changes below 12 rows, measured), but
+they are not bit for bit sgemm's (another summation order, the same float32 accuracy).
 
 `enable(model)` gives every `nn.Linear` of a model the class `Linear` (a subclass whose forward runs
 `linear`), in place, when the backend is oneDNN. `linear(x, weight, bias)` is `F.linear` with its
