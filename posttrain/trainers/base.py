@@ -68,8 +68,9 @@ class BaseConfig(TrainingArguments):
         metadata={"help": "Training on CPU under glibc (Linux): keep freed memory in the process heap (mallopt: "
                           "no mmap for large blocks, no trimming), so each step's large tensors reuse memory "
                           "instead of faulting in fresh pages from the OS; the backward pass runs ~9% faster. "
-                          "An Adam/AdamW optimizer's state is then made at trainer creation, below the steps' "
-                          "memory (same values as made lazily), so the second step does not fault in new pages. "
+                          "An Adam/AdamW optimizer's state is then made with the optimizer, before the first step "
+                          "and below the steps' memory (same values as made lazily), so the second step does not "
+                          "fault in new pages. "
                           "The process keeps its peak memory reserved, as a GPU caching allocator does. False "
                           "(or POSTTRAIN_KEEP_FREED_MEMORY=0 in the environment) leaves the C allocator untouched."})
     lean_activations: bool = field(

@@ -48,9 +48,10 @@ def test_two_processes_match_one_with_tools(tmp_path, caller_weights, kind):
     # the same update of every parameter: plain SGD, so the update is the learning rate times the gradient
     # averaged over all 8 episodes (Adam's first step, lr * sign(gradient), would turn float32 rounding in
     # near-zero gradients into whole steps and hide a wrongly scaled gradient); within float32 rounding of
-    # the gradient's terms, summed in another order over two processes
+    # the gradient's terms, summed in another order over two processes (measured: at most 1.8e-5 of an
+    # update with MKL's products, 6.4e-7 with oneDNN's; a norm weight's gradient sums terms of both signs)
     assert all(norm > 0 for _, norm in a["weights"].values())  # every parameter moved
     for name, (total, norm) in a["weights"].items():
         other_total, other_norm = b["weights"][name]
-        assert other_norm == pytest.approx(norm, rel=1e-5), name
-        assert abs(other_total - total) <= 1e-5 * norm, name
+        assert other_norm == pytest.approx(norm, rel=1e-4), name
+        assert abs(other_total - total) <= 1e-4 * norm, name
