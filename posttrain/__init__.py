@@ -27,6 +27,22 @@ _EXPORTS = {
     "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
+    # TRL's helper names (trl.data_utils, trl.chat_template_utils, trl.rewards, callbacks, collators)
+    **{name: "posttrain.data.utils" for name in (
+        "apply_chat_template", "maybe_apply_chat_template", "extract_prompt", "maybe_extract_prompt",
+        "unpair_preference_dataset", "maybe_unpair_preference_dataset", "is_conversational",
+        "is_conversational_from_value", "maybe_convert_to_chatml", "pack_dataset", "truncate_dataset")},
+    **{name: "posttrain.chat_templates" for name in (
+        "clone_chat_template", "get_training_chat_template", "add_response_schema", "supports_tool_calling")},
+    **{name: "posttrain.rewards" for name in (
+        "accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_cosine_scaled_reward",
+        "get_repetition_penalty_reward", "get_soft_overlong_punishment")},
+    **{name: "posttrain.training_callbacks" for name in (
+        "LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCallback", "BEMACallback",
+        "MergeModelCallback", "MergeConfig", "WeaveCallback")},
+    "create_reference_model": "posttrain.models.reference",
+    **{name: "posttrain.data.collators" for name in (
+        "DataCollatorForLanguageModeling", "DataCollatorForPreference", "DataCollatorForUnpairedPreference")},
 }
 
 __all__ = sorted(_EXPORTS)
