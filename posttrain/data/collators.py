@@ -84,9 +84,10 @@ class DataCollatorForLanguageModeling(DataCollatorMixin):
         for row, example in enumerate(examples):
             for key in masks:
                 labels[row] = [t if m else IGNORE_INDEX for t, m in zip(labels[row], example[key])]
-            # a packed sequence is not predicted from the one before it
-            labels[row] = [IGNORE_INDEX if (p == 0 and j) else t for j, (t, p) in enumerate(zip(labels[row],
-                                                                                              positions[row]))]
+            # a sequence that follows another in its row (packed, or flattened) is not predicted from it
+            first = 0 if self.padding_free and row else 1
+            labels[row] = [IGNORE_INDEX if p == 0 and j >= first else t
+                           for j, (t, p) in enumerate(zip(labels[row], positions[row]))]
         packed = self.padding_free and self.return_position_ids and "seq_lengths" in examples[0]
         if self.padding_free:
             flat = lambda rows: torch.tensor([[t for r in rows for t in r]], dtype=torch.long)  # noqa: E731
