@@ -43,14 +43,20 @@ logger = logging.getLogger(__name__)
 
 
 def _eval_prompts(trainer, num_prompts: int | None, who: str) -> list:
+    """The eval dataset's prompts: its "prompt" column, or, where the trainer has tokenised it (posttrain's
+    preference trainers keep `prompt_ids` only), those ids decoded back to text."""
     dataset = getattr(trainer, "eval_dataset", None)
     if dataset is None:
         raise ValueError(f"Trainer must have an evaluation dataset to use the {who}.")
-    if "prompt" not in (getattr(dataset, "column_names", None) or ()):
-        raise ValueError(f"{who} reads the 'prompt' column of trainer.eval_dataset, which has the columns "
-                         f"{getattr(dataset, 'column_names', None)}")
-    prompts = list(dataset["prompt"])
-    return prompts if num_prompts is None else prompts[:num_prompts]
+    columns = getattr(dataset, "column_names", None) or ()
+    rows = range(len(dataset) if num_prompts is None else min(num_prompts, len(dataset)))
+    if "prompt" in columns:
+        return [dataset[i]["prompt"] for i in rows]
+    ids = next((c for c in ("prompt_ids", "prompt_input_ids") if c in columns), None)
+    if ids is None:
+        raise ValueError(f"{who} reads the 'prompt' (or 'prompt_ids') column of trainer.eval_dataset, which has the "
+                         f"columns {list(columns)}")
+    return [trainer.processing_class.decode(dataset[i][ids]) for i in rows]
 
 
 def _generate(trainer, prompts: list, generation_config, batch_size: int) -> list[str]:
@@ -289,8 +295,12 @@ class MergeModelCallback(TrainerCallback):
         target = load_causal_lm(cfg.target_model_path).state_dict()
         merged = copy.deepcopy(model).to("cpu")
         dtype = getattr(torch, cfg.dtype)
+        done = set()  # tied weights (embeddings and output layer) share storage: merge it once
         with torch.no_grad():
             for name, tensor in merged.state_dict().items():
+                if tensor.data_ptr() in done:
+                    continue
+                done.add(tensor.data_ptr())
                 if name not in target or target[name].shape != tensor.shape:
                     raise ValueError(f"cannot merge with {cfg.target_model_path!r}: its weight {name!r} is "
                                      f"{'missing' if name not in target else tuple(target[name].shape)}, the "

@@ -34,7 +34,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 or tensor.numel() * tensor.element_size() < self.min_bytes:
             return tensor
         pinned = not on_cpu and torch.cuda.is_available()
-        copy = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, device="cpu", pin_memory=pinned)
+        copy = torch.empty_like(tensor, device="cpu", pin_memory=pinned)  # same strides: same backward kernels
         copy.copy_(tensor, non_blocking=pinned)
         self.offloaded += 1
         return tensor.device, copy
