@@ -39,7 +39,7 @@ _EXPORTS = {
         "get_repetition_penalty_reward", "get_soft_overlong_punishment")},
     **{name: "posttrain.training_callbacks" for name in (
         "LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCallback", "BEMACallback",
-        "MergeModelCallback", "MergeConfig", "WeaveCallback")},
+        "MergeModelCallback", "WeaveCallback")},
     "create_reference_model": "posttrain.models.reference",
     **{name: "posttrain.data.collators" for name in (
         "DataCollatorForLanguageModeling", "DataCollatorForPreference", "DataCollatorForUnpairedPreference")},
