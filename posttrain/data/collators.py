@@ -56,13 +56,14 @@ def _positions(example: dict, length: int) -> list[int]:
 
 @dataclass
 class DataCollatorForLanguageModeling(DataCollatorMixin):
-    """Rows {"input_ids", optional "labels", "completion_mask", "assistant_masks", "seq_lengths"} -> a batch.
+    """Rows {"input_ids", optional "labels", "completion_mask", "assistant_masks", "seq_lengths"} -> a batch
+    (posttrain's SFT rows, with "loss_mask", work too: it is the data_collator SFTTrainer can be given).
 
     Output: input_ids (pad_token_id-padded), attention_mask (absent when padding-free rows are packed with
     seq_lengths, so attention stays within each sequence), position_ids (restarting per packed sequence; with
     return_position_ids), labels (the row's labels or its input_ids; -100 on padding, outside the completion
     when completion_only_loss and a completion_mask is given, outside assistant turns when assistant_masks is
-    given, and on every packed sequence's first token but the row's first).
+    given or where a "loss_mask" is 0, and on every packed sequence's first token but the row's first).
 
     padding_free: the whole batch becomes one row of shape (1, N) with no padding. pad_to_multiple_of: pad
     the padded layout's width to a multiple of this. return_tensors: only "pt".
@@ -79,7 +80,8 @@ class DataCollatorForLanguageModeling(DataCollatorMixin):
         ids = [list(_first(e, "input_ids")) for e in examples]
         labels = [list(e["labels"]) if "labels" in e else list(s) for e, s in zip(examples, ids)]
         positions = [_positions(e, len(s)) for e, s in zip(examples, ids)]
-        masks = [k for k in ("completion_mask", "assistant_masks")
+        # loss_mask: rows that posttrain's SFTTrainer prepared, whose masks are decided already
+        masks = [k for k in ("completion_mask", "assistant_masks", "loss_mask")
                  if k in examples[0] and (k != "completion_mask" or self.completion_only_loss)]
         for row, example in enumerate(examples):
             for key in masks:

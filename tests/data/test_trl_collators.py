@@ -109,3 +109,26 @@ def test_unpaired_preference_collator():
                    "KL_completion_attention_mask": [[1, 1, 1, 0], [1, 1, 1, 1]],
                    "KL_completion_mask": [[0, 0, 1, 0], [0, 1, 1, 1]],
                    "ref_logps": [-1.5, -2.5], "ref_KL_logps": [-0.5, -3.5], "label": [True, False]}
+
+
+def test_language_modeling_collator_as_sft_data_collator(tmp_path):
+    """Given to posttrain's SFTTrainer, it reads the prepared rows' loss_mask: the same completion-only losses
+    as the trainer's own collator."""
+    from posttrain import SFTConfig, SFTTrainer
+    from posttrain.data.builtin import task_dataset
+
+    def losses(collator, out):
+        args = SFTConfig(output_dir=str(tmp_path / out), max_steps=2, per_device_train_batch_size=4, logging_steps=1,
+                         learning_rate=1e-2, report_to=[], disable_tqdm=True, seed=0)
+        trainer = SFTTrainer("posttrain/tiny-qwen2", args=args, data_collator=collator,
+                             train_dataset=task_dataset("reverse", "train").select(range(16)))
+        trainer.train()
+        return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+    from posttrain.models.loading import load_tokenizer
+
+    pad = load_tokenizer(None, model="posttrain/tiny-qwen2").pad_token_id
+    own, public = losses(None, "own"), losses(DataCollatorForLanguageModeling(pad_token_id=pad), "public")
+    assert public == pytest.approx(own, rel=1e-4)
+    unmasked = losses(DataCollatorForLanguageModeling(pad_token_id=pad, completion_only_loss=False), "all")
+    assert public == pytest.approx(unmasked, rel=1e-4)  # loss_mask is the trainer's decision, applied either way
