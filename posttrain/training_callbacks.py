@@ -332,7 +332,7 @@ class MergeModelCallback(TrainerCallback):
 class WeaveCallback(TrainerCallback):
     """At each evaluation, greedy completions of the eval prompts logged to a W&B Weave evaluation named
     `dataset_name` under `model_name` (default: the model's name), each scored by `scorers` ({name: fn(prompt,
-    completion) -> number}); `project_name` starts Weave (`weave.init`) when no client is running. Needs the
+    completion) -> number}); `project_name` starts Weave (`weave.init`) at the first evaluation. Needs the
     `weave` package."""
 
     def __init__(self, trainer, project_name: str | None = None, scorers: dict | None = None,
@@ -346,14 +346,16 @@ class WeaveCallback(TrainerCallback):
         self.trainer, self.project_name, self.scorers = trainer, project_name, dict(scorers or {})
         self.generation_config, self.dataset_name, self.model_name = generation_config, dataset_name, model_name
         self.prompts = _eval_prompts(trainer, num_prompts, "WeaveCallback")
+        self._started = False
 
     def on_evaluate(self, args, state, control, **kwargs):
         import weave
 
         if not state.is_world_process_zero:
             return
-        if self.project_name and weave.get_client() is None:
+        if self.project_name and not self._started:  # once; without a project, Weave must be running already
             weave.init(self.project_name)
+            self._started = True
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         name = self.model_name or os.path.basename(str(model.config._name_or_path)) or "model"
         completions = _generate(self.trainer, self.prompts, self.generation_config, args.per_device_eval_batch_size)

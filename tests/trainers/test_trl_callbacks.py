@@ -219,7 +219,7 @@ def test_weave_callback(tmp_path, monkeypatch):
         def log_summary(self, summary):
             calls.append(("summary", summary))
 
-    fake = types.SimpleNamespace(get_client=lambda: None, init=lambda project: calls.append(("init", project)),
+    fake = types.SimpleNamespace(init=lambda project: calls.append(("init", project)),
                                  EvaluationLogger=EvaluationLogger)
     monkeypatch.setitem(sys.modules, "weave", fake)
     trainer = online_trainer(tmp_path)
@@ -232,6 +232,8 @@ def test_weave_callback(tmp_path, monkeypatch):
     assert [p[1] for p in predictions] == ["reverse 12 =", "reverse 345 ="]
     assert scores == [len(p[2]) for p in predictions]
     assert calls[-1] == ("summary", {"step": 0, "length": sum(scores) / 2})
+    callback.on_evaluate(trainer.args, trainer.state, None)
+    assert [c for c in calls if c[0] == "init"] == [("init", "proj")]  # started once
 
 
 def test_offload_activations_round_trip(tiny_lm):
