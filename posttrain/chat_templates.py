@@ -110,7 +110,8 @@ def _renders_as_chatml(tokenizer) -> bool:
     from jinja2 import TemplateError
 
     try:
-        for messages, prompt in ((_PLAIN, True), (_PLAIN[:3], False)):
+        # with and without a system message: a template that adds a default one is not plain ChatML
+        for messages, prompt in ((_PLAIN, True), (_PLAIN[:3], False), (_PLAIN[1:3], False)):
             ours = tokenizer.apply_chat_template(messages, chat_template=CHATML_TEMPLATE, tokenize=False,
                                                  add_generation_prompt=prompt)
             if tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) != ours:

@@ -10,6 +10,9 @@ from posttrain.models.loading import load_causal_lm, load_tokenizer
 # plain ChatML without markers or tools: renders conversations exactly as posttrain's template does
 PLAIN_CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ChatML that adds a system turn when the conversation has none (as Qwen 2.5's does)
+DEFAULT_SYSTEM = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}"
+                  "{% endif %}" + PLAIN_CHATML)
 # a template that reads only `content`: tool calls vanish from the text
 CONTENT_ONLY = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 RAISES_ON_TOOL = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
@@ -42,9 +45,10 @@ def test_get_training_chat_template(tokenizer):
                                         return_assistant_tokens_mask=True)
     marked = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
     assert tokenizer.decode(marked) == "hello<|im_end|>"
-    tokenizer.chat_template = CONTENT_ONLY
-    with pytest.raises(ValueError, match="not training-compatible"):
-        get_training_chat_template(tokenizer)
+    for template in (CONTENT_ONLY, DEFAULT_SYSTEM):  # DEFAULT_SYSTEM would lose its default system turn
+        tokenizer.chat_template = template
+        with pytest.raises(ValueError, match="not training-compatible"):
+            get_training_chat_template(tokenizer)
 
 
 def test_add_response_schema_parses_tool_calls(tokenizer):
