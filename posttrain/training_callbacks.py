@@ -105,6 +105,14 @@ class SyncRefModelCallback(_MixingCallback):
         super().__init__(ref_model, ref_model_mixup_alpha, ref_model_sync_steps)
         self.accelerator = accelerator
 
+    @staticmethod
+    @torch.no_grad()
+    def sync_target_model(model, target_model, alpha: float) -> None:
+        """target <- alpha * model + (1 - alpha) * target, parameter by parameter (TRL's static helper)."""
+        from posttrain.core.running import mix_into_
+
+        mix_into_(target_model, model, alpha)
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.alpha = self.alpha if self.alpha is not None else getattr(args, "ref_model_mixup_alpha", None)
         self.every = self.every if self.every is not None else getattr(args, "ref_model_sync_steps", None)

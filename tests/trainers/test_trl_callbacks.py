@@ -123,6 +123,11 @@ def test_sync_ref_model_callback_reads_trl_fields():
     callback.on_step_end(args, types.SimpleNamespace(global_step=3), None, model=policy)
     for name, param in ref.named_parameters():
         assert torch.allclose(param, 0.5 * dict(policy.named_parameters())[name] + 0.5 * start[name])
+    target = torch.nn.Linear(2, 2)
+    expected = {n: 0.1 * p.detach() + 0.9 * dict(target.named_parameters())[n].detach()
+                for n, p in policy.named_parameters()}
+    SyncRefModelCallback.sync_target_model(policy, target, 0.1)
+    assert all(torch.allclose(p, expected[n]) for n, p in target.named_parameters())
 
 
 def test_create_reference_model():
