@@ -26,7 +26,6 @@ Departures from TRL (also in docs/migrating.md):
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import os
 
@@ -38,8 +37,6 @@ from posttrain.callbacks import SyncRefModelCallback as _MixingCallback
 
 __all__ = ["BEMACallback", "LogCompletionsCallback", "MergeConfig", "MergeModelCallback", "RichProgressCallback",
            "SyncRefModelCallback", "WeaveCallback"]
-
-logger = logging.getLogger(__name__)
 
 
 def _eval_prompts(trainer, num_prompts: int | None, who: str) -> list:
