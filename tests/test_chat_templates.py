@@ -1,4 +1,4 @@
-"""TRL's chat-template helpers (posttrain.chat_templates) on the built-in tokenizer and hand-written templates."""
+"""TRL's chat-template helpers (posttrain.models.chat_templates) on the built-in tokenizer and hand-written templates."""
 
 import pytest
 import torch

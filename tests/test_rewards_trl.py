@@ -1,4 +1,4 @@
-"""TRL's reward functions (posttrain.rewards) on worked examples, the math-answer reader, and a GRPO run
+"""TRL's reward functions (posttrain.tasks.rewards) on worked examples, the math-answer reader, and a GRPO run
 that takes them as reward_funcs."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 
 from posttrain import (accuracy_reward, get_cosine_scaled_reward, get_repetition_penalty_reward,
                        get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward)
-from posttrain.math_answers import answers_equal, extract_answer, parse_answer
+from posttrain.tasks.math_answers import answers_equal, extract_answer, parse_answer
 
 
 def msg(text):

@@ -115,7 +115,7 @@ def test_language_modeling_collator_as_sft_data_collator(tmp_path):
     """Given to posttrain's SFTTrainer, it reads the prepared rows' loss_mask: the same completion-only losses
     as the trainer's own collator."""
     from posttrain import SFTConfig, SFTTrainer
-    from posttrain.data.builtin import task_dataset
+    from posttrain.tasks.builtin import task_dataset
 
     def losses(collator, out):
         args = SFTConfig(output_dir=str(tmp_path / out), max_steps=2, per_device_train_batch_size=4, logging_steps=1,

@@ -13,10 +13,10 @@ from transformers import TrainerCallback
 
 from posttrain import (BEMACallback, LogCompletionsCallback, MergeModelCallback, RichProgressCallback,
                        SFTConfig, SFTTrainer, SyncRefModelCallback, WeaveCallback, create_reference_model)
-from posttrain.data.builtin import task_dataset
+from posttrain.tasks.builtin import task_dataset
 from posttrain.models.loading import load_causal_lm
 from posttrain.models.offloading import OffloadActivations
-from posttrain.training_callbacks import MergeConfig, slerp
+from posttrain.callbacks import MergeConfig, slerp
 
 MODEL = "posttrain/tiny-qwen2"
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

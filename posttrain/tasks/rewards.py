@@ -9,7 +9,7 @@ one-message completions a single-turn rollout gives).
 
 * `accuracy_reward`, `reasoning_accuracy_reward`: 1.0 when the completion's final answer equals the
   gold `solution` as math, 0.0 when not, None (abstain) when the gold cannot be read. Answers are read
-  and compared by `posttrain.math_answers` (SymPy) rather than TRL's `math-verify`: no extra to install.
+  and compared by `posttrain.tasks.math_answers` (SymPy) rather than TRL's `math-verify`: no extra to install.
 * `think_format_reward`: 1.0 when the completion opens with one `<think>...</think>` block.
 * `get_cosine_scaled_reward` (Yeo et al. 2025, "Demystifying Long Chain-of-Thought Reasoning in
   LLMs", App. C.1): correctness scaled by length along a cosine, short correct answers best.
@@ -26,7 +26,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 
-from posttrain.math_answers import answers_equal, extract_answer, parse_answer
+from posttrain.tasks.math_answers import answers_equal, extract_answer, parse_answer
 
 __all__ = ["accuracy_reward", "get_cosine_scaled_reward", "get_repetition_penalty_reward",
            "get_soft_overlong_punishment", "reasoning_accuracy_reward", "think_format_reward"]
