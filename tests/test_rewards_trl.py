@@ -133,3 +133,14 @@ def test_rewards_as_grpo_reward_funcs(tmp_path):
     assert -1.0 <= logs["rewards/soft_overlong_punishment_reward/mean"] <= 0
     # one prompt's 4 completions, each with that prompt's solution
     assert extra["solution"] in (["2"] * 4, ["4"] * 4) and len(extra["answer_parsed"]) == 4
+
+
+def test_trl_reward_names_resolve():
+    """The names TRL's grpo.py script takes in --reward_funcs name the same functions here."""
+    from posttrain.rollout.rewards import resolve_reward_func
+
+    assert resolve_reward_func("accuracy_reward") is accuracy_reward
+    assert resolve_reward_func("reasoning_accuracy_reward") is reasoning_accuracy_reward
+    assert resolve_reward_func("think_format_reward") is think_format_reward
+    punish = resolve_reward_func("get_soft_overlong_punishment")  # TRL's script settings: 1280 tokens, 256 cache
+    assert punish([[1] * 1024, [1] * 1152, [1] * 1281]) == [0.0, -0.5, -1.0]
