@@ -66,6 +66,9 @@ def test_add_response_schema_parses_tool_calls(tokenizer):
                                              tokenize=False)
     turn = rendered.split("<|im_start|>assistant\n")[1]
     assert tokenizer.parse_response(turn, prefix="")["tool_calls"] == [call]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert tokenizer.parse_response(turn, prefix=prompt)["tool_calls"] == [call]  # as a rollout parses it
     tokenizer.chat_template = CONTENT_ONLY
     with pytest.raises(ValueError, match="Unrecognized chat template"):
         add_response_schema(tokenizer)
