@@ -155,6 +155,7 @@ class DistillationTrainer(OnlineTrainer):
         if data_collator is not None:
             raise ValueError("data_collator is not used: the distillation trainers tokenise prompts and completions "
                              "themselves; leave it None")
+        train_dataset, eval_dataset = split_messages(train_dataset), split_messages(eval_dataset)
         super().__init__(model, reward_funcs=[no_reward], args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config, **kwargs)
@@ -283,3 +284,20 @@ class DistillationTrainer(OnlineTrainer):
 def no_reward(completions, **kwargs) -> list[float]:
     """The engine's reward slot, unused by distillation (the teacher is the signal)."""
     return [0.0] * len(completions)
+
+
+def split_messages(dataset):
+    """A dataset in TRL's GKD form (a `messages` column, no `prompt`) as prompt (every message but the last) and
+    completion (the last message, the assistant's); other datasets as they are."""
+    columns = getattr(dataset, "column_names", None)
+    if not columns or "messages" not in columns or "prompt" in columns:
+        return dataset
+
+    def split(row, index):
+        messages = row["messages"]
+        if len(messages) < 2 or messages[-1].get("role") != "assistant":
+            raise ValueError(f"row {index}: 'messages' must end with an assistant message after at least one other "
+                             f"message (the prompt); it has roles {[m.get('role') for m in messages]}")
+        return {"prompt": messages[:-1], "completion": messages[-1:]}
+
+    return dataset.map(split, with_indices=True, remove_columns=["messages"])
