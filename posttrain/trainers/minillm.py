@@ -40,6 +40,8 @@ class MiniLLMConfig(OnlineConfig):
     num_generations: int = field(default=8, metadata={"help": "Completions per prompt (1 is allowed: the reward "
                                  "advantage is then 0 and only the reverse-KL return drives learning)."})
     advantage_estimator: str = field(default="reverse_kl_return", metadata={"help": estimator_help()})
+    teacher_model_name_or_path: str | None = field(default=None, metadata={"help": "The teacher, when the trainer "
+                                                   "gets no teacher_model (posttrain's addition, for the CLI)."})
     teacher_model_init_kwargs: dict | None = field(default=None, metadata={"help": "Keyword arguments for "
                                                    "from_pretrained when the teacher is given as a string."})
     disable_dropout: bool = field(default=True, metadata={"help": "No dropout in the student."})
@@ -87,7 +89,12 @@ class MiniLLMTrainer(OnlineTrainer):
         from posttrain.trainers.distillation import no_reward
 
         init = dict(getattr(args, "teacher_model_init_kwargs", None) or {})
-        teacher = loading.load_causal_lm(teacher_model, **init) if teacher_model is not None else None
+        if teacher_model is None:
+            teacher_model = getattr(args, "teacher_model_name_or_path", None)
+        if teacher_model is None:
+            raise ValueError("MiniLLMTrainer needs a teacher: give teacher_model (a model or a name) or set "
+                             "teacher_model_name_or_path")
+        teacher = loading.load_causal_lm(teacher_model, **init)
         super().__init__(model, reward_funcs=reward_funcs or [no_reward], args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,
