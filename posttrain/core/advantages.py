@@ -264,14 +264,15 @@ def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
 
 
 @register_advantage("reverse_kl_return", per_token=True, critic=False, min_group=1)
-def reverse_kl_return(inp: AdvantageInput, *, gamma: float = 0.0, length_normalization: bool = True,
+def reverse_kl_return(inp: AdvantageInput, *, gamma: float = 1.0, length_normalization: bool = True,
                       single_step_decomposition: bool = True, rkl_advantage: bool = True):
     """MiniLLM's advantage: the scores minus their group mean (as GRPO without the std; 0 for a group of one),
     plus, with `rkl_advantage`, the return R_t = sum_{s>=t} γ^(s-t) r_s of the per-token rewards r_s
     (`token_rewards`: log q_T(y_s) - log q_S(y_s), the negated single-sample reverse KL). With
     `single_step_decomposition` the current step is left out (R_{t+1}: the loss adds that step's exact
     reverse KL over the vocabulary instead); with `length_normalization` each return is divided by the
-    number of steps it sums (MiniLLM's R^Norm), so long completions do not get larger advantages."""
+    number of steps it sums (MiniLLM's R^Norm), so long completions do not get larger advantages. (MiniLLMConfig's
+    gamma defaults to TRL's 0.0: with the single-step decomposition the return is then 0.)"""
     g = group_view(inp.scores, inp.group_size, inp.layout)  # (P, k)
     scores = _ungroup(g - g.mean(dim=1, keepdim=True), inp.layout)  # (B,)
     mask = inp.mask.bool()
