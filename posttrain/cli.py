@@ -345,7 +345,7 @@ TRAINERS = {
                      "On-policy distillation from --teacher_model_name_or_path (generalised JSD)."),
     "gkd": ("posttrain.trainers.gkd:GKDTrainer", build_offline, ScriptArguments,
             "GKD: distillation mixing on-policy and dataset (or teacher, --seq_kd) completions."),
-    "minillm": ("posttrain.trainers.minillm:MiniLLMTrainer", build_online, OnlineScriptArguments,
+    "minillm": ("posttrain.trainers.minillm:MiniLLMTrainer", build_offline, ScriptArguments,
                 "MiniLLM: reverse KL to --teacher_model_name_or_path as a policy gradient."),
 }
 

@@ -188,3 +188,16 @@ def test_off_policy_batch_needs_a_completion_column(tmp_path):
     trainer = DistillationTrainer("posttrain/tiny-qwen2", args=args, train_dataset=prompts(16))
     with pytest.raises(ValueError, match="reads the dataset's 'completion' column"):
         trainer.train()
+
+
+@pytest.mark.parametrize("command, extra", [("distillation", ["--loss_top_k", "0", "--max_completion_length", "4"]),
+                                            ("gkd", ["--max_new_tokens", "4"]),
+                                            ("minillm", ["--max_completion_length", "4", "--num_generations", "2"])])
+def test_cli_commands_train(tmp_path, command, extra):
+    from posttrain import cli
+
+    trainer = cli.run([command, "--model_name_or_path", "posttrain/tiny-qwen2", "--teacher_model_name_or_path",
+                       "posttrain/tiny-llama", "--dataset_name", "reverse", "--output_dir", str(tmp_path / command),
+                       "--max_steps", "1", "--per_device_train_batch_size", "4", "--disable_tqdm", "true", *extra])
+    assert trainer.state.global_step == 1 and type(trainer).__name__.lower().startswith(command)
+    assert trainer.teacher_model if command != "minillm" else trainer.ref_model  # the teacher was loaded
