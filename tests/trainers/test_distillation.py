@@ -201,3 +201,18 @@ def test_cli_commands_train(tmp_path, command, extra):
                        "--max_steps", "1", "--per_device_train_batch_size", "4", "--disable_tqdm", "true", *extra])
     assert trainer.state.global_step == 1 and type(trainer).__name__.lower().startswith(command)
     assert trainer.teacher_model if command != "minillm" else trainer.ref_model  # the teacher was loaded
+
+
+def test_demo_distill_stage_runs_every_trainer_and_the_sft_baseline(tmp_path):
+    from posttrain import demo
+
+    plan = demo.plan_for(None)
+    plan.output_dir, plan.stages = str(tmp_path), ("distill",)
+    plan.steps = dict.fromkeys(demo.STEPS, 2)
+    plan.eval_size, plan.rl_batch_size = 8, 8
+    rows = demo.run(plan)
+    # no online stage was asked for: GRPO trains the teacher first
+    assert [r["stage"] for r in rows] == ["base", "grpo", *demo.DISTILLERS]
+    assert plan.distill_tokens and plan.distill_tokens > 0  # the SFT baseline's budget, from the distillation run
+    assert all(0.0 <= r["after"] <= 1.0 for r in rows)
+    assert "| sft on teacher samples |" in (tmp_path / "report.md").read_text()
