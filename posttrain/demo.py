@@ -45,11 +45,12 @@ PREFERENCE = ("dpo", "bco", "kto")
 # The online stages count rollouts of 8 prompts x 8 samples: RLOO and PPO take num_ppo_epochs (4)
 # optimizer steps per rollout, so every online method sees the same 100 rollouts.
 # The distill stage: each distillation trainer (and SFT on the teacher's samples, with as many completion tokens)
-# trains the SFT checkpoint for `distill` steps of rl_batch_size completions from the best online stage's policy.
+# trains the SFT checkpoint for `distill` steps of distill_batch_size completions from the best online stage's
+# policy.
 STEPS = {"sft": 170, "reward": 200, "grpo": 100, "rloo": 100, "ppo": 100, "reinforce_pp": 100,
-         "dpo": 200, "bco": 100, "kto": 100, "distill": 60}
+         "dpo": 200, "bco": 100, "kto": 100, "distill": 25}
 LEARNING_RATES = {"sft": 3e-3, "reward": 1e-3, "grpo": 1e-3, "rloo": 1e-3, "ppo": 1e-3, "reinforce_pp": 1e-3,
-                  "dpo": 3e-4, "bco": 5e-4, "kto": 5e-4, "distill": 1e-3}
+                  "dpo": 3e-4, "bco": 5e-4, "kto": 5e-4, "distill": 2e-3}
 
 
 @dataclass
@@ -67,6 +68,7 @@ class DemoPlan:
     temperature: float = 1.0  # sampling temperature of the online stages
     eval_size: int = 100
     max_new_tokens: int = 8
+    distill_batch_size: int = 16  # completions per step of each distillation trainer
     distill_tokens: int | None = None  # completion tokens the distillation trainer saw (the SFT baseline's budget)
     results: list[dict] = field(default_factory=list)
 
@@ -380,7 +382,7 @@ def run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher):
     teacher samples", SFT on the teacher's samples of as many completion tokens as the distillation run saw."""
     import posttrain
 
-    steps, batch = plan.steps["distill"], plan.rl_batch_size
+    steps, batch = plan.steps["distill"], plan.distill_batch_size
     common = _common_args(plan, "distill", output_dir=str(Path(plan.output_dir) / name.replace(" ", "_")),
                           per_device_train_batch_size=batch)
     if name == "sft on teacher samples":

@@ -91,6 +91,19 @@ class DistillationConfig(OnlineConfig):
                                                  "(with use_teacher_server)."})
     log_completions_steps: int = field(default=100, metadata={"help": "Accepted for TRL compatibility; completions "
                                        "are not logged by distillation trainers."})
+    use_fused_linear_loss: bool = field(default=False, metadata={"help": "Accepted for TRL compatibility: the loss "
+                                        "always takes each model's output layer a block of positions at a time where "
+                                        "the layer is plain, so no (tokens x vocabulary) logits are made."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow the student's and the teacher's custom "
+                                    "code from the Hub when loaded from a name."})
+    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "Accepted for TRL compatibility: under "
+                                            "ZeRO-3 the sampler gathers each layer as its forward runs."})
+    cache_implementation: str | None = field(default=None, metadata={"help": "Accepted for TRL compatibility: "
+                                             "posttrain's sampler keeps its own KV cache (None only)."})
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Accepted for TRL compatibility (no "
+                                     "completions table)."})
+    vllm_sync_frequency: int = field(default=1, metadata={"help": "Steps between weight syncs to vLLM: only 1 "
+                                     "(every step) is supported."})
 
     def _check(self):
         if isinstance(self.teacher_model_init_kwargs, str):  # from the command line, as JSON
@@ -111,6 +124,15 @@ class DistillationConfig(OnlineConfig):
             raise ValueError(f"loss_top_k={self.loss_top_k} must be >= 0 (0: the full vocabulary)")
         if self.reverse_kl_top_1_mode not in ("sampled", "argmax"):
             raise ValueError(f"reverse_kl_top_1_mode={self.reverse_kl_top_1_mode!r}: choose 'sampled' or 'argmax'")
+        if self.trust_remote_code:  # the student's loading reads model_init_kwargs, the teacher's its own
+            self.model_init_kwargs = {**(self.model_init_kwargs or {}), "trust_remote_code": True}
+            self.teacher_model_init_kwargs = {**(self.teacher_model_init_kwargs or {}), "trust_remote_code": True}
+        if self.cache_implementation is not None:
+            raise ValueError(f"cache_implementation={self.cache_implementation!r}: posttrain's sampler keeps its own "
+                             "KV cache; leave it None")
+        if self.vllm_sync_frequency != 1:
+            raise ValueError(f"vllm_sync_frequency={self.vllm_sync_frequency}: posttrain syncs vLLM's weights every "
+                             "step (1)")
         if self.use_teacher_server:
             raise ValueError("use_teacher_server=True is not implemented in posttrain yet: give a local teacher "
                              "(teacher_model or teacher_model_name_or_path)")

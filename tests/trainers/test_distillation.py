@@ -209,7 +209,7 @@ def test_demo_distill_stage_runs_every_trainer_and_the_sft_baseline(tmp_path):
     plan = demo.plan_for(None)
     plan.output_dir, plan.stages = str(tmp_path), ("distill",)
     plan.steps = dict.fromkeys(demo.STEPS, 2)
-    plan.eval_size, plan.rl_batch_size = 8, 8
+    plan.eval_size, plan.rl_batch_size, plan.distill_batch_size = 8, 8, 8
     rows = demo.run(plan)
     # no online stage was asked for: GRPO trains the teacher first
     assert [r["stage"] for r in rows] == ["base", "grpo", *demo.DISTILLERS]
