@@ -74,7 +74,8 @@ class DemoPlan:
 
     def set_steps(self, group: str, n: int):
         """--sft_steps / --reward_steps / --rl_steps (every online stage) / --pref_steps (DPO, BCO, KTO)."""
-        names = {"sft": ("sft",), "reward": ("reward",), "rl": ONLINE, "pref": PREFERENCE, "distill": ("distill",)}[group]
+        names = {"sft": ("sft",), "reward": ("reward",), "rl": ONLINE, "pref": PREFERENCE,
+                 "distill": ("distill",)}[group]
         self.steps.update({name: n for name in names})
 
 
@@ -394,12 +395,13 @@ def run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher):
                                                                    "max_length": 64}))
     elif name == "minillm":
         trainer = posttrain.MiniLLMTrainer(
-            model=start, teacher_model=teacher, processing_class=tokenizer, train_dataset=train.remove_columns("completion"),
+            model=start, teacher_model=teacher, processing_class=tokenizer,
+            train_dataset=train.remove_columns("completion"),
             args=posttrain.MiniLLMConfig(**common, num_generations=plan.num_generations, gamma=1.0,
                                          max_completion_length=plan.max_new_tokens))
     else:
-        config_cls, trainer_cls = ((posttrain.DistillationConfig, posttrain.DistillationTrainer) if name == "distillation"
-                                   else (posttrain.GKDConfig, posttrain.GKDTrainer))
+        config_cls, trainer_cls = ((posttrain.DistillationConfig, posttrain.DistillationTrainer)
+                                   if name == "distillation" else (posttrain.GKDConfig, posttrain.GKDTrainer))
         trainer = trainer_cls(model=start, teacher_model=teacher, processing_class=tokenizer, train_dataset=train,
                               args=config_cls(**common, loss_top_k=0, max_completion_length=plan.max_new_tokens))
     trainer.train()

@@ -246,4 +246,5 @@ def test_distillation_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch,
     assert result["samples"] == [4, 4] and len(result["step_end"]) == 2
     summary = vs_trl.summarise(result, vs_trl.WORKLOADS[workload]["unit"])
     assert summary["samples_per_step"] == 4 and summary["first_loss"] is not None
-    assert vs_trl.flops_per_item(workload, {"prompt/tokens": 10.0}, (1000, 100, 2, 8), 4.0) == 5 * (2000 + 64 * 7.5) * 14  # sample, train (3), teacher
+    # per token: sampled, trained (3 forwards), the teacher's forward; 10 + 4 tokens attending to 7.5 keys
+    assert vs_trl.flops_per_item(workload, {"prompt/tokens": 10.0}, (1000, 100, 2, 8), 4.0) == 5 * (2000 + 64 * 7.5) * 14

@@ -224,7 +224,8 @@ class DistillationTrainer(OnlineTrainer):
         with self.teacher() as teacher:
             rollout = generate(unwrap(teacher), inputs["prompt_ids"], self.sampling, pad_token_id=tok.pad_token_id,
                                eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator)
-        return {key: getattr(rollout, key) for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        return {key: getattr(rollout, key) for key in keys}
 
     @torch.no_grad()
     def make_experience(self, inputs: dict) -> list[dict]:

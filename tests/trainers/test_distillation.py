@@ -40,8 +40,8 @@ def uneven(n: int = 16):
     """Prompts and completions of several lengths (left-padded prompts, right-padded completions)."""
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": "reverse " + "1234567"[:1 + i % 5] + " =", "completion": " " + "98765"[:1 + i % 4]}
-                              for i in range(n)])
+    return Dataset.from_list([{"prompt": "reverse " + "1234567"[:1 + i % 5] + " =",
+                               "completion": " " + "98765"[:1 + i % 4]} for i in range(n)])
 
 
 def distillation(dataset=None, **fields):
@@ -83,7 +83,8 @@ def direct_divergence(student, teacher, mb, beta: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_loss_is_the_divergence_at_the_completion_positions(tmp_path, top_k):
-    trainer = distillation(uneven(), output_dir=str(tmp_path), lmbda=0.0, loss_top_k=top_k, gradient_accumulation_steps=1)
+    trainer = distillation(uneven(), output_dir=str(tmp_path), lmbda=0.0, loss_top_k=top_k,
+                           gradient_accumulation_steps=1)
     batch = next(iter(trainer.get_train_dataloader()))
     (mb,) = trainer.make_experience(batch)  # the dataset's completions, left-padded prompts of several lengths
     assert mb["prompt_mask"].sum(1).unique().numel() > 1 and mb["completion_mask"].sum(1).unique().numel() > 1
@@ -103,7 +104,8 @@ def test_teacher_defaults_to_a_frozen_copy_of_the_student(tmp_path):
     assert teacher is not trainer.model and not any(p.requires_grad for p in teacher.parameters())
     batch = next(iter(trainer.get_train_dataloader()))
     with torch.no_grad():
-        assert float(trainer.compute_loss(trainer.model, trainer.make_experience(batch)[0])) == pytest.approx(0, abs=1e-6)
+        loss = trainer.compute_loss(trainer.model, trainer.make_experience(batch)[0])
+    assert float(loss) == pytest.approx(0, abs=1e-6)
 
 
 def test_gkd_seq_kd_and_messages(tmp_path):
