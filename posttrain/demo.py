@@ -397,7 +397,7 @@ def run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher):
         trainer = posttrain.MiniLLMTrainer(
             model=start, teacher_model=teacher, processing_class=tokenizer,
             train_dataset=train.remove_columns("completion"),
-            args=posttrain.MiniLLMConfig(**common, num_generations=plan.num_generations, gamma=1.0,
+            args=posttrain.MiniLLMConfig(**common, num_generations=plan.num_generations,
                                          max_completion_length=plan.max_new_tokens))
     else:
         config_cls, trainer_cls = ((posttrain.DistillationConfig, posttrain.DistillationTrainer)
