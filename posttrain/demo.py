@@ -397,8 +397,8 @@ def run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher):
         trainer = posttrain.MiniLLMTrainer(
             model=start, teacher_model=teacher, processing_class=tokenizer,
             train_dataset=train.remove_columns("completion"),
-            args=posttrain.MiniLLMConfig(**common, num_generations=plan.num_generations,
-                                         max_completion_length=plan.max_new_tokens))
+            # one sample per prompt, as the other distillers: no reward function, so no group baseline is needed
+            args=posttrain.MiniLLMConfig(**common, num_generations=1, max_completion_length=plan.max_new_tokens))
     else:
         config_cls, trainer_cls = ((posttrain.DistillationConfig, posttrain.DistillationTrainer)
                                    if name == "distillation" else (posttrain.GKDConfig, posttrain.GKDTrainer))
