@@ -218,3 +218,16 @@ def test_demo_distill_stage_runs_every_trainer_and_the_sft_baseline(tmp_path):
     assert plan.distill_tokens and plan.distill_tokens > 0  # the SFT baseline's budget, from the distillation run
     assert all(0.0 <= r["after"] <= 1.0 for r in rows)
     assert "| sft on teacher samples |" in (tmp_path / "report.md").read_text()
+
+
+def test_lora_student_with_the_adapter_disabled_student_as_teacher(tmp_path):
+    from peft import LoraConfig
+
+    args = DistillationConfig(**{**online_args(tmp_path), "learning_rate": 1e-2, "lmbda": 1.0, "loss_top_k": 0,
+                                 "max_steps": 3})
+    trainer = DistillationTrainer("posttrain/tiny-qwen2", args=args, train_dataset=reverse(16),
+                                  peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert trainer.teacher_model is None  # no second copy: the teacher is the student without its adapter
+    changed_everything(trainer)  # every LoRA weight trained
+    divergences = [e["divergence"] for e in trainer.state.log_history if "divergence" in e]
+    assert divergences[0] == pytest.approx(0, abs=1e-6) and divergences[-1] > 0  # B = 0 at first: the same model
