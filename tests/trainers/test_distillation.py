@@ -231,3 +231,9 @@ def test_lora_student_with_the_adapter_disabled_student_as_teacher(tmp_path):
     changed_everything(trainer)  # every LoRA weight trained
     divergences = [e["divergence"] for e in trainer.state.log_history if "divergence" in e]
     assert divergences[0] == pytest.approx(0, abs=1e-6) and divergences[-1] > 0  # B = 0 at first: the same model
+
+
+def test_streamed_dataset(tmp_path):
+    stream = reverse(16).to_iterable_dataset()
+    trainer = distillation(stream, output_dir=str(tmp_path), max_steps=3)
+    changed_everything(trainer)
