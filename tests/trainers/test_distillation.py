@@ -237,3 +237,21 @@ def test_streamed_dataset(tmp_path):
     stream = reverse(16).to_iterable_dataset()
     trainer = distillation(stream, output_dir=str(tmp_path), max_steps=3)
     changed_everything(trainer)
+
+
+def test_two_processes_match_one(tmp_path):
+    # DDP on 2 CPU processes (gloo): 1 process x 8 completions vs 2 x 4, completions of several lengths; the
+    # token-mean denominator spans both processes, so the update is the same
+    from tests.helpers.launch import free_port, run_launch
+
+    script = os.path.join(os.path.dirname(__file__), "distributed_distillation.py")
+    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+    run_launch([sys.executable, script, one, "8"], tmp_path, path=os.path.dirname(__file__))
+    run_launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                str(free_port()), script, two, "4"], tmp_path, path=os.path.dirname(__file__))
+    a, b = (json.load(open(p)) for p in (one, two))
+    assert (a["processes"], b["processes"]) == (1, 2)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    for name, value in a["weights"].items():
+        assert b["weights"][name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
