@@ -270,7 +270,7 @@ class OnlineTrainer(BaseTrainer):
         if needs_ref and ref_model is None and not loading.is_peft_model(policy):
             ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic
         self.ref_model = self.make_reference(ref_model, needed=needs_ref)
-        self.needs_ref = needs_ref  # build_experience computes reference log-probs
+        self.needs_reference = needs_ref  # build_experience computes reference log-probs
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a separate reference model; with PEFT the reference is the "
@@ -490,7 +490,7 @@ class OnlineTrainer(BaseTrainer):
             loss_mask[truncated] = 0
         batch["loss_mask"] = loss_mask
         scores = scores.to(device).float()
-        if self.needs_ref:
+        if self.needs_reference:
             with self.reference_context(self.ref_model):
                 ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
                 batch["ref_logp"] = self._no_grad_forward(ref, batch)
