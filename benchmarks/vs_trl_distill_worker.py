@@ -47,7 +47,7 @@ def build(spec: dict):
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     teacher = AutoModelForCausalLM.from_pretrained(spec["models"]["teacher"], dtype=torch.float32)
     if side == "posttrain":  # its one-row check that the output layer is plain, made here: not a sample
-        from posttrain.core.logprobs import plain_lm_head
+        from posttrain.forward.logprobs import plain_lm_head
 
         plain_lm_head(teacher, torch.zeros(1, 8, dtype=torch.long))
     scored: list[int] = []

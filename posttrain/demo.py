@@ -101,9 +101,9 @@ def _console():
 
 
 def _accuracy(model_or_path, tokenizer, test, plan: DemoPlan) -> float:
-    from posttrain.data.builtin import TASK_CHECKERS
     from posttrain.eval import generation_accuracy
     from posttrain.models.loading import load_causal_lm
+    from posttrain.tasks.builtin import TASK_CHECKERS
 
     model = load_causal_lm(model_or_path)
     return generation_accuracy(model, tokenizer, test, max_new_tokens=plan.max_new_tokens,
@@ -180,7 +180,7 @@ def run_reward(plan, tokenizer, train, test, start):
 
 def _online(plan, name, tokenizer, train, test, start, sft_acc):
     import posttrain
-    from posttrain.data.builtin import digit_match_reward, final_answer_reward
+    from posttrain.tasks.builtin import digit_match_reward, final_answer_reward
 
     config_cls = getattr(posttrain, {"grpo": "GRPOConfig", "rloo": "RLOOConfig", "ppo": "PPOConfig",
                                      "reinforce_pp": "ReinforcePPConfig"}[name])
@@ -206,10 +206,10 @@ def _self_play_pairs(plan, tokenizer, train, start, k: int = 4, limit: int = 512
     import torch
     from datasets import Dataset
 
-    from posttrain.data.builtin import check
     from posttrain.data.tokenize import encode_prompt
     from posttrain.models.loading import load_causal_lm
     from posttrain.rollout.generate import SamplingConfig, generate
+    from posttrain.tasks.builtin import check
 
     model = load_causal_lm(start).eval()
     rows = train.select(range(min(limit, len(train))))
@@ -286,8 +286,7 @@ def run_calculator(plan: DemoPlan) -> tuple[tuple, float, list[dict]]:
     import functools
 
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-    from posttrain.rollout.environments import (CalculatorEnv, calculator_dataset, calculator_reward,
-                                                calculator_traces)
+    from posttrain.tasks.environments import CalculatorEnv, calculator_dataset, calculator_reward, calculator_traces
 
     cfg, out, common = CALCULATOR, Path(plan.output_dir), _tools_common(plan)
     model = plan.model
@@ -328,7 +327,7 @@ def run_guess_number(plan: DemoPlan) -> tuple[tuple, list[dict]]:
     ("held-out reward", before, after) metric (before and after GRPO, the mean `get_reward` of 4 sampled
     episodes per held-out row) and one held-out episode as messages."""
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-    from posttrain.rollout.environments import GuessNumberEnv, guess_number_dataset, guess_number_traces
+    from posttrain.tasks.environments import GuessNumberEnv, guess_number_dataset, guess_number_traces
 
     cfg, out, common = GUESS_NUMBER, Path(plan.output_dir), _tools_common(plan)
     high = cfg["high"]
@@ -412,6 +411,27 @@ def run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher):
     return "held-out accuracy", start_acc, _accuracy(trainer.model, tokenizer, test, plan)
 
 
+def _distill_stage(plan, console, record, tokenizer, train, test, start, start_acc, policies: dict):
+    """Each distiller from the SFT checkpoint `start`, the teacher the best online policy (GRPO trained first
+    when no online stage ran); `record(stage, started, metric)` adds each row."""
+    from transformers import set_seed
+
+    if not policies:
+        console.rule("GRPO (the teacher)")
+        set_seed(plan.seed)
+        started = time.time()
+        path, metric = _online(plan, "grpo", tokenizer, train, test, start, start_acc)
+        policies["grpo"] = (path, metric[2])
+        record("grpo", started, metric)
+    teacher, teacher_acc = max(policies.values(), key=lambda p: p[1])
+    for name in DISTILLERS:
+        console.rule(f"{name} from the best online policy (held-out accuracy {teacher_acc:.2f})")
+        set_seed(plan.seed)
+        started = time.time()
+        metric = run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher)
+        record(name, started, metric)
+
+
 def _show_episode(console, messages):
     for m in messages:
         calls = [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
@@ -425,8 +445,8 @@ def run(plan: DemoPlan) -> list[dict]:
     from rich.progress import Progress
     from transformers import set_seed
 
-    from posttrain.data.builtin import task_dataset
     from posttrain.models.loading import load_tokenizer
+    from posttrain.tasks.builtin import task_dataset
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     console = _console()
@@ -489,20 +509,7 @@ def run(plan: DemoPlan) -> list[dict]:
             _, metric = _preference(plan, name, tokenizer, pairs, test, start, start_acc)
             record(name, started, metric)
     if "distill" in stages:
-        if not policies:  # no online stage ran: train the teacher with GRPO
-            console.rule("GRPO (the teacher)")
-            set_seed(plan.seed)
-            started = time.time()
-            path, metric = _online(plan, "grpo", tokenizer, train, test, start, start_acc)
-            policies["grpo"] = (path, metric[2])
-            record("grpo", started, metric)
-        teacher, teacher_acc = max(policies.values(), key=lambda p: p[1])
-        for name in DISTILLERS:
-            console.rule(f"{name} from the best online policy (held-out accuracy {teacher_acc:.2f})")
-            set_seed(plan.seed)
-            started = time.time()
-            metric = run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher)
-            record(name, started, metric)
+        _distill_stage(plan, console, record, tokenizer, train, test, start, start_acc, policies)
     if "tools" in plan.stages:
         console.rule("tools: calculator (SFT on traces, then GRPO with CalculatorEnv)")
         set_seed(plan.seed)

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.masked import masked_whiten
-from posttrain.core.registry import keyword_options
+from posttrain.core.registry import Registry
 
 GROUP_STD_EPS = 1e-4
 
@@ -77,7 +77,12 @@ class AdvantageEstimator:
     options: tuple[str, ...]  # fn's keyword-only parameters, each read from the config field of that name
 
 
-ADVANTAGES: dict[str, AdvantageEstimator] = {}
+ADVANTAGES = Registry("advantage estimator", AdvantageEstimator, positional=("inp",))
+# The options of the estimators below: each is the config field of its name (OnlineConfig).
+ADVANTAGES.option("normalize_advantage", False, "leave_one_out: whiten the advantages.")
+ADVANTAGES.option("gamma", 1.0, "Discount (gae, reinforce_pp).")
+ADVANTAGES.option("lam", 0.95, "GAE lambda.")
+ADVANTAGES.option("whiten_advantages", True, "gae: whiten the advantages.")
 
 
 def register_advantage(
@@ -92,14 +97,7 @@ def register_advantage(
         raise ValueError(f"register_advantage({name!r}): min_group must be an int >= 1 (completions per "
                          f"prompt the estimator needs), got {min_group!r}")
 
-    def decorate(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        options = keyword_options(fn, f"advantage estimator {name!r}", ("inp",))
-        ADVANTAGES[name] = AdvantageEstimator(fn, per_token, critic, min_group, options)
-        return fn
-
-    return decorate
+    return ADVANTAGES.register(name, per_token=per_token, critic=critic, min_group=min_group)
 
 
 def compute_advantages(name: str, inp: AdvantageInput, **options) -> tuple[Tensor, Tensor | None]:
@@ -261,6 +259,14 @@ def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
     scores = _ungroup(g - g.mean(dim=1, keepdim=True), inp.layout)  # (B,)
     returns = _discounted_return(per_token_rewards(scores, inp.mask, inp.token_rewards), inp.mask, gamma)
     return masked_whiten(returns, inp.mask), None
+
+
+ADVANTAGES.option("rkl_advantage", True, "reverse_kl_return (MiniLLM): add the reverse-KL return to the reward "
+                  "advantage.")
+ADVANTAGES.option("single_step_decomposition", True, "reverse_kl_return (MiniLLM): each step's own reverse KL "
+                  "exactly, over the vocabulary, in the loss; the return covers the later steps.")
+ADVANTAGES.option("length_normalization", True, "reverse_kl_return (MiniLLM): divide each return by the number of "
+                  "steps it sums.")
 
 
 @register_advantage("reverse_kl_return", per_token=True, critic=False, min_group=1)

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.core.registry import keyword_options
+from posttrain.core.registry import Registry
 
 CHUNK_ROWS = 256  # positions per block: the block's temporaries are a few CHUNK_ROWS x V float32 tensors
 
@@ -59,22 +59,16 @@ class Divergence:
     options: tuple[str, ...]  # fn's keyword-only parameters, each read from the config field of that name
 
 
-DIVERGENCES: dict[str, Divergence] = {}
+DIVERGENCES = Registry("divergence", Divergence, positional=("student_logp", "teacher_logp"))
+DIVERGENCES.option("beta", 0.5, "generalized_jsd's interpolation: 0 = KL(teacher || student), 1 = KL(student || "
+                   "teacher).", bound=(0.0, 1.0))
 
 
 def register_divergence(name: str, *, support: str) -> Callable[[DivergenceFn], DivergenceFn]:
     """Register `fn` as divergence `name`; `support` says whose top-k tokens a top-k support takes."""
     if support not in ("teacher", "student", "both"):
         raise ValueError(f"register_divergence({name!r}): support={support!r} must be 'teacher', 'student' or 'both'")
-
-    def decorate(fn: DivergenceFn) -> DivergenceFn:
-        if name in DIVERGENCES:
-            raise ValueError(f"divergence {name!r} is already registered")
-        DIVERGENCES[name] = Divergence(fn, support, keyword_options(fn, f"divergence {name!r}",
-                                                                     ("student_logp", "teacher_logp")))
-        return fn
-
-    return decorate
+    return DIVERGENCES.register(name, support=support)
 
 
 def _kl(p_logp: Tensor, q_logp: Tensor) -> Tensor:

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from posttrain.core.divergences import LinearLogits, token_divergence
-from posttrain.core.logprobs import last_hidden_states, plain_lm_head
+from posttrain.core.divergences import token_divergence
 from posttrain.core.masked import aggregate_loss, masked_mean
 from posttrain.data.tokenize import encode_prompt_completion
+from posttrain.forward.completions import completion_logits
 from posttrain.models import loading
-from posttrain.rollout.backends import unwrap
+from posttrain.models.modes import unwrap
 from posttrain.rollout.generate import generate
 from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_config import OnlineConfig, estimator_help
@@ -136,22 +136,6 @@ class DistillationConfig(OnlineConfig):
         if self.use_teacher_server:
             raise ValueError("use_teacher_server=True is not implemented in posttrain yet: give a local teacher "
                              "(teacher_model or teacher_model_name_or_path)")
-
-
-def completion_logits(model, mb: dict):
-    """The logits that score each completion token, (B, C, V), or `LinearLogits` (hidden (B, C, H), the output
-    layer's weight) where the output layer is plain (`plain_lm_head`): then no logits are made here."""
-    ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
-    attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
-    P, C = mb["prompt_ids"].shape[1], mb["completion_ids"].shape[1]
-    positions = (attention.long().cumsum(-1) - 1).clamp(min=0)  # left-padded prompts: count real tokens only
-    head = plain_lm_head(unwrap(model), ids)
-    if head is not None:
-        hidden = last_hidden_states(model, input_ids=ids, attention_mask=attention, position_ids=positions)
-        return LinearLogits(hidden[:, P - 1:P + C - 1], head.weight)
-    keep = torch.arange(P - 1, P + C - 1, device=ids.device)
-    return model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=keep,
-                 use_cache=False).logits
 
 
 class DistillationTrainer(OnlineTrainer):

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posttrain.core.advantages import ADVANTAGES
 from posttrain.core.divergences import token_divergence
 from posttrain.core.masked import aggregate_loss, masked_mean
 from posttrain.core.shaping import RewardShaping
+from posttrain.forward.completions import completion_logits
 from posttrain.models import loading
-from posttrain.trainers.distillation import completion_logits
 from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_config import OnlineConfig, estimator_help
 
@@ -45,15 +46,12 @@ class MiniLLMConfig(OnlineConfig):
     teacher_model_init_kwargs: dict | None = field(default=None, metadata={"help": "Keyword arguments for "
                                                    "from_pretrained when the teacher is given as a string."})
     disable_dropout: bool = field(default=True, metadata={"help": "No dropout in the student."})
-    rkl_advantage: bool = field(default=True, metadata={"help": "Add the reverse-KL return to the reward "
-                                "advantage."})
-    single_step_decomposition: bool = field(default=True, metadata={"help": "Each step's own reverse KL exactly, over "
-                                            "the vocabulary, in the loss; the return covers the later steps."})
+    rkl_advantage: bool = ADVANTAGES.field("rkl_advantage")
+    single_step_decomposition: bool = ADVANTAGES.field("single_step_decomposition")
     kd_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both models in the "
                                   "single-step reverse KL."})
     gamma: float = field(default=0.0, metadata={"help": "Discount of later tokens' rewards in the return."})
-    length_normalization: bool = field(default=True, metadata={"help": "Divide each return by the number of steps "
-                                       "it sums."})
+    length_normalization: bool = ADVANTAGES.field("length_normalization")
 
     def _check(self):
         if isinstance(self.teacher_model_init_kwargs, str):  # from the command line, as JSON

@@ -7,7 +7,7 @@ import os
 import sys
 
 from posttrain.cli import close_process_group
-from posttrain.data.builtin import task_dataset
+from posttrain.tasks.builtin import task_dataset
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
 

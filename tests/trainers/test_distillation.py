@@ -15,7 +15,7 @@ import torch
 from tests.helpers.online import online_args, prompts
 from tests.helpers.resume import assert_resumes_identically, assert_same_run, logged_numbers, run_fields, trained_state
 
-from posttrain.data.builtin import task_dataset
+from posttrain.tasks.builtin import task_dataset
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 from posttrain.trainers.gkd import GKDConfig, GKDTrainer
 from posttrain.trainers.minillm import MiniLLMConfig, MiniLLMTrainer
