@@ -31,6 +31,9 @@ _EXPORTS = {
     "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
+    "DistillationConfig": "posttrain.trainers.distillation", "DistillationTrainer": "posttrain.trainers.distillation",
+    "GKDConfig": "posttrain.trainers.gkd", "GKDTrainer": "posttrain.trainers.gkd",
+    "MiniLLMConfig": "posttrain.trainers.minillm", "MiniLLMTrainer": "posttrain.trainers.minillm",
     # TRL's helper names (trl.data_utils, trl.chat_template_utils, trl.rewards, callbacks, collators)
     **{name: "posttrain.data.utils" for name in (
         "apply_chat_template", "maybe_apply_chat_template", "extract_prompt", "maybe_extract_prompt",
