@@ -330,7 +330,7 @@ class BaseTrainer(Trainer):
         if args.gradient_checkpointing and hasattr(model, "config"):
             model.config.use_cache = False
         self.tag_model(model)
-        model = loading.apply_peft(model, peft_config)
+        model = loading.apply_peft(model, peft_config, args.gradient_checkpointing)
         check_liger(args, model)  # after PEFT: some adapters are refused with liger
         if args.lean_activations and not args.torch_compile:
             lean.make_lean(model)  # every trained module (a PPO critic's too); frozen copies made later inherit it

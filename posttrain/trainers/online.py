@@ -204,7 +204,7 @@ class OnlineTrainer(BaseTrainer):
             disable_dropout(policy)
         if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
             policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
-        policy = loading.apply_peft(policy, peft_config)
+        policy = loading.apply_peft(policy, peft_config, args.gradient_checkpointing)
         if ADVANTAGES[args.advantage_estimator].critic:  # the critic trains with the policy, in one module
             critic = value_model if value_model is None else loading.load_sequence_classifier(
                 value_model, convert_causal_lm=True, **init_kwargs)  # a causal LM: a fresh score head, with a warning
