@@ -6,8 +6,13 @@ Public names are imported lazily so that `import posttrain` stays fast.
 from __future__ import annotations
 
 import importlib
+import logging
 
 __version__ = "0.1.0"
+
+# bitsandbytes (QLoRA), imported by peft when installed, warns at import on CPUs with AVX512-BF16 that its optional
+# hub kernel package `kernels` is missing; its own CPU kernels serve, so the line is noise in every run
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 _EXPORTS = {
     "SFTConfig": "posttrain.trainers.sft", "SFTTrainer": "posttrain.trainers.sft",
@@ -27,6 +32,10 @@ _EXPORTS = {
     "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
+    "TrlParser": "posttrain.scripts", "ScriptArguments": "posttrain.scripts", "ModelConfig": "posttrain.scripts",
+    "DatasetConfig": "posttrain.scripts", "DatasetMixtureConfig": "posttrain.scripts", "get_dataset": "posttrain.scripts",
+    "get_peft_config": "posttrain.scripts", "get_quantization_config": "posttrain.scripts",
+    "get_kbit_device_map": "posttrain.scripts",
 }
 
 __all__ = sorted(_EXPORTS)

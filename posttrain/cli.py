@@ -35,72 +35,43 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.scripts import DatasetMixtureConfig, ModelConfig
+from posttrain.scripts import ScriptArguments as TrlScriptArguments
+from posttrain.scripts import get_dataset, get_kbit_device_map, get_peft_config, get_quantization_config, load_split
+
 
 @dataclass
-class ModelArguments:
-    """Which model to train and how to load it; `--use_peft` trains a LoRA adapter instead of every weight
-    (the model flags of TRL's `ModelConfig`). They feed the trainer's `model_init_kwargs` and `peft_config`."""
+class ModelArguments(ModelConfig):
+    """Which model to train and how to load it: TRL's `ModelConfig` (`--use_peft` trains a LoRA adapter,
+    `--load_in_4bit` loads the base weights in 4 bits for QLoRA). They feed the trainer's `model_init_kwargs`
+    and `peft_config`. Two defaults are None where TRL's are set, so that posttrain picks: float32, and the
+    reward command's SEQ_CLS adapter."""
 
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Model to train: a built-in name (posttrain/tiny-qwen2, "
-                                        "posttrain/smollm2-135m-instruct, ...) or a local folder."})
     dtype: typing.Literal["auto", "float32", "bfloat16", "float16"] | None = field(
         default=None, metadata={"help": "Weights' dtype when loading: auto (as saved in the checkpoint), "
                                         "float32, bfloat16 or float16. Default: float32. Goes into "
                                         "model_init_kwargs."})
-    attn_implementation: str | None = field(
-        default=None, metadata={"help": "Attention kernel of transformers ('eager', 'sdpa', 'flash_attention_2', "
-                                        "...). Default: transformers' choice. Goes into model_init_kwargs."})
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run the modelling code a model folder ships (auto_map). Off by default: "
-                                         "that code runs in this process with your permissions."})
-    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (needs `pip install peft`); "
-                                                            "the output folder then holds the adapter."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (the update is scaled by "
-                                                          "lora_alpha / lora_r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Module names to adapt (e.g. q_proj v_proj, or all-linear). Default: "
-                                        "peft's choice for the architecture."})
-    lora_modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules trained in full and saved with the adapter (e.g. lm_head)."})
     lora_task_type: str | None = field(
         default=None, metadata={"help": "peft task type. Default: SEQ_CLS for `posttrain reward` (so the score "
                                         "head is trained), CAUSAL_LM otherwise."})
-    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale by "
-                                                              "lora_alpha / sqrt(lora_r)."})
-    use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA."})
 
 
 @dataclass
-class ScriptArguments(ModelArguments):
-    """What to train on: the model flags and the dataset (shared by every training command)."""
+class ScriptArguments(ModelArguments, TrlScriptArguments, DatasetMixtureConfig):
+    """What to train on: the model flags, the dataset (TRL's `ScriptArguments`) or a mixture of datasets
+    (TRL's `DatasetMixtureConfig`: `--datasets`, `--test_split_size`), shared by every training command."""
 
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "A built-in dataset (zen, zen-chat/preference, reverse, add-chat, ...), "
-                                        "a local .json/.jsonl/.csv/.parquet file, or a local dataset folder."})
-    dataset_config: str | None = field(
-        default=None, metadata={"help": "Configuration name for a dataset folder with several configurations."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    dataset_test_split: str = field(
-        default="test", metadata={"help": "Split to evaluate on (read only when eval_strategy is not 'no')."})
+    def __post_init__(self):
+        ModelArguments.__post_init__(self)
+        DatasetMixtureConfig.__post_init__(self)
 
 
 def peft_config(script_args: ModelArguments, task_type: str = "CAUSAL_LM"):
-    """The `peft.LoraConfig` the LoRA flags describe, or None without --use_peft."""
+    """The `peft.LoraConfig` the LoRA flags describe (`get_peft_config`; the command's `task_type` unless
+    --lora_task_type is given), or None without --use_peft."""
     if not script_args.use_peft:
         return None
-    try:
-        from peft import LoraConfig
-    except ImportError as err:
-        raise ImportError("--use_peft needs the peft package: pip install 'posttrain[peft]'") from err
-    target = script_args.lora_target_modules
-    return LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha, lora_dropout=script_args.lora_dropout,
-                      target_modules=target[0] if target == ["all-linear"] else target,
-                      modules_to_save=script_args.lora_modules_to_save,
-                      task_type=script_args.lora_task_type or task_type, use_rslora=script_args.use_rslora,
-                      use_dora=script_args.use_dora)
+    return get_peft_config(dataclasses.replace(script_args, lora_task_type=script_args.lora_task_type or task_type))
 
 
 def tokenizer(script_args: ModelArguments, name: str | None = None):
@@ -119,14 +90,26 @@ def tokenizer(script_args: ModelArguments, name: str | None = None):
 _LOAD_FLAGS = ("dtype", "attn_implementation", "trust_remote_code")  # model flags that go into model_init_kwargs
 
 
+def _load_kwargs(script_args: ModelArguments) -> dict:
+    """The model_init_kwargs the model flags ask for: dtype, attention kernel, remote code, a revision other than
+    main, and a quantization config (with its device map) for --load_in_4bit / --load_in_8bit."""
+    kwargs = {name: getattr(script_args, name) for name in _LOAD_FLAGS
+              if getattr(script_args, name) is not None and getattr(script_args, name) is not False}
+    if script_args.model_revision != "main":
+        kwargs["revision"] = script_args.model_revision
+    if (quantization := get_quantization_config(dataclasses.replace(script_args,
+                                                                    dtype=script_args.dtype or "float32"))):
+        kwargs["quantization_config"] = quantization
+        if (device_map := get_kbit_device_map()) is not None:
+            kwargs["device_map"] = device_map
+    return kwargs
+
+
 def _merge_model_init_kwargs(parser: argparse.ArgumentParser, script_args: ModelArguments, config):
-    """Put --dtype, --attn_implementation and --trust_remote_code into `config.model_init_kwargs`; a flag that
-    contradicts a key the config's model_init_kwargs already holds is a usage error."""
+    """Put the model flags (`_load_kwargs`) into `config.model_init_kwargs`; a flag that contradicts a key the
+    config's model_init_kwargs already holds is a usage error."""
     kwargs = dict(config.model_init_kwargs or {})
-    for name in _LOAD_FLAGS:
-        value = getattr(script_args, name)
-        if value is None or value is False:
-            continue
+    for name, value in _load_kwargs(script_args).items():
         if name in kwargs and kwargs[name] != value:
             parser.error(f"--{name} {value} contradicts model_init_kwargs {{{name!r}: {kwargs[name]!r}}}; "
                          "give one of them")
@@ -272,13 +255,22 @@ def _utf8_lines(path: str):
 
 
 def load_datasets(script_args: ScriptArguments, config) -> tuple[Any, Any]:
-    """(train, eval) datasets for a training command; eval only when `config.eval_strategy` is not 'no'."""
-    train = load_dataset_arg(script_args.dataset_name, script_args.dataset_train_split, script_args.dataset_config)
-    evaluation = None
-    if str(getattr(config, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
-        evaluation = load_dataset_arg(script_args.dataset_name, script_args.dataset_test_split,
-                                      script_args.dataset_config)
-    return train, evaluation
+    """(train, eval) datasets for a training command; eval only when `config.eval_strategy` is not 'no'. A mixture
+    (--datasets) wins over --dataset_name, as in TRL's scripts; its splits are "train" and, with
+    --test_split_size, "test"."""
+    evaluate = str(getattr(config, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO")
+    if script_args.datasets:
+        mixture = get_dataset(script_args)
+        if evaluate and script_args.dataset_test_split not in mixture:
+            raise DatasetError(f"eval_strategy {config.eval_strategy!r} needs a test split, and the --datasets mixture "
+                               f"has only {sorted(mixture)}: give --test_split_size (e.g. 0.1)")
+        return mixture["train"], mixture[script_args.dataset_test_split] if evaluate else None
+
+    def split(name):
+        return load_split(script_args.dataset_name, name, script_args.dataset_config,
+                          streaming=script_args.dataset_streaming)
+
+    return split(script_args.dataset_train_split), split(script_args.dataset_test_split) if evaluate else None
 
 
 # ---- online RL commands (GRPO, RLOO, PPO): the rewards come from --reward_funcs and/or --reward_model_path
@@ -466,6 +458,13 @@ def _scalar(tp) -> Callable[[str], Any] | None:
         return literal
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp  # the config accepts the member or its string value
+    if dataclasses.is_dataclass(tp):  # e.g. one dataset of --datasets: a JSON object of its fields, or a bare path
+        def as_fields(text):
+            value = json.loads(text) if text.lstrip().startswith("{") else {"path": text}
+            if not isinstance(value, dict):
+                raise ValueError(text)
+            return value
+        return as_fields
     if tp is Any:
         def anything(text):
             try:
@@ -549,6 +548,9 @@ def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], ti
         elif flag.is_list:
             kwargs.update(nargs="+")
         group.add_argument(*names, **kwargs)
+        if flag.is_bool and f.default is True:  # as transformers' HfArgumentParser: --no_<field> turns it off
+            group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                               help=f"Set {f.name} to False.")
 
 
 def _matches(value, tp) -> bool:
@@ -666,7 +668,8 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     script_args = built[0] if fn.script_args_class is not None else None
     config = built[-1] if fn.config_path is not None else None
     if isinstance(script_args, ScriptArguments) and config is not None:
-        required = ["dataset_name"] + ([] if getattr(config, "sft_model_path", None) else ["model_name_or_path"])
+        required = ([] if script_args.datasets else ["dataset_name"]) + (
+            [] if getattr(config, "sft_model_path", None) else ["model_name_or_path"])
         missing = [f"--{k}" for k in required if getattr(script_args, k) is None]
         if missing:
             parser.error(f"the following arguments are required: {', '.join(missing)}")
