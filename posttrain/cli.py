@@ -354,6 +354,8 @@ for _name, (_trainer, _build, _script_args, _help) in TRAINERS.items():
 
 
 OPTIONAL_ENGINES = ("deepspeed", "peft", "liger-kernel", "vllm", "bitsandbytes", "wandb", "trackio")
+# what `trl env` reports besides those: the hub client and the optional packages some of TRL's features use
+OTHER_PACKAGES = ("huggingface_hub", "diffusers", "llm-blender", "openai")
 
 
 def _version(package: str) -> str:
@@ -381,7 +383,7 @@ def _accelerate_default_config() -> str:
 
 
 @command("env", config=None, script_args=None, help="Print the versions, accelerate config, optional engines and "
-                                                    "hardware posttrain sees.")
+                                                    "hardware posttrain sees (what `trl env` prints, and more).")
 def run_env(script_args=None, config=None):
     import platform
 
@@ -394,8 +396,10 @@ def run_env(script_args=None, config=None):
     for package in ("torch", "transformers", "datasets", "accelerate"):
         rows.append((package, _version(package)))
     rows.append(("accelerate config", _accelerate_default_config()))
-    for package in OPTIONAL_ENGINES:
+    for package in OPTIONAL_ENGINES + OTHER_PACKAGES:
         rows.append((package, _version(package)))
+    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    rows.append(("CUDA device(s)", ", ".join(devices) if devices else "not available"))
     rows.append(("CPU count", str(os.cpu_count())))
     try:
         pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")

@@ -624,7 +624,8 @@ class OnlineTrainer(BaseTrainer):
         if "vllm_logp" in inputs and args.vllm_importance_sampling_correction:  # sampled by vLLM, not by pi_old
             per_token = per_token * truncated_importance_weights(old_logp, inputs["vllm_logp"],
                                                                  args.vllm_importance_sampling_clip_max)
-        metrics = {"loss/policy_avg": masked_mean(per_token.detach(), mask)}
+        policy_avg = masked_mean(per_token.detach(), mask)
+        metrics = {"loss/policy_avg": policy_avg, "policy_loss": policy_avg}  # TRL's name and the classic one
         if "ref_logp" in inputs:  # GRPO: beta * KL(pi || ref) per token, in the loss
             kl = kl_penalty(logp, inputs["ref_logp"], args.kl_estimator)
             if args.use_bias_correction_kl:  # samples are pi_old's: weight by pi/pi_old to estimate KL(pi || ref)
