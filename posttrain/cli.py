@@ -37,7 +37,8 @@ from typing import Any
 
 from posttrain.scripts import DatasetMixtureConfig, ModelConfig
 from posttrain.scripts import ScriptArguments as TrlScriptArguments
-from posttrain.scripts import get_dataset, get_kbit_device_map, get_peft_config, get_quantization_config, load_split
+from posttrain.scripts import (get_dataset, get_kbit_device_map, get_peft_config, get_quantization_config, load_split,
+                               read_config)
 
 
 @dataclass
@@ -601,18 +602,12 @@ def _yaml_value(flag: _Flag, value):
 
 
 def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
-    import yaml
-
+    """The --config file's `field: value` pairs; its `env:` mapping (as in TRL's config files) is put into
+    os.environ. A file that cannot be read is a usage error."""
     try:
-        with open(path) as handle:
-            data = yaml.safe_load(handle) or {}
-    except OSError as err:
-        parser.error(f"cannot read --config file: {err}")
-    except yaml.YAMLError as err:
-        parser.error(f"{path} is not valid YAML: {err}")
-    if not isinstance(data, dict):
-        parser.error(f"{path} must hold `field: value` pairs, got {type(data).__name__}")
-    return data
+        return read_config(path)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def _config_class(fn):
@@ -624,8 +619,9 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     fn = COMMANDS[name]
     classes = [c for c in (fn.script_args_class, _config_class(fn)) if c is not None]
     flags = [_flags(c) for c in classes]
-    for earlier in flags[:-1]:  # a field of both (a model flag the config also has): the config's flag sets it
-        for key in set(earlier) & set(flags[-1]):
+    shown = [dict(f) for f in flags]  # a field of both (trust_remote_code): one flag, under the config, sets both
+    for earlier in shown[:-1]:
+        for key in set(earlier) & set(shown[-1]):
             del earlier[key]
     parser = _Parser(prog=f"posttrain {name}", description=fn.help)
     parser.add_argument("--config", help="YAML file of `field: value` pairs; command-line flags override it.")
@@ -635,7 +631,7 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
                             "Launcher flags, passed to accelerate: " + ", ".join(f"--{f}" for f in LAUNCH_FLAGS) + ".")
         for launch_flag in LAUNCH_FLAGS:
             parser.add_argument(f"--{launch_flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    for cls, cls_flags in zip(classes, flags):
+    for cls, cls_flags in zip(classes, shown):
         if issubclass(cls, ModelArguments) and cls is not ModelArguments:  # the model flags in a group of their own
             model_fields = {f.name for f in dataclasses.fields(ModelArguments)}
             _add_flags(parser, ModelArguments, {k: v for k, v in cls_flags.items() if k in model_fields},
@@ -652,17 +648,19 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     values: list[dict] = [{} for _ in classes]
     if path := given.pop("config", None):
         for key, value in _load_yaml(path, parser).items():
-            owner = next((i for i, fl in enumerate(flags) if key in fl), None)
-            if owner is None:
+            owners = [i for i, fl in enumerate(flags) if key in fl]
+            if not owners:
                 parser.error(f"{path}: unknown field {key!r} for `posttrain {name}`")
-            flag = flags[owner][key]
+            flag = flags[owners[0]][key]
             try:
-                values[owner][key] = _yaml_value(flag, value)
+                value = _yaml_value(flag, value)
             except (ValueError, json.JSONDecodeError):
                 parser.error(f"{path}: {key}: expected {flag.type_name}, got {type(value).__name__} {value!r}")
+            for owner in owners:
+                values[owner][key] = value
     for key, value in given.items():
-        owner = next(i for i, fl in enumerate(flags) if key in fl)
-        values[owner][key] = value
+        for owner in (i for i, fl in enumerate(flags) if key in fl):
+            values[owner][key] = value
     built = []
     for cls, kwargs in zip(classes, values):
         try:

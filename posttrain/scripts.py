@@ -335,7 +335,7 @@ class TrlParser(argparse.ArgumentParser):
         config_remaining = []
         path = _pop_config(args)
         if path is not None:
-            config_remaining = self.set_defaults_with_config(**_read_config(path))
+            config_remaining = self.set_defaults_with_config(**read_config(path))
         output = self.parse_args_into_dataclasses(args, return_remaining_strings=return_remaining_strings)
         if return_remaining_strings:
             return (*output[:-1], config_remaining + output[-1])
@@ -368,7 +368,7 @@ def _pop_config(args: list[str]) -> str | None:
     return None
 
 
-def _read_config(path: str) -> dict:
+def read_config(path: str) -> dict:
     """The YAML file's mapping, after putting its `env:` mapping into os.environ."""
     import yaml
 
@@ -376,7 +376,7 @@ def _read_config(path: str) -> dict:
         with open(path) as handle:
             data = yaml.safe_load(handle) or {}
     except OSError as err:
-        raise ValueError(f"cannot read the config file: {err}") from err
+        raise ValueError(f"cannot read --config file: {err}") from err
     except yaml.YAMLError as err:
         raise ValueError(f"{path} is not valid YAML: {err}") from err
     if not isinstance(data, dict):
