@@ -185,6 +185,7 @@ class OnlineTrainer(BaseTrainer):
     """Rollout -> score -> advantages -> clipped policy update, configured by an `OnlineConfig`."""
 
     config_class = OnlineConfig
+    prompts_required = True  # a train_dataset (or environments that supply prompts); PPO's manual loop needs none
     _tag = "online"
 
     def __init__(self, model, reward_funcs=None, args: OnlineConfig | None = None, train_dataset=None,
@@ -231,6 +232,9 @@ class OnlineTrainer(BaseTrainer):
                 reward_funcs = given + env_rewards
             if train_dataset is None and environment_factory is not None:  # reset() supplies the prompts
                 train_dataset = tooling.reset_dataset(args)
+        if train_dataset is None and self.prompts_required:
+            raise ValueError(f"train_dataset is required: {type(self).__name__} samples completions of its prompts "
+                             "(or give environment_factory= whose environments' reset() supply them)")
         if rollout_func is not None and tooling is not None:
             raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
                              "rollout_func or tools= / environment_factory=, not both")
