@@ -50,6 +50,7 @@ import itertools
 import math
 import os
 import time
+from collections import defaultdict
 
 import torch
 from torch import Tensor
@@ -428,10 +429,11 @@ class OnlineTrainer(BaseTrainer):
 
     def _reward_extras(self, mode: str) -> dict:
         """The keyword arguments TRL passes every reward function besides the data: the trainer state and
-        two logging hooks (`log_metric(name, value)` averages a number into the logs; `log_extra(name,
-        values)` is accepted, its per-completion values are not kept)."""
+        two logging hooks: `log_metric(name, value)` averages a number into the logs; `log_extra(column, values)`
+        (one value per completion) adds a column to this batch's completions table (log_completions)."""
+        self._extra_columns = defaultdict(list)  # this call's; `_keep_samples` takes them
         return {"trainer_state": self.state, "log_metric": lambda name, value: self.record({name: float(value)}, mode),
-                "log_extra": lambda name, values: None}
+                "log_extra": lambda column, values: self._extra_columns[column].extend(values)}
 
     def decode(self, rollout: Rollout, prompts: list, episodes=None):
         """(texts, completions as reward functions get them (messages for chat prompts; a multi-turn
@@ -701,10 +703,16 @@ class OnlineTrainer(BaseTrainer):
         from accelerate.utils import gather_object
 
         scores = {name: per_function[:, j].tolist() for j, name in enumerate(self.reward_scorer.names)}
+        extra = dict(getattr(self, "_extra_columns", {}))
+        for column, values in extra.items():
+            if len(values) != len(texts):
+                raise ValueError(f"log_extra({column!r}, values): {len(values)} values for {len(texts)} completions; "
+                                 "give one value per completion (the reward function's `completions`)")
         if self.accelerator.num_processes > 1:
             prompts, texts = gather_object(list(prompts)), gather_object(list(texts))
             scores = {name: gather_object(v) for name, v in scores.items()}
-        self._samples = (prompts, texts, scores)
+            extra = {column: gather_object(list(v)) for column, v in extra.items()}
+        self._samples = (prompts, texts, scores, extra)
         if sample_now:
             self._last_sample_step = step
             if self.is_world_process_zero():
