@@ -208,7 +208,8 @@ def get_dataset(mixture_config: DatasetMixtureConfig):
     if mixture_config.streaming:
         raise ValueError("test_split_size needs the whole mixture to split it, which streaming does not load; "
                          "set streaming to false or give a separate test dataset")
-    return combined.train_test_split(test_size=mixture_config.test_split_size)
+    # a fixed seed: the same rows are held out in every run (and in every process of a distributed one)
+    return combined.train_test_split(test_size=mixture_config.test_split_size, seed=0)
 
 
 # ---------------------------------------------------------------------------- model helpers
