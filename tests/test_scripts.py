@@ -168,3 +168,73 @@ def test_get_quantization_config_and_device_map():
     eight = get_quantization_config(ModelConfig(load_in_8bit=True))
     assert eight.load_in_8bit and not eight.load_in_4bit
     assert get_kbit_device_map() == (None if not torch.cuda.is_available() else {"": 0})
+
+
+# ---------------------------------------------------------------------------- the posttrain commands take TRL's flags
+
+def test_cli_takes_trls_dataset_and_model_flags(tmp_path, monkeypatch):
+    from posttrain import cli
+
+    monkeypatch.delenv("RECIPE_VAR", raising=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("env:\n  RECIPE_VAR: 7\nmodel_name_or_path: posttrain/tiny-qwen2\n"
+                      "datasets:\n  - path: reverse\n    split: train[:4]\n  - path: add\n    split: test[:2]\n"
+                      "test_split_size: 2\nmodel_revision: v1\n")
+    script_args, config = cli.parse("sft", ["--config", str(recipe), "--output_dir", str(tmp_path), "--eval_strategy",
+                                            "steps", "--load_in_4bit", "--no_lean_activations"])
+    assert os.environ["RECIPE_VAR"] == "7" and config.lean_activations is False
+    train, evaluation = cli.load_datasets(script_args, config)
+    assert (len(train), len(evaluation)) == (4, 2)
+    kwargs = config.model_init_kwargs
+    assert kwargs["revision"] == "v1" and kwargs["quantization_config"].load_in_4bit
+    script_args, config = cli.parse("dpo", ["--model_name_or_path", "posttrain/tiny-qwen2", "--output_dir", "o",
+                                            "--datasets", '{"path": "reverse/preference", "split": "train[:3]"}',
+                                            "zen/preference"])
+    assert [d.path for d in script_args.datasets] == ["reverse/preference", "zen/preference"]
+    assert len(cli.load_datasets(script_args, config)[0]) == 3 + len(load_builtin("zen/preference"))
+    script_args, config = cli.parse("sft", ["--model_name_or_path", "posttrain/tiny-qwen2", "--output_dir", "o",
+                                            "--dataset_name", "reverse", "--dataset_train_split", "train[:5]"])
+    assert len(cli.load_datasets(script_args, config)[0]) == 5 and config.model_init_kwargs is None
+
+
+def test_cli_mixture_without_a_test_split_is_named_when_evaluation_needs_one(tmp_path):
+    from posttrain import cli
+
+    script_args, config = cli.parse("sft", ["--model_name_or_path", "posttrain/tiny-qwen2", "--output_dir", "o",
+                                            "--datasets", "reverse", "--eval_strategy", "steps"])
+    with pytest.raises(cli.DatasetError, match="give --test_split_size"):
+        cli.load_datasets(script_args, config)
+
+
+def test_env_prints_the_fields_trl_env_prints(capsys):
+    from posttrain import cli
+
+    cli.run(["env"])
+    rows = dict(line.split(None, 1) if "  " not in line else [p.strip() for p in line.split("  ", 1)]
+                for line in capsys.readouterr().out.splitlines())
+    for name in ("platform", "python", "torch", "transformers", "accelerate", "accelerate config", "datasets",
+                 "huggingface_hub", "bitsandbytes", "deepspeed", "diffusers", "liger-kernel", "llm-blender", "openai",
+                 "peft", "vllm", "CUDA device(s)"):
+        assert rows.get(name), name
+
+
+def test_trust_remote_code_is_a_field_of_every_config(tmp_path):
+    from posttrain import DPOConfig, GRPOConfig, RewardConfig, SFTConfig
+
+    for config_class in (SFTConfig, DPOConfig, GRPOConfig, RewardConfig):
+        config = config_class(output_dir=str(tmp_path), trust_remote_code=True)
+        assert config.model_init_kwargs == {"trust_remote_code": True}
+        assert config_class(output_dir=str(tmp_path)).model_init_kwargs is None
+    with pytest.raises(ValueError, match="contradicts"):
+        SFTConfig(output_dir=str(tmp_path), trust_remote_code=True, model_init_kwargs={"trust_remote_code": False})
+
+
+def test_value_head_model_from_a_model_object():
+    from posttrain import AutoModelForCausalLMWithValueHead, load_causal_lm
+
+    policy = load_causal_lm("posttrain/tiny-qwen2")
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(policy)
+    assert model.pretrained_model is policy and torch.count_nonzero(model.v_head.summary.weight) == 0
+    assert AutoModelForCausalLMWithValueHead.from_pretrained(model) is model
+    logits, loss, value = model(torch.tensor([[1, 2, 3]]))
+    assert logits.shape[:2] == value.shape == (1, 3) and loss is None
