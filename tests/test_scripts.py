@@ -238,3 +238,16 @@ def test_value_head_model_from_a_model_object():
     assert AutoModelForCausalLMWithValueHead.from_pretrained(model) is model
     logits, loss, value = model(torch.tensor([[1, 2, 3]]))
     assert logits.shape[:2] == value.shape == (1, 3) and loss is None
+
+
+def test_sft_skip_prepare_dataset_with_a_mask_asked_for_but_absent_is_refused(tmp_path):
+    from datasets import Dataset
+
+    from posttrain import SFTConfig, SFTTrainer
+
+    rows = Dataset.from_list([{"input_ids": [1, 2, 3, 4]}, {"input_ids": [5, 6, 7]}])
+    args = SFTConfig(output_dir=str(tmp_path), dataset_kwargs={"skip_prepare_dataset": True}, assistant_only_loss=True)
+    with pytest.raises(ValueError, match=r"assistant_only_loss=True .* needs the rows' mask"):
+        SFTTrainer("posttrain/tiny-qwen2", args=args, train_dataset=rows)
+    masked = rows.add_column("assistant_masks", [[0, 0, 1, 1], [0, 1, 1]])
+    assert SFTTrainer("posttrain/tiny-qwen2", args=args, train_dataset=masked).train_dataset is masked

@@ -319,12 +319,12 @@ class SFTTrainer(BaseTrainer):
                 raise ValueError("dataset_kwargs={'skip_prepare_dataset': True} uses the dataset as it is, so it "
                                  "must be tokenised already: it needs an 'input_ids' column (optionally "
                                  f"'loss_mask'); its columns are {_column_names(dataset)}")
-            masks = [c for c in MASK_COLUMNS[1:] if c in _column_names(dataset)]
-            if masks and "loss_mask" not in _column_names(dataset):
-                raise ValueError(f"dataset_kwargs={{'skip_prepare_dataset': True}} uses the rows as they are, and the "
-                                 f"collator reads only 'loss_mask': the dataset's {masks} would be ignored and every "
-                                 f"token trained on; rename the mask column to 'loss_mask', or let SFT prepare the "
-                                 f"dataset (which reads {masks[0]!r})")
+            wanted = [name for name in ("assistant_only_loss", "completion_only_loss") if getattr(args, name) is True]
+            if wanted and not any(c in _column_names(dataset) for c in MASK_COLUMNS):
+                raise ValueError(f"{wanted[0]}=True with dataset_kwargs={{'skip_prepare_dataset': True}} needs the "
+                                 f"rows' mask: a column among {list(MASK_COLUMNS)} (1 on the tokens to train on); "
+                                 f"without one every token would be trained on. Its columns are "
+                                 f"{_column_names(dataset)}")
             return dataset
         streamed = isinstance(dataset, IterableDataset)
         columns = _column_names(dataset)
