@@ -306,8 +306,14 @@ def build_online(trainer_class, script_args, config):
 def build_offline(trainer_class, script_args, config, task_type: str = "CAUSAL_LM"):
     """A trainer for `posttrain sft|reward|dpo|bco|kto`: model and datasets from the script arguments."""
     train, evaluation = load_datasets(script_args, config)
-    return trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
-                         processing_class=tokenizer(script_args), peft_config=peft_config(script_args, task_type))
+    trainer = trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
+                            processing_class=tokenizer(script_args), peft_config=peft_config(script_args, task_type))
+    if script_args.ignore_bias_buffers:  # TRL's DDP workaround: DDP skips broadcasting the model's bool buffers
+        import torch
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model._ddp_params_and_buffers_to_ignore = [n for n, b in model.named_buffers() if b.dtype == torch.bool]
+    return trainer
 
 
 def build_reward(trainer_class, script_args, config):
@@ -676,6 +682,9 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
         if missing:
             parser.error(f"the following arguments are required: {', '.join(missing)}")
         _merge_model_init_kwargs(parser, script_args, config)
+        if script_args.gradient_checkpointing_use_reentrant:  # as TRL's scripts hand it to the config
+            config.gradient_checkpointing_kwargs = {**(config.gradient_checkpointing_kwargs or {}),
+                                                    "use_reentrant": True}
         if script_args.use_peft and importlib.util.find_spec("peft") is None:
             parser.error("--use_peft needs the peft package: pip install 'posttrain[peft]'")
     if isinstance(script_args, OnlineScriptArguments):

@@ -251,3 +251,12 @@ def test_sft_skip_prepare_dataset_with_a_mask_asked_for_but_absent_is_refused(tm
         SFTTrainer("posttrain/tiny-qwen2", args=args, train_dataset=rows)
     masked = rows.add_column("assistant_masks", [[0, 0, 1, 1], [0, 1, 1]])
     assert SFTTrainer("posttrain/tiny-qwen2", args=args, train_dataset=masked).train_dataset is masked
+
+
+def test_cli_gradient_checkpointing_use_reentrant_reaches_the_config():
+    from posttrain import cli
+
+    argv = ["--model_name_or_path", "posttrain/tiny-qwen2", "--dataset_name", "reverse", "--output_dir", "o"]
+    assert cli.parse("sft", argv)[1].gradient_checkpointing_kwargs is None
+    _, config = cli.parse("sft", [*argv, "--gradient_checkpointing", "--gradient_checkpointing_use_reentrant"])
+    assert config.gradient_checkpointing_kwargs == {"use_reentrant": True}
