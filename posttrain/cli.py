@@ -687,6 +687,12 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
                                                     "use_reentrant": True}
         if script_args.use_peft and importlib.util.find_spec("peft") is None:
             parser.error("--use_peft needs the peft package: pip install 'posttrain[peft]'")
+        if quantized := next((f"--{k}" for k in ("load_in_4bit", "load_in_8bit") if getattr(script_args, k)), None):
+            if importlib.util.find_spec("bitsandbytes") is None:
+                parser.error(f"{quantized} needs the bitsandbytes package: pip install 'posttrain[qlora]'")
+            if not script_args.use_peft:
+                parser.error(f"{quantized} loads weights that cannot be trained: add --use_peft to train a LoRA "
+                             "adapter on them (QLoRA)")
     if isinstance(script_args, OnlineScriptArguments):
         if not script_args.reward_funcs and not getattr(config, "reward_model_path", None):
             parser.error("no reward: give --reward_funcs (built-in names such as digit_match, module:function "

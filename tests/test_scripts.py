@@ -260,3 +260,19 @@ def test_cli_gradient_checkpointing_use_reentrant_reaches_the_config():
     assert cli.parse("sft", argv)[1].gradient_checkpointing_kwargs is None
     _, config = cli.parse("sft", [*argv, "--gradient_checkpointing", "--gradient_checkpointing_use_reentrant"])
     assert config.gradient_checkpointing_kwargs == {"use_reentrant": True}
+
+
+def test_cli_quantized_loading_needs_an_adapter_and_bitsandbytes(capsys, monkeypatch):
+    import importlib.util
+
+    from posttrain import cli
+
+    argv = ["--model_name_or_path", "posttrain/tiny-qwen2", "--dataset_name", "reverse", "--output_dir", "o"]
+    with pytest.raises(SystemExit):
+        cli.parse("sft", [*argv, "--load_in_8bit"])
+    assert "--load_in_8bit loads weights that cannot be trained: add --use_peft" in capsys.readouterr().err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(SystemExit):
+        cli.parse("sft", [*argv, "--load_in_4bit", "--use_peft"])
+    assert "needs the bitsandbytes package: pip install 'posttrain[qlora]'" in capsys.readouterr().err
