@@ -82,7 +82,8 @@ class ModelConfig:
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
     lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "Module names to adapt (e.g. q_proj v_proj), or all-linear (every "
-                                        "linear layer but the output layer). Default: peft's choice for the architecture."})
+                                        "linear layer but the output layer). Default: peft's choice for the "
+                                        "architecture."})
     lora_target_parameters: list[str] | None = field(
         default=None, metadata={"help": "Parameter names to adapt directly (e.g. a mixture of experts' fused "
                                         "expert weights), for weights that are not in a module of their own."})

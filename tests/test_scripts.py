@@ -272,7 +272,8 @@ def test_cli_quantized_loading_needs_an_adapter_and_bitsandbytes(capsys, monkeyp
         cli.parse("sft", [*argv, "--load_in_8bit"])
     assert "--load_in_8bit loads weights that cannot be trained: add --use_peft" in capsys.readouterr().err
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(SystemExit):
         cli.parse("sft", [*argv, "--load_in_4bit", "--use_peft"])
     assert "needs the bitsandbytes package: pip install 'posttrain[qlora]'" in capsys.readouterr().err

@@ -89,7 +89,7 @@ report_to: none
     script, console = both_ways("sft", ["--config", str(config), "--seed", "0", "--disable_tqdm", "true"], tmp_path)
     for stdout in (script, console):
         assert "'eval_loss'" in stdout  # the mixture's 20 rows: 15 train, 5 test
-    assert (tmp_path / "script" / "model.safetensors").exists() and (tmp_path / "console" / "model.safetensors").exists()
+    assert all((tmp_path / out / "model.safetensors").exists() for out in ("script", "console"))
     assert train_loss(script) == pytest.approx(train_loss(console), rel=1e-4)
 
 
@@ -100,7 +100,7 @@ def test_trl_dpo_script_runs_as_python_and_through_the_console(data, tmp_path):
             "--beta", "0.1"]
     script, console = both_ways("dpo", argv, tmp_path)
     assert train_loss(script) == pytest.approx(train_loss(console), rel=1e-4)  # ref: a second load / a frozen copy
-    assert (tmp_path / "script" / "model.safetensors").exists() and (tmp_path / "console" / "model.safetensors").exists()
+    assert all((tmp_path / out / "model.safetensors").exists() for out in ("script", "console"))
 
 
 def test_qlora_trains_a_lora_adapter_on_a_4bit_model_on_cpu(tmp_path):

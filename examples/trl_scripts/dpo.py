@@ -108,5 +108,7 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None):
 
 if __name__ == "__main__":
     parser = make_parser()
-    script_args, training_args, model_args, dataset_args, _ = parser.parse_args_and_config(return_remaining_strings=True)
+    script_args, training_args, model_args, dataset_args, _ = parser.parse_args_and_config(
+        return_remaining_strings=True
+    )
     main(script_args, training_args, model_args, dataset_args)

@@ -92,5 +92,7 @@ if __name__ == "__main__":
     parser = make_parser()
     # Launched by a CLI, the script may get launcher arguments as well: parse with `return_remaining_strings=True`
     # and leave them be.
-    script_args, training_args, model_args, dataset_args, _ = parser.parse_args_and_config(return_remaining_strings=True)
+    script_args, training_args, model_args, dataset_args, _ = parser.parse_args_and_config(
+        return_remaining_strings=True
+    )
     main(script_args, training_args, model_args, dataset_args)
