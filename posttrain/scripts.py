@@ -240,10 +240,11 @@ def get_quantization_config(model_args: ModelConfig):
 
     if model_args.load_in_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=model_args.dtype,
+    dtype = None if model_args.dtype in (None, "auto") else model_args.dtype  # "auto": bitsandbytes' defaults
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype,
                               bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
-                              bnb_4bit_quant_storage=model_args.dtype)
+                              bnb_4bit_quant_storage=dtype)
 
 
 def get_kbit_device_map() -> dict[str, int] | None:

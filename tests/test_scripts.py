@@ -165,6 +165,8 @@ def test_get_quantization_config_and_device_map():
     assert four.load_in_4bit and not four.load_in_8bit and four.bnb_4bit_quant_type == "fp4"
     assert four.bnb_4bit_compute_dtype == torch.bfloat16 and four.bnb_4bit_use_double_quant
     assert four.bnb_4bit_quant_storage == torch.bfloat16
+    auto = get_quantization_config(ModelConfig(load_in_4bit=True, dtype="auto"))  # bitsandbytes' own defaults
+    assert auto.bnb_4bit_compute_dtype == torch.float32 and auto.bnb_4bit_quant_storage == torch.uint8
     eight = get_quantization_config(ModelConfig(load_in_8bit=True))
     assert eight.load_in_8bit and not eight.load_in_4bit
     assert get_kbit_device_map() == (None if not torch.cuda.is_available() else {"": 0})
