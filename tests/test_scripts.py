@@ -183,7 +183,7 @@ def test_cli_takes_trls_dataset_and_model_flags(tmp_path, monkeypatch):
                       "datasets:\n  - path: reverse\n    split: train[:4]\n  - path: add\n    split: test[:2]\n"
                       "test_split_size: 2\nmodel_revision: v1\n")
     script_args, config = cli.parse("sft", ["--config", str(recipe), "--output_dir", str(tmp_path), "--eval_strategy",
-                                            "steps", "--load_in_4bit", "--no_lean_activations"])
+                                            "steps", "--load_in_4bit", "--use_peft", "--no_lean_activations"])
     assert os.environ["RECIPE_VAR"] == "7" and config.lean_activations is False
     train, evaluation = cli.load_datasets(script_args, config)
     assert (len(train), len(evaluation)) == (4, 2)
