@@ -279,3 +279,17 @@ def test_cli_quantized_loading_needs_an_adapter_and_bitsandbytes(capsys, monkeyp
     with pytest.raises(SystemExit):
         cli.parse("sft", [*argv, "--load_in_4bit", "--use_peft"])
     assert "needs the bitsandbytes package: pip install 'posttrain[qlora]'" in capsys.readouterr().err
+
+
+def test_kto_precomputed_reference_scores_new_eval_data_until_training(tmp_path):
+    from posttrain import KTOConfig, KTOTrainer
+
+    data = load_builtin("zen/unpaired_preference")
+    args = KTOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, per_device_train_batch_size=4,
+                     max_steps=1, report_to="none", disable_tqdm=True)
+    trainer = KTOTrainer("posttrain/tiny-qwen2", args=args, train_dataset=data.select(range(8)))
+    metrics = trainer.evaluate(eval_dataset=data.select(range(8, 12)))
+    assert metrics["eval_loss"] == pytest.approx(0.5, abs=1e-4)  # at the reference every reward is 0: 1 - σ(0)
+    trainer.train()
+    with pytest.raises(ValueError, match="trained since"):
+        trainer.evaluate(eval_dataset=data.select(range(8, 12)))
