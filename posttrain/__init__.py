@@ -8,11 +8,14 @@ from __future__ import annotations
 import importlib
 import logging
 
+from posttrain import _moved
+
 __version__ = "0.1.0"
 
 # bitsandbytes (QLoRA), imported by peft when installed, warns at import on CPUs with AVX512-BF16 that its optional
 # hub kernel package `kernels` is missing; its own CPU kernels serve, so the line is noise in every run
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+_moved.install()  # old import paths of moved modules (e.g. posttrain.data.builtin) keep working
 
 _EXPORTS = {
     "SFTConfig": "posttrain.trainers.sft", "SFTTrainer": "posttrain.trainers.sft",
@@ -28,7 +31,7 @@ _EXPORTS = {
     "PairwiseJudge": "posttrain.judges", "RewardModelJudge": "posttrain.judges",
     "OpenAIPairwiseJudge": "posttrain.judges", "WinRateCallback": "posttrain.callbacks", "win_rate": "posttrain.judges",
     "PlotCallback": "posttrain.callbacks", "generation_accuracy": "posttrain.eval",
-    "load_builtin": "posttrain.data.builtin", "task_dataset": "posttrain.data.builtin", "zen": "posttrain.data.builtin",
+    "load_builtin": "posttrain.tasks.builtin", "task_dataset": "posttrain.tasks.builtin", "zen": "posttrain.tasks.builtin",
     "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import importlib
 import importlib.util
 import json
@@ -35,10 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.flags import _FALSE, _TRUE, _add_flags, _flags, _yaml_value
 from posttrain.scripts import DatasetMixtureConfig, ModelConfig
 from posttrain.scripts import ScriptArguments as TrlScriptArguments
-from posttrain.scripts import (get_dataset, get_kbit_device_map, get_peft_config, get_quantization_config, load_split,
-                               read_config)
+from posttrain.scripts import (DatasetError, check_data_file, get_dataset, get_kbit_device_map,  # noqa: F401
+                               get_peft_config, get_quantization_config, load_dataset_arg, load_split, read_config)
 
 
 @dataclass
@@ -131,128 +131,6 @@ def command(name: str, config: str | None, script_args: type | None = ScriptArgu
         COMMANDS[name] = fn
         return fn
     return register
-
-
-class DatasetError(ValueError):
-    """A dataset argument that cannot be loaded; the message names the file, the line and what is wrong."""
-
-
-def load_dataset_arg(name: str, split: str = "train", config: str | None = None):
-    """A `datasets.Dataset` from a built-in name, a local data file or a local dataset folder.
-
-    Nothing is fetched from the hub: anything else raises a DatasetError that says what is accepted.
-    """
-    from posttrain.data.builtin import builtin_names, load_builtin
-
-    try:
-        return load_builtin(name, split)
-    except KeyError:
-        pass
-    path = os.path.expanduser(name)
-    formats = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    if os.path.isfile(path):
-        import datasets
-
-        suffix = os.path.splitext(path)[1].lower()
-        if suffix not in formats:
-            raise DatasetError(f"dataset file {name!r}: unknown extension {suffix!r}; use one of {sorted(formats)}")
-        if split != "train":
-            raise DatasetError(f"dataset file {name!r} holds a single split, 'train'; there is no split {split!r} "
-                               "(point the command at a folder with one file per split to evaluate)")
-        check_data_file(path, suffix)
-        try:
-            return datasets.load_dataset(formats[suffix], data_files=path, split="train")
-        except Exception as err:  # what the checks above do not catch, e.g. a corrupt parquet file
-            raise DatasetError(f"dataset file {name!r} cannot be read as {formats[suffix]}: "
-                               f"{type(err).__name__}: {err}") from err
-    if os.path.isdir(path):
-        import datasets
-
-        if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
-            data = datasets.load_from_disk(path)
-            if isinstance(data, datasets.DatasetDict):
-                if split not in data:
-                    raise DatasetError(f"dataset folder {name!r} has splits {sorted(data)}, not {split!r}")
-                return data[split]
-            if split != "train":
-                raise DatasetError(f"dataset folder {name!r} holds a single split; there is no split {split!r}")
-            return data
-        try:  # a folder of data files, e.g. train.jsonl + test.jsonl
-            return datasets.load_dataset(path, config, split=split)
-        except ValueError as err:
-            raise DatasetError(f"dataset folder {name!r}: {err}") from err
-        except Exception as err:  # most likely a faulty file: find it and its line
-            for root, _, files in os.walk(path):
-                for file in sorted(files):
-                    if (suffix := os.path.splitext(file)[1].lower()) in formats:
-                        check_data_file(os.path.join(root, file), suffix)
-            raise DatasetError(f"dataset folder {name!r} cannot be loaded: {type(err).__name__}: {err}") from err
-    raise DatasetError(
-        f"dataset {name!r} is not a built-in dataset, a local file or a local folder (datasets are not "
-        f"downloaded from the hub here: fetch it where you have a network, save it with "
-        f"`dataset.save_to_disk(folder)`, and pass the folder). Built-in names: {', '.join(builtin_names())}")
-
-
-def check_data_file(path: str, suffix: str):
-    """Raise a DatasetError naming the line of the first fault of a local data file: empty, not UTF-8
-    (text formats), a JSON line that does not parse or is not an object, or a column whose JSON type
-    changes between lines. The `datasets` loaders report these as tracebacks without a line."""
-    if os.path.getsize(path) == 0:
-        raise DatasetError(f"dataset file {path!r} is empty")
-    if suffix == ".parquet":
-        return
-    json_lines = suffix == ".jsonl"
-    if suffix == ".json":  # one JSON document (a list of rows, or an object of columns), or JSON lines
-        text = "".join(line for _, line in _utf8_lines(path))
-        try:
-            json.loads(text)
-            return
-        except json.JSONDecodeError as err:
-            first = next((line for line in text.splitlines() if line.strip()), "")
-            try:
-                json.loads(first)
-            except json.JSONDecodeError:
-                if first:
-                    raise DatasetError(f"dataset file {path!r}, line {err.lineno}, column {err.colno}: "
-                                       f"not valid JSON: {err.msg}") from None
-            json_lines = True
-    blank = True
-    column_types: dict[str, tuple[str, int]] = {}  # column -> (JSON type, first line that has it)
-    for number, line in _utf8_lines(path):
-        if not line.strip():
-            continue
-        blank = False
-        if not json_lines:
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DatasetError(f"dataset file {path!r}, line {number}, column {err.colno}: not valid JSON: "
-                               f"{err.msg} (each line must be one JSON object)") from None
-        if not isinstance(row, dict):
-            raise DatasetError(f"dataset file {path!r}, line {number}: expected a JSON object "
-                               f'{{"column": value, ...}}, got {type(row).__name__}')
-        for column, value in row.items():
-            if value is None:
-                continue
-            kind = "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
-            seen = column_types.setdefault(column, (kind, number))
-            if seen[0] != kind:
-                raise DatasetError(f"dataset file {path!r}, line {number}: column {column!r} is a {kind} here "
-                                   f"but a {seen[0]} on line {seen[1]}; a column holds one type")
-    if blank:
-        raise DatasetError(f"dataset file {path!r} holds only blank lines")
-
-
-def _utf8_lines(path: str):
-    """(line number, text) of each line of a UTF-8 file; a DatasetError at the first bad byte."""
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, 1):
-            try:
-                yield number, raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DatasetError(f"dataset file {path!r}, line {number}: byte {err.start + 1} of the line "
-                                   f"({raw[err.start:err.start + 1]!r}) is not UTF-8; save the file as UTF-8") from None
 
 
 def load_datasets(script_args: ScriptArguments, config) -> tuple[Any, Any]:
@@ -426,187 +304,6 @@ def run_env(script_args=None, config=None):
 
 # ---------------------------------------------------------------------------- flags from dataclasses
 
-_TRUE, _FALSE, _NONE = ("true", "yes", "1", "on"), ("false", "no", "0", "off"), ("none", "null")
-
-
-def _parse_bool(text: str) -> bool:
-    if text.lower() in _TRUE:
-        return True
-    if text.lower() in _FALSE:
-        return False
-    raise ValueError(text)
-
-
-def _members(tp) -> list:
-    """The alternatives of a Union (X | Y | None) or [tp]."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return list(typing.get_args(tp))
-    return [tp]
-
-
-def _scalar(tp) -> Callable[[str], Any] | None:
-    """A str -> value converter for one non-union, non-list type; None when it cannot be given as text."""
-    origin = typing.get_origin(tp)
-    if tp is bool:
-        return _parse_bool
-    if tp in (int, float, str):
-        return tp
-    if tp is dict or origin is dict:
-        def as_dict(text):
-            value = json.loads(text)
-            if not isinstance(value, dict):
-                raise ValueError(text)
-            return value
-        return as_dict
-    if origin is typing.Literal:
-        choices = typing.get_args(tp)
-
-        def literal(text):
-            for choice in choices:
-                if str(choice).lower() == text.lower():
-                    return choice
-            raise ValueError(text)
-        return literal
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp  # the config accepts the member or its string value
-    if dataclasses.is_dataclass(tp):  # e.g. one dataset of --datasets: a JSON object of its fields, or a bare path
-        def as_fields(text):
-            value = json.loads(text) if text.lstrip().startswith("{") else {"path": text}
-            if not isinstance(value, dict):
-                raise ValueError(text)
-            return value
-        return as_fields
-    if tp is Any:
-        def anything(text):
-            try:
-                return json.loads(text)
-            except json.JSONDecodeError:
-                return text
-        return anything
-    return None
-
-
-@dataclass
-class _Flag:
-    name: str
-    convert: Callable[[str], Any]  # one command-line word -> value (raises ValueError)
-    type_name: str
-    type: Any  # the field's annotation, to check values that arrive already typed (YAML)
-    is_bool: bool = False
-    is_list: bool = False
-
-
-def _flag(name: str, tp) -> _Flag | None:
-    members = _members(tp)
-    nullable = type(None) in members
-    members = [m for m in members if m is not type(None)]
-    list_member = next((m for m in members if typing.get_origin(m) is list or m is list), None)
-    element = (typing.get_args(list_member) or (str,))[0] if list_member is not None else None
-    ordered = sorted((m for m in members if m is not list_member), key=lambda m: m is str)  # str last
-    converters = [c for c in map(_scalar, ordered) if c is not None]
-    if list_member is not None:
-        element_convert = next((c for c in map(_scalar, _members(element)) if c is not None), str)
-    if not converters and list_member is None:
-        return None
-
-    def convert(text: str):
-        if nullable and text.lower() in _NONE:
-            return None
-        if list_member is not None and text.startswith("["):
-            return [element_convert(str(v)) if not isinstance(v, str) else element_convert(v)
-                    for v in json.loads(text)]
-        for c in converters:
-            try:
-                return c(text)
-            except (ValueError, json.JSONDecodeError):
-                continue
-        if list_member is not None:
-            return element_convert(text)  # one word given for a list field
-        raise ValueError(text)
-
-    names = [getattr(m, "__name__", str(m)) for m in members] + (["None"] if nullable else [])
-    convert.__name__ = " | ".join(names)  # argparse names the type in "invalid ... value" errors
-    return _Flag(name, convert, convert.__name__, tp, is_bool=members == [bool], is_list=list_member is not None)
-
-
-def _flags(cls) -> dict[str, _Flag]:
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # an annotation that cannot be resolved: fall back to the raw ones
-        hints = {f.name: f.type for f in dataclasses.fields(cls)}
-    flags = {}
-    for f in dataclasses.fields(cls):
-        if f.init and not f.name.startswith("_"):
-            flag = _flag(f.name, hints.get(f.name, f.type))
-            if flag is not None:
-                flags[f.name] = flag
-    return flags
-
-
-def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], title: str):
-    group = parser.add_argument_group(title)
-    for f in dataclasses.fields(cls):
-        flag = flags.get(f.name)
-        if flag is None:
-            continue
-        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        help_text = f.metadata.get("help", "")
-        if f.default is not dataclasses.MISSING:
-            help_text += f" (default: {f.default!r})"
-        kwargs = dict(dest=f.name, type=flag.convert, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
-        if flag.is_bool:
-            kwargs.update(nargs="?", const=True, metavar="true|false")
-        elif flag.is_list:
-            kwargs.update(nargs="+")
-        group.add_argument(*names, **kwargs)
-        if flag.is_bool and f.default is True:  # as transformers' HfArgumentParser: --no_<field> turns it off
-            group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
-                               help=f"Set {f.name} to False.")
-
-
-def _matches(value, tp) -> bool:
-    """Whether a YAML value (already a Python object) fits annotation `tp`; types we cannot check pass
-    and are left to the config's own `__post_init__`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, member) for member in args)
-    if tp is Any:
-        return True
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:  # YAML `true` is a bool, which Python counts as an int
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if tp is list or origin is list:
-        return isinstance(value, list) and all(_matches(v, args[0]) for v in value if args)
-    if tp is dict or origin is dict:
-        return isinstance(value, dict)
-    if origin is typing.Literal:
-        return value in args
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return isinstance(value, tp) or value in [member.value for member in tp]
-    return True
-
-
-def _yaml_value(flag: _Flag, value):
-    """A YAML value for `flag`'s field, or ValueError. YAML values arrive typed; strings for non-string
-    fields (e.g. `1e-5`) go through the flag's converter, and one value for a list field becomes a list."""
-    if isinstance(value, str):
-        value = flag.convert(value)
-    elif isinstance(value, list) and flag.is_list:
-        value = [flag.convert(v) if isinstance(v, str) else v for v in value]
-    if _matches(value, flag.type):
-        return value
-    if flag.is_list and _matches([value], flag.type):
-        return [value]
-    raise ValueError(value)
-
-
 def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
     """The --config file's `field: value` pairs; its `env:` mapping (as in TRL's config files) is put into
     os.environ. A file that cannot be read is a usage error."""
@@ -737,8 +434,8 @@ def _reward_spec_problem(spec: str) -> str | None:
     built in would otherwise be tried as a hub model id and reported as a failed download."""
     import difflib
 
-    from posttrain.data.builtin import REWARD_FUNCTIONS
     from posttrain.models.loading import BUILTIN_PREFIX
+    from posttrain.tasks.builtin import REWARD_FUNCTIONS
 
     module, sep, attr = spec.partition(":")
     if (spec in REWARD_FUNCTIONS or (sep and module and attr) or spec.startswith(BUILTIN_PREFIX)

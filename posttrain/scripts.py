@@ -4,7 +4,7 @@
   with TRL's field names and defaults.
 * `TrlParser(dataclass_types)`: flags from dataclasses, `parse_args_and_config(args=None,
   return_remaining_strings=False, fail_with_unknown_args=True)` with `--config file.yaml` (whose `env:` section sets
-  environment variables); the flags are made by posttrain's CLI machinery (`posttrain.cli`), so a flag, a YAML value
+  environment variables); the flags are made by posttrain's CLI machinery (`posttrain.flags`), so a flag, a YAML value
   and `posttrain <command>` read a value the same way.
 * `get_dataset(mixture)`: a `DatasetDict` from a mixture of datasets, each with its split (slices such as
   `train[:50%]` select fractions), columns and configuration.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import typing
@@ -153,19 +154,140 @@ class DatasetMixtureConfig:
 
 # ---------------------------------------------------------------------------- datasets
 
+class DatasetError(ValueError):
+    """A dataset argument that cannot be loaded; the message names the file, the line and what is wrong."""
+
+
+def load_dataset_arg(name: str, split: str = "train", config: str | None = None):
+    """A `datasets.Dataset` from a built-in name, a local data file or a local dataset folder.
+
+    Nothing is fetched from the hub: anything else raises a DatasetError that says what is accepted.
+    """
+    from posttrain.tasks.builtin import builtin_names, load_builtin
+
+    try:
+        return load_builtin(name, split)
+    except KeyError:
+        pass
+    path = os.path.expanduser(name)
+    formats = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    if os.path.isfile(path):
+        import datasets
+
+        suffix = os.path.splitext(path)[1].lower()
+        if suffix not in formats:
+            raise DatasetError(f"dataset file {name!r}: unknown extension {suffix!r}; use one of {sorted(formats)}")
+        if split != "train":
+            raise DatasetError(f"dataset file {name!r} holds a single split, 'train'; there is no split {split!r} "
+                               "(point the command at a folder with one file per split to evaluate)")
+        check_data_file(path, suffix)
+        try:
+            return datasets.load_dataset(formats[suffix], data_files=path, split="train")
+        except Exception as err:  # what the checks above do not catch, e.g. a corrupt parquet file
+            raise DatasetError(f"dataset file {name!r} cannot be read as {formats[suffix]}: "
+                               f"{type(err).__name__}: {err}") from err
+    if os.path.isdir(path):
+        import datasets
+
+        if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
+            data = datasets.load_from_disk(path)
+            if isinstance(data, datasets.DatasetDict):
+                if split not in data:
+                    raise DatasetError(f"dataset folder {name!r} has splits {sorted(data)}, not {split!r}")
+                return data[split]
+            if split != "train":
+                raise DatasetError(f"dataset folder {name!r} holds a single split; there is no split {split!r}")
+            return data
+        try:  # a folder of data files, e.g. train.jsonl + test.jsonl
+            return datasets.load_dataset(path, config, split=split)
+        except ValueError as err:
+            raise DatasetError(f"dataset folder {name!r}: {err}") from err
+        except Exception as err:  # most likely a faulty file: find it and its line
+            for root, _, files in os.walk(path):
+                for file in sorted(files):
+                    if (suffix := os.path.splitext(file)[1].lower()) in formats:
+                        check_data_file(os.path.join(root, file), suffix)
+            raise DatasetError(f"dataset folder {name!r} cannot be loaded: {type(err).__name__}: {err}") from err
+    raise DatasetError(
+        f"dataset {name!r} is not a built-in dataset, a local file or a local folder (datasets are not "
+        f"downloaded from the hub here: fetch it where you have a network, save it with "
+        f"`dataset.save_to_disk(folder)`, and pass the folder). Built-in names: {', '.join(builtin_names())}")
+
+
+def check_data_file(path: str, suffix: str):
+    """Raise a DatasetError naming the line of the first fault of a local data file: empty, not UTF-8
+    (text formats), a JSON line that does not parse or is not an object, or a column whose JSON type
+    changes between lines. The `datasets` loaders report these as tracebacks without a line."""
+    if os.path.getsize(path) == 0:
+        raise DatasetError(f"dataset file {path!r} is empty")
+    if suffix == ".parquet":
+        return
+    json_lines = suffix == ".jsonl"
+    if suffix == ".json":  # one JSON document (a list of rows, or an object of columns), or JSON lines
+        text = "".join(line for _, line in _utf8_lines(path))
+        try:
+            json.loads(text)
+            return
+        except json.JSONDecodeError as err:
+            first = next((line for line in text.splitlines() if line.strip()), "")
+            try:
+                json.loads(first)
+            except json.JSONDecodeError:
+                if first:
+                    raise DatasetError(f"dataset file {path!r}, line {err.lineno}, column {err.colno}: "
+                                       f"not valid JSON: {err.msg}") from None
+            json_lines = True
+    blank = True
+    column_types: dict[str, tuple[str, int]] = {}  # column -> (JSON type, first line that has it)
+    for number, line in _utf8_lines(path):
+        if not line.strip():
+            continue
+        blank = False
+        if not json_lines:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"dataset file {path!r}, line {number}, column {err.colno}: not valid JSON: "
+                               f"{err.msg} (each line must be one JSON object)") from None
+        if not isinstance(row, dict):
+            raise DatasetError(f"dataset file {path!r}, line {number}: expected a JSON object "
+                               f'{{"column": value, ...}}, got {type(row).__name__}')
+        for column, value in row.items():
+            if value is None:
+                continue
+            kind = "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
+            seen = column_types.setdefault(column, (kind, number))
+            if seen[0] != kind:
+                raise DatasetError(f"dataset file {path!r}, line {number}: column {column!r} is a {kind} here "
+                                   f"but a {seen[0]} on line {seen[1]}; a column holds one type")
+    if blank:
+        raise DatasetError(f"dataset file {path!r} holds only blank lines")
+
+
+def _utf8_lines(path: str):
+    """(line number, text) of each line of a UTF-8 file; a DatasetError at the first bad byte."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"dataset file {path!r}, line {number}: byte {err.start + 1} of the line "
+                                   f"({raw[err.start:err.start + 1]!r}) is not UTF-8; save the file as UTF-8") from None
+
+
+
 def load_split(path: str, split: str = "train", name: str | None = None, data_dir: str | None = None,
                data_files=None, streaming: bool = False):
     """One split of a dataset, offline. `split` may be a slice of one or several splits in `datasets`' syntax
     (`train[:50%]`, `train[10:20]`, `train+test`); a builder name with data_files/data_dir goes to
-    `datasets.load_dataset` as is, anything else to posttrain's loader (`posttrain.cli.load_dataset_arg`)."""
+    `datasets.load_dataset` as is, anything else to posttrain's loader (`load_dataset_arg`)."""
     import datasets
 
     if data_files is not None or data_dir is not None:
         return datasets.load_dataset(path, name=name, data_dir=data_dir, data_files=data_files, split=split,
                                      streaming=streaming)
     from datasets.arrow_reader import ReadInstruction
-
-    from posttrain.cli import load_dataset_arg
 
     try:
         instruction = ReadInstruction.from_spec(split)
@@ -267,7 +389,7 @@ class TrlParser(argparse.ArgumentParser):
     takes several words), plus `--config file.yaml`."""
 
     def __init__(self, dataclass_types=None, **kwargs):
-        from posttrain import cli
+        from posttrain import flags
 
         if dataclass_types is None:
             dataclass_types = []
@@ -279,10 +401,10 @@ class TrlParser(argparse.ArgumentParser):
                 raise ValueError(f"dataclass {cls.__name__} has a field named 'config', which TrlParser keeps for "
                                  "the --config file: rename the field")
         super().__init__(**kwargs)
-        self.flags: dict[str, Any] = {}  # field name -> cli._Flag (the first dataclass that has it makes the flag)
+        self.flags: dict[str, Any] = {}  # field name -> flags._Flag (the first dataclass that has it makes the flag)
         for cls in self.dataclass_types:
-            new = {k: v for k, v in cli._flags(cls).items() if k not in self.flags}
-            cli._add_flags(self, cls, new, cls.__name__)
+            new = {k: v for k, v in flags._flags(cls).items() if k not in self.flags}
+            flags._add_flags(self, cls, new, cls.__name__)
             self.flags.update(new)
         self.add_argument("--config", default=argparse.SUPPRESS,
                           help="YAML file of `field: value` pairs (and an `env:` mapping of environment variables); "
@@ -292,7 +414,7 @@ class TrlParser(argparse.ArgumentParser):
     def set_defaults_with_config(self, **kwargs) -> list[str]:
         """Take `kwargs` (field: value, type-checked) as defaults below the command line; returns the
         `--key value` strings of the keys no dataclass has."""
-        from posttrain import cli
+        from posttrain.flags import _yaml_value
 
         remaining = []
         for key, value in kwargs.items():
@@ -301,7 +423,7 @@ class TrlParser(argparse.ArgumentParser):
                 remaining += [f"--{key}", str(value)]
                 continue
             try:
-                self._config_values[key] = cli._yaml_value(flag, value)
+                self._config_values[key] = _yaml_value(flag, value)
             except (ValueError, TypeError):
                 raise ValueError(f"config field {key!r}: expected {flag.type_name}, got {type(value).__name__} "
                                  f"{value!r}") from None

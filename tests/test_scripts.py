@@ -9,7 +9,7 @@ import torch
 
 from posttrain import (DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser, get_dataset, get_kbit_device_map,
                        get_peft_config, get_quantization_config)
-from posttrain.data.builtin import load_builtin
+from posttrain.tasks.builtin import load_builtin
 from posttrain.scripts import DatasetConfig, load_split
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.data.builtin import load_builtin
+from posttrain.tasks.builtin import load_builtin
 from posttrain.models import loading
 
 ROOT = Path(__file__).resolve().parent.parent
