@@ -6,11 +6,15 @@ Public names are imported lazily so that `import posttrain` stays fast.
 from __future__ import annotations
 
 import importlib
+import logging
 
 from posttrain import _moved
 
 __version__ = "0.1.0"
 
+# bitsandbytes (QLoRA), imported by peft when installed, warns at import on CPUs with AVX512-BF16 that its optional
+# hub kernel package `kernels` is missing; its own CPU kernels serve, so the line is noise in every run
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 _moved.install()  # old import paths of moved modules (e.g. posttrain.data.builtin) keep working
 
 _EXPORTS = {
@@ -34,6 +38,10 @@ _EXPORTS = {
     "DistillationConfig": "posttrain.trainers.distillation", "DistillationTrainer": "posttrain.trainers.distillation",
     "GKDConfig": "posttrain.trainers.gkd", "GKDTrainer": "posttrain.trainers.gkd",
     "MiniLLMConfig": "posttrain.trainers.minillm", "MiniLLMTrainer": "posttrain.trainers.minillm",
+    "TrlParser": "posttrain.scripts", "ScriptArguments": "posttrain.scripts", "ModelConfig": "posttrain.scripts",
+    "DatasetConfig": "posttrain.scripts", "DatasetMixtureConfig": "posttrain.scripts", "get_dataset": "posttrain.scripts",
+    "get_peft_config": "posttrain.scripts", "get_quantization_config": "posttrain.scripts",
+    "get_kbit_device_map": "posttrain.scripts",
     # TRL's helper names (trl.data_utils, trl.chat_template_utils, trl.rewards, callbacks, collators)
     **{name: "posttrain.data.utils" for name in (
         "apply_chat_template", "maybe_apply_chat_template", "extract_prompt", "maybe_extract_prompt",
