@@ -123,7 +123,8 @@ def test_rewards_as_grpo_reward_funcs(tmp_path):
     data = Dataset.from_dict({"prompt": ["What is 1+1?", "What is 2+2?"] * 2, "solution": ["2", "4"] * 2})
     funcs = [accuracy, think_format_reward, get_soft_overlong_punishment(8, 4), get_repetition_penalty_reward(2)]
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_steps=1,
-                      max_completion_length=8, logging_steps=1, report_to=[], disable_tqdm=True)
+                      max_completion_length=8, logging_steps=1, report_to=[], disable_tqdm=True,
+                      log_completions=True)
     trainer = GRPOTrainer("posttrain/tiny-qwen2", funcs, args=args, train_dataset=data)
     trainer.train()
     logs = trainer.state.log_history[0]
@@ -133,6 +134,12 @@ def test_rewards_as_grpo_reward_funcs(tmp_path):
     assert -1.0 <= logs["rewards/soft_overlong_punishment_reward/mean"] <= 0
     # one prompt's 4 completions, each with that prompt's solution
     assert extra["solution"] in (["2"] * 4, ["4"] * 4) and len(extra["answer_parsed"]) == 4
+    import json
+    import os
+
+    with open(os.path.join(tmp_path, "completions.jsonl")) as f:  # the logged columns reach the table
+        rows = [json.loads(line) for line in f]
+    assert [r["solution"] for r in rows] == extra["solution"] and "gold_parsed" in rows[0]
 
 
 def test_trl_reward_names_resolve():
