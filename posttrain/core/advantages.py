@@ -13,6 +13,13 @@
                         whitened over the whole batch; no critic.
   reinforce_pp_baseline REINFORCE++-baseline: the group mean of the scores is subtracted
                         first, then as reinforce_pp.
+  preference_pair       Online DPO / XPO (Guo et al. 2024; Xie et al. 2024): the two completions of a
+                        prompt become a preference pair, +1 for the chosen (the higher score; the
+                        first on a tie, as TRL ranks them), -1 for the rejected. A label, not a
+                        baseline-corrected return: the pair losses read its sign.
+  nash_md               Nash-MD (Munos et al. 2023): in each pair (policy sample, mixture sample),
+                        P - 0.5 on the policy's completion, P = σ(r_policy - r_mixture) the
+                        Bradley-Terry probability that it wins; 0 on the mixture's (not trained on).
 
 Each takes an `AdvantageInput` plus keyword-only options (each read from the config field of
 its name) and returns `(advantages, returns)`: advantages `(B, T)`, 0 on padding; returns
@@ -258,3 +265,27 @@ def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
     scores = _ungroup(g - g.mean(dim=1, keepdim=True), inp.layout)  # (B,)
     returns = _discounted_return(per_token_rewards(scores, inp.mask, inp.token_rewards), inp.mask, gamma)
     return masked_whiten(returns, inp.mask), None
+
+
+@register_advantage("preference_pair", per_token=False, critic=False, min_group=2)
+def preference_pair(inp: AdvantageInput):
+    """+1 on every token of the chosen completion of each pair, -1 on the rejected one's: the chosen is the
+    one with the higher score, the first of the pair when the scores are equal. Needs group_size 2."""
+    if inp.group_size != 2:
+        raise ValueError(f"preference_pair ranks pairs: it needs group_size 2 (num_generations=2), got "
+                         f"{inp.group_size}")
+    g = group_view(inp.scores, 2, inp.layout)  # (P, 2)
+    first_wins = g[:, 0] >= g[:, 1]
+    signs = torch.stack([torch.where(first_wins, 1.0, -1.0), torch.where(first_wins, -1.0, 1.0)], dim=1)
+    return _broadcast(_ungroup(signs.to(inp.scores.dtype), inp.layout), inp.mask), None
+
+
+@register_advantage("nash_md", per_token=False, critic=False, min_group=2)
+def nash_md(inp: AdvantageInput):
+    """σ(s_0 - s_1) - 0.5 on the tokens of each pair's first completion (the policy's), 0 on the second's
+    (the geometric mixture's). Needs group_size 2."""
+    if inp.group_size != 2:
+        raise ValueError(f"nash_md compares pairs: it needs group_size 2 (num_generations=2), got {inp.group_size}")
+    g = group_view(inp.scores, 2, inp.layout)  # (P, 2)
+    first = torch.sigmoid(g[:, 0] - g[:, 1]) - 0.5
+    return _broadcast(_ungroup(torch.stack([first, torch.zeros_like(first)], dim=1), inp.layout), inp.mask), None

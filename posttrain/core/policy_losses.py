@@ -24,6 +24,13 @@
              kernel with φ(1) = 1 that fades stale samples smoothly; (k, λ) are set apart for
              A >= 0 and A < 0. Token mean, as TRL aggregates it.
 
+  gmpo       GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"): -A Π_t ρ_t^(1/|o|), the
+             geometric mean of the token ratios, each clipped in log space to [-ε, ε_high] on the side
+             its advantage would push (PPO's pessimistic min, in log space): much less sensitive to one
+             outlier ratio than the arithmetic mean, so a wider range (ε = 0.4, e^±0.4) is the default of
+             GMPOConfig. One loss per sequence, carried by each of its tokens and averaged per sequence
+             ("seq_mean_token_mean"; `loss_type="gmpo"` sets both).
+
 CISPO's, SAPO's and VESPO's values are shifted by a constant (no gradient) so that, as for the others, a
 token sampled by the current policy (ρ = 1) has loss -A: CISPO -sg(w) A (1 + log π - sg(log π)), SAPO
 -(f(ρ) - f(1) + 1) A, VESPO -sg(φ(W)) A (1 + log π - sg(log π)). Gradients are the papers'; only the logged loss reads on one scale.
@@ -97,7 +104,7 @@ def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tens
     token_log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # (B, T)
     if level == "token":
         return token_log_ratio
-    if level == "sequence":
+    if level in ("sequence", "sequence_token"):  # TRL's GSPO-token name is "sequence_token"
         seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # (B,)
         log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
         return torch.where(mask.bool(), log_ratio, 0.0)
@@ -236,6 +243,30 @@ def vespo(
     log_pi = 1.0 + logp - logp.detach()  # log π up to a constant: value 1, gradient ∇log π
     per_token = torch.where(mask.bool(), -phi * advantages * log_pi, 0.0)
     return per_token, _stats(torch.exp(log_ratio), torch.zeros_like(mask, dtype=torch.bool), logp, old_logp, mask)
+
+
+@register_policy_loss("gmpo", aggregation="seq_mean_token_mean")
+def gmpo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon: float = 0.4,
+    epsilon_high: float | None = None,
+) -> tuple[Tensor, dict]:
+    """-A exp(mean_t clip'(log ρ_t)) at every token of the sequence: clip' bounds log ρ_t to [-ε, ε_high] (ε_high
+    defaults to ε) only where that lowers the objective (above for A > 0, below for A < 0). `clipped` marks the
+    tokens held at a bound."""
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    log_ratio = _log_ratio(logp, old_logp, mask, "token")  # (B, T), 0 on padding
+    bounded = torch.clamp(log_ratio, -epsilon, eps_high)
+    positive = advantages > 0
+    clipped_log_ratio = torch.where(positive, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
+    seq_log_ratio = masked_mean(clipped_log_ratio, mask, dim=-1)  # (B,) log of the geometric mean
+    per_token = torch.where(mask.bool(), -advantages * torch.exp(seq_log_ratio).unsqueeze(-1), 0.0)
+    held = torch.where(positive, log_ratio > eps_high, (log_ratio < -epsilon) & (advantages < 0))
+    return per_token, _stats(torch.exp(log_ratio), held, logp, old_logp, mask)
 
 
 def entropy_bonus(logp: Tensor, entropy: Tensor, ratio: Tensor | None = None) -> Tensor:
