@@ -17,6 +17,8 @@
                         prompt become a preference pair, +1 for the chosen (the higher score; the
                         first on a tie, as TRL ranks them), -1 for the rejected. A label, not a
                         baseline-corrected return: the pair losses read its sign.
+  optimal_advantage     A*-PO (Brantley et al. 2025): the score as given is the advantage, r - V*(x),
+                        the trainer having subtracted the prompt's optimal value (`optimal_value`).
   nash_md               Nash-MD (Munos et al. 2023): in each pair (policy sample, mixture sample),
                         P - 0.5 on the policy's completion, P = σ(r_policy - r_mixture) the
                         Bradley-Terry probability that it wins; 0 on the mixture's (not trained on).
@@ -37,6 +39,7 @@ positions, treating the next masked token as the next step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -289,3 +292,16 @@ def nash_md(inp: AdvantageInput):
     g = group_view(inp.scores, 2, inp.layout)  # (P, 2)
     first = torch.sigmoid(g[:, 0] - g[:, 1]) - 0.5
     return _broadcast(_ungroup(torch.stack([first, torch.zeros_like(first)], dim=1), inp.layout), inp.mask), None
+
+
+@register_advantage("optimal_advantage", per_token=False, critic=False, min_group=1)
+def optimal_advantage(inp: AdvantageInput):
+    """The score itself on every token: A*-PO's scores arrive as r - V*(x) (`optimal_value`)."""
+    return _broadcast(inp.scores, inp.mask), None
+
+
+def optimal_value(rewards: Tensor, beta1: float) -> Tensor:
+    """A*-PO's estimate of the optimal value of each prompt from its reference samples' rewards (P, n):
+    V*(x) = β1 log mean_i exp(r_i / β1) (P,), computed stably (a soft maximum: β1 -> 0 gives max_i r_i)."""
+    n = rewards.shape[1]
+    return beta1 * (torch.logsumexp(rewards / beta1, dim=1) - math.log(n))

@@ -307,6 +307,13 @@ def clipped_value_loss(
     return per_token, clipfrac
 
 
+def a2po_regression_loss(logps: Tensor, ref_logps: Tensor, advantages: Tensor, beta2: float) -> Tensor:
+    """A*-PO's stage-2 loss per completion (B,) (Brantley et al. 2025, "Accelerating RL for LLM Reasoning with
+    Optimal Advantage Regression"): (β2 log π(y|x)/π_ref(y|x) - A)^2, the implicit reward regressed onto the
+    optimal advantage A = r - V*(x). logps, ref_logps: (B,) sums over the completion's tokens."""
+    return (beta2 * (logps - ref_logps) - advantages) ** 2
+
+
 def truncated_importance_weights(old_logp: Tensor, vllm_logp: Tensor, cap: float) -> Tensor:
     """min(pi_old / pi_vllm, cap) per token (B, T): the weight of each token's policy loss that corrects
     for sampling with vLLM's numbers instead of the policy's (truncated importance sampling; TRL's

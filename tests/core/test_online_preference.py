@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from posttrain.core.advantages import AdvantageInput, compute_advantages
@@ -113,3 +114,25 @@ def test_geometric_mixture_is_the_normalised_weighted_log_mean():
     mix.select(torch.tensor([0]))
     assert mix.policy.calls == mix.ref.calls == ["prefill", "expand", "step", "select"]
     assert len(entered) == 2  # the reference's logits were read in its context, for prefill and step
+
+
+def test_optimal_value_is_a_soft_maximum_by_hand():
+    from posttrain.core.advantages import optimal_value
+
+    rewards = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    v = optimal_value(rewards, 0.5)
+    # 0.5 log((1 + e^2 + e^2 + 1) / 4) = 0.5 log((1 + e^2) / 2)
+    torch.testing.assert_close(v, torch.tensor([0.5 * math.log((1 + math.e ** 2) / 2), 0.0], dtype=torch.float64))
+    assert float(optimal_value(rewards[:1], 1e-3)) == pytest.approx(1.0, abs=2e-3)  # beta1 -> 0: the best sample
+
+
+def test_a2po_regression_loss_and_gradient_by_hand():
+    from posttrain.core.policy_losses import a2po_regression_loss
+
+    logps = torch.tensor([-3.0, -1.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-5.0, -1.0], dtype=torch.float64)
+    adv = torch.tensor([0.5, -0.25], dtype=torch.float64)
+    loss = a2po_regression_loss(logps, ref, adv, 0.1)
+    torch.testing.assert_close(loss, torch.tensor([(0.2 - 0.5) ** 2, 0.25 ** 2], dtype=torch.float64))
+    loss.sum().backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([2 * 0.1 * (0.2 - 0.5), 2 * 0.1 * 0.25], dtype=torch.float64))

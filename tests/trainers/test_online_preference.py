@@ -207,3 +207,23 @@ def test_cli_commands_train(tmp_path, command):
     assert trainer.state.global_step == 1 and type(trainer).__name__ == cli.TRAINERS[command][0].split(":")[1]
     if command not in ("gmpo", "gspo_token"):
         assert trainer.args.beta == 0.2
+
+
+def test_a2po_estimates_v_star_filters_hopeless_prompts_and_trains(tmp_path):
+    from posttrain.trainers.a2po import A2POConfig, A2POTrainer, prompt_key
+
+    data = prompts(8)
+    hopeless = data["prompt"][0]
+
+    def reward(prompts, completion_ids, **kwargs):  # 0 for the first prompt's samples, else first_token_reward
+        return [0.0 if p == hopeless else s for p, s in zip(prompts, first_token_reward(completion_ids))]
+
+    args = A2POConfig(**online_args(tmp_path, learning_rate=1e-2, num_value_samples=4, per_device_train_batch_size=2))
+    trainer = A2POTrainer(MODEL, reward, args=args, train_dataset=data)
+    assert trainer.args.beta == trainer.args.beta2 == 1e-3 and trainer.args.num_generations == 1
+    logged = train_and_check(trainer, metrics=ENGINE + ["v_star", "implicit_reward", "advantage"],
+                             reward_names=("reward",))
+    assert len(trainer.optimal_values) == 8 and trainer.optimal_values[prompt_key(hopeless)] == 0.0
+    assert len(trainer.train_dataset) == 7 and hopeless not in trainer.train_dataset["prompt"]
+    assert logged["reward"][0] == pytest.approx(logged["rewards/reward/mean"][0])  # r, not r - V*
+    assert logged["advantage"][0] == pytest.approx(logged["reward"][0] - logged["v_star"][0], abs=1e-5)
