@@ -37,20 +37,24 @@ from pathlib import Path
 STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "dpo", "bco", "kto")
 # Run only when asked (--stages tools): a few minutes of CPU, more than the default stages together; the other
 # online methods learn as their namesakes above (--stages xpo,nash_md,gmpo,gspo_token).
-OPT_IN_STAGES = ("tools", "xpo", "nash_md", "gmpo", "gspo_token")
+OPT_IN_STAGES = ("tools", "xpo", "nash_md", "gmpo", "gspo_token", "grpo_with_replay_buffer")
 
 
-ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "xpo", "nash_md", "gmpo", "gspo_token")
+ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "xpo", "nash_md", "gmpo", "gspo_token",
+          "grpo_with_replay_buffer")
 PAIRED = ("online_dpo", "xpo", "nash_md")  # two completions per prompt, ranked against each other
 PREFERENCE = ("dpo", "bco", "kto")
 
 # Budgets and learning rates per stage, measured on the tiny model (see the table in README.md).
 # The online stages count rollouts of 8 prompts x 8 samples: RLOO and PPO take num_ppo_epochs (4)
-# optimizer steps per rollout, so every online method sees the same 100 rollouts.
+# optimizer steps per rollout, so every online method sees the same 100 rollouts. Online DPO, XPO and Nash-MD
+# rank 32 prompts x 2 samples per step.
 STEPS = {"sft": 170, "reward": 200, "grpo": 100, "rloo": 100, "ppo": 100, "reinforce_pp": 100,
-         "online_dpo": 40, "xpo": 40, "nash_md": 40, "gmpo": 100, "gspo_token": 100, "dpo": 200, "bco": 100, "kto": 100}
+         "online_dpo": 40, "xpo": 40, "nash_md": 40, "gmpo": 100, "gspo_token": 100, "grpo_with_replay_buffer": 100,
+         "dpo": 200, "bco": 100, "kto": 100}
 LEARNING_RATES = {"sft": 3e-3, "reward": 1e-3, "grpo": 1e-3, "rloo": 1e-3, "ppo": 1e-3, "reinforce_pp": 1e-3,
-                  "online_dpo": 3e-4, "xpo": 3e-4, "nash_md": 1e-4, "gmpo": 1e-3, "gspo_token": 1e-3,
+                  "online_dpo": 1e-3, "xpo": 1e-3, "nash_md": 1e-3, "gmpo": 1e-3, "gspo_token": 1e-3,
+                  "grpo_with_replay_buffer": 1e-3,
                   "dpo": 3e-4, "bco": 5e-4, "kto": 5e-4}
 
 
@@ -183,7 +187,8 @@ def _online(plan, name, tokenizer, train, test, start, sft_acc):
     config_cls = getattr(posttrain, {"grpo": "GRPOConfig", "rloo": "RLOOConfig", "ppo": "PPOConfig",
                                      "reinforce_pp": "ReinforcePPConfig", "online_dpo": "OnlineDPOConfig",
                                      "xpo": "XPOConfig", "nash_md": "NashMDConfig", "gmpo": "GMPOConfig",
-                                     "gspo_token": "GSPOTokenConfig"}[name])
+                                     "gspo_token": "GSPOTokenConfig",
+                                     "grpo_with_replay_buffer": "GRPOWithReplayBufferConfig"}[name])
     trainer_cls = getattr(posttrain, config_cls.__name__.replace("Config", "Trainer"))
     reward = final_answer_reward if plan.task == "quick-add" else digit_match_reward
     prompts = train.remove_columns("completion")
