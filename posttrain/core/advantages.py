@@ -15,13 +15,15 @@
                         first, then as reinforce_pp.
   preference_pair       Online DPO / XPO (Guo et al. 2024; Xie et al. 2024): the two completions of a
                         prompt become a preference pair, +1 for the chosen (the higher score; the
-                        first on a tie, as TRL ranks them), -1 for the rejected. A label, not a
-                        baseline-corrected return: the pair losses read its sign.
+                        first on a tie, as TRL ranks them), -1 for the rejected (in a larger group:
+                        the best and the worst, 0 for the rest). A label, not a baseline-corrected
+                        return: the pair losses read its sign.
   optimal_advantage     A*-PO (Brantley et al. 2025): the score as given is the advantage, r - V*(x),
                         the trainer having subtracted the prompt's optimal value (`optimal_value`).
   nash_md               Nash-MD (Munos et al. 2023): in each pair (policy sample, mixture sample),
                         P - 0.5 on the policy's completion, P = σ(r_policy - r_mixture) the
-                        Bradley-Terry probability that it wins; 0 on the mixture's (not trained on).
+                        Bradley-Terry probability that it wins (in a larger group, the mean over the
+                        others); 0 on the mixture's (not trained on).
 
 Each takes an `AdvantageInput` plus keyword-only options (each read from the config field of
 its name) and returns `(advantages, returns)`: advantages `(B, T)`, 0 on padding; returns
@@ -272,26 +274,33 @@ def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
 
 @register_advantage("preference_pair", per_token=False, critic=False, min_group=2)
 def preference_pair(inp: AdvantageInput):
-    """+1 on every token of the chosen completion of each pair, -1 on the rejected one's: the chosen is the
-    one with the higher score, the first of the pair when the scores are equal. Needs group_size 2."""
-    if inp.group_size != 2:
-        raise ValueError(f"preference_pair ranks pairs: it needs group_size 2 (num_generations=2), got "
-                         f"{inp.group_size}")
-    g = group_view(inp.scores, 2, inp.layout)  # (P, 2)
-    first_wins = g[:, 0] >= g[:, 1]
-    signs = torch.stack([torch.where(first_wins, 1.0, -1.0), torch.where(first_wins, -1.0, 1.0)], dim=1)
-    return _broadcast(_ungroup(signs.to(inp.scores.dtype), inp.layout), inp.mask), None
+    """+1 on every token of each group's chosen completion, -1 on its rejected one's, 0 on the others: the chosen
+    has the highest score (the first of equals), the rejected the lowest (the last of equals), so a pair
+    (group_size 2, Online DPO's) ranks its first completion above the second when their scores tie."""
+    k = inp.group_size
+    if k < 2:
+        raise ValueError(f"preference_pair ranks the completions of a prompt: it needs group_size >= 2, got {k}")
+    g = group_view(inp.scores, k, inp.layout)  # (P, k)
+    signs = torch.zeros_like(g)
+    rows = torch.arange(g.shape[0], device=g.device)
+    signs[rows, g.argmax(dim=1)] = 1.0  # argmax: the first of equal maxima
+    signs[rows, k - 1 - g.flip(1).argmin(dim=1)] = -1.0  # the last of equal minima (a tie: the other row)
+    return _broadcast(_ungroup(signs, inp.layout), inp.mask), None
 
 
 @register_advantage("nash_md", per_token=False, critic=False, min_group=2)
 def nash_md(inp: AdvantageInput):
-    """σ(s_0 - s_1) - 0.5 on the tokens of each pair's first completion (the policy's), 0 on the second's
-    (the geometric mixture's). Needs group_size 2."""
-    if inp.group_size != 2:
-        raise ValueError(f"nash_md compares pairs: it needs group_size 2 (num_generations=2), got {inp.group_size}")
-    g = group_view(inp.scores, 2, inp.layout)  # (P, 2)
-    first = torch.sigmoid(g[:, 0] - g[:, 1]) - 0.5
-    return _broadcast(_ungroup(torch.stack([first, torch.zeros_like(first)], dim=1), inp.layout), inp.mask), None
+    """P - 0.5 on the tokens of each group's first completion (the policy's), P = mean_j σ(s_0 - s_j) over the
+    others (the geometric mixture's; for a pair, σ(s_0 - s_1)); 0 on the others, which are not trained on."""
+    k = inp.group_size
+    if k < 2:
+        raise ValueError(f"nash_md compares the policy's completion with the mixture's: it needs group_size >= 2, "
+                         f"got {k}")
+    g = group_view(inp.scores, k, inp.layout)  # (P, k)
+    first = torch.sigmoid(g[:, :1] - g[:, 1:]).mean(dim=1) - 0.5
+    advantages = torch.zeros_like(g)
+    advantages[:, 0] = first
+    return _broadcast(_ungroup(advantages, inp.layout), inp.mask), None
 
 
 @register_advantage("optimal_advantage", per_token=False, critic=False, min_group=1)

@@ -20,6 +20,12 @@ def test_preference_pair_marks_the_chosen_and_breaks_ties_for_the_first():
     assert (adv[:, 2] == 0).all()  # padding
 
 
+def test_preference_pair_in_larger_groups_marks_the_best_and_the_worst():
+    scores = torch.tensor([1.0, 3.0, 3.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    adv, _ = compute_advantages("preference_pair", AdvantageInput(scores, torch.ones(8, 1), group_size=4))
+    assert adv[:, 0].tolist() == [0.0, 1.0, 0.0, -1.0, 1.0, 0.0, 0.0, -1.0]  # ties: first best, last worst
+
+
 def test_nash_md_estimator_is_win_probability_minus_half_on_the_policy_row():
     scores = torch.tensor([1.0, 0.0, 0.0, 2.0], dtype=torch.float64)
     mask = torch.ones(4, 2)
