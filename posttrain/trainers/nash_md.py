@@ -105,7 +105,7 @@ class NashMDTrainer(OnlineDPOTrainer):
 
     def _record_rollout(self, g: dict, scores: Tensor, truncated: Tensor):
         OnlineTrainer._record_rollout(self, g, scores, truncated)
-        self.record({"rewards/chosen": float(scores[0::2].mean()), "rewards/rejected": float(scores[1::2].mean()),
-                     "val/model_contain_eos_token": float((~truncated[0::2]).float().mean()),
-                     "val/ref_contain_eos_token": float((~truncated[1::2]).float().mean())}, "train")
+        self.record({"rewards/chosen": float(scores[0::2].mean()), "rewards/rejected": float(scores[1::2].mean())},
+                    "train")
+        self.record_sources(truncated)
 

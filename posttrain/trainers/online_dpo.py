@@ -260,6 +260,12 @@ class OnlineDPOTrainer(OnlineTrainer):
         self.record({"objective/scores_margin": float(margin.mean()),
                      "val/contain_eos_token": float((~truncated).float().mean())}, "train")
 
+    def record_sources(self, truncated: Tensor):
+        """XPO, Nash-MD: how often the policy's completions (rows 0, 2, ...) and the second source's (rows 1, 3, ...:
+        the reference's, the mixture's) end with EOS."""
+        self.record({"val/model_contain_eos_token": float((~truncated[0::2]).float().mean()),
+                     "val/ref_contain_eos_token": float((~truncated[1::2]).float().mean())}, "train")
+
     def _eval_loss(self, rollout: Rollout, scores: Tensor, k: int) -> None:
         return None  # eval rollouts are single completions: evaluate() reports their rewards
 

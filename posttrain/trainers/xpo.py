@@ -80,6 +80,5 @@ class XPOTrainer(OnlineDPOTrainer):
         OnlineTrainer._record_rollout(self, g, scores, truncated)  # XPO's margin is model - ref, not |chosen - rejected|
         model, ref = scores[0::2], scores[1::2]
         self.record({"objective/model_scores": float(model.mean()), "objective/ref_scores": float(ref.mean()),
-                     "objective/scores_margin": float((model - ref).mean()),
-                     "val/model_contain_eos_token": float((~truncated[0::2]).float().mean()),
-                     "val/ref_contain_eos_token": float((~truncated[1::2]).float().mean())}, "train")
+                     "objective/scores_margin": float((model - ref).mean())}, "train")
+        self.record_sources(truncated)
