@@ -36,12 +36,12 @@ from pathlib import Path
 
 STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "dpo", "bco", "kto")
 # Run only when asked (--stages tools): a few minutes of CPU, more than the default stages together; the other
-# online methods learn as their namesakes above (--stages xpo,nash_md,gmpo,gspo_token).
-OPT_IN_STAGES = ("tools", "xpo", "nash_md", "gmpo", "gspo_token", "grpo_with_replay_buffer")
+# online methods learn as their namesakes above (--stages xpo,nash_md,gmpo,gspo_token,grpo_with_replay_buffer,a2po).
+OPT_IN_STAGES = ("tools", "xpo", "nash_md", "gmpo", "gspo_token", "grpo_with_replay_buffer", "a2po")
 
 
 ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "xpo", "nash_md", "gmpo", "gspo_token",
-          "grpo_with_replay_buffer")
+          "grpo_with_replay_buffer", "a2po")
 PAIRED = ("online_dpo", "xpo", "nash_md")  # two completions per prompt, ranked against each other
 PREFERENCE = ("dpo", "bco", "kto")
 
@@ -51,10 +51,10 @@ PREFERENCE = ("dpo", "bco", "kto")
 # rank 32 prompts x 2 samples per step.
 STEPS = {"sft": 170, "reward": 200, "grpo": 100, "rloo": 100, "ppo": 100, "reinforce_pp": 100,
          "online_dpo": 40, "xpo": 40, "nash_md": 40, "gmpo": 100, "gspo_token": 100, "grpo_with_replay_buffer": 100,
-         "dpo": 200, "bco": 100, "kto": 100}
+         "a2po": 40, "dpo": 200, "bco": 100, "kto": 100}
 LEARNING_RATES = {"sft": 3e-3, "reward": 1e-3, "grpo": 1e-3, "rloo": 1e-3, "ppo": 1e-3, "reinforce_pp": 1e-3,
                   "online_dpo": 1e-3, "xpo": 1e-3, "nash_md": 1e-3, "gmpo": 1e-3, "gspo_token": 1e-3,
-                  "grpo_with_replay_buffer": 1e-3,
+                  "grpo_with_replay_buffer": 1e-3, "a2po": 1e-3,
                   "dpo": 3e-4, "bco": 5e-4, "kto": 5e-4}
 
 
@@ -188,12 +188,13 @@ def _online(plan, name, tokenizer, train, test, start, sft_acc):
                                      "reinforce_pp": "ReinforcePPConfig", "online_dpo": "OnlineDPOConfig",
                                      "xpo": "XPOConfig", "nash_md": "NashMDConfig", "gmpo": "GMPOConfig",
                                      "gspo_token": "GSPOTokenConfig",
-                                     "grpo_with_replay_buffer": "GRPOWithReplayBufferConfig"}[name])
+                                     "grpo_with_replay_buffer": "GRPOWithReplayBufferConfig",
+                                     "a2po": "A2POConfig"}[name])
     trainer_cls = getattr(posttrain, config_cls.__name__.replace("Config", "Trainer"))
     reward = final_answer_reward if plan.task == "quick-add" else digit_match_reward
     prompts = train.remove_columns("completion")
     extra = dict(per_device_train_batch_size=plan.rl_batch_size,
-                 num_generations=2 if name in PAIRED else plan.num_generations,
+                 num_generations=2 if name in PAIRED else 1 if name == "a2po" else plan.num_generations,
                  max_completion_length=plan.max_new_tokens, temperature=plan.temperature, log_completions=True,
                  num_completions_to_print=4)
     passes = getattr(config_cls, "num_ppo_epochs", 1)  # RLOO and PPO: optimizer steps per rollout (default 4)

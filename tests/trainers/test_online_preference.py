@@ -197,16 +197,31 @@ def test_xpo_resumes_after_sigkill(tmp_path):
     assert_same_run(resumed, expected_state, expected_logs, max_steps=3, stop_at=2)
 
 
-@pytest.mark.parametrize("command", ["online_dpo", "xpo", "nash_md", "gmpo", "gspo_token"])
+GROUP_COMMANDS = ("gmpo", "gspo_token", "grpo_with_replay_buffer")
+
+
+@pytest.mark.parametrize("command", ["online_dpo", "xpo", "nash_md", *GROUP_COMMANDS])
 def test_cli_commands_train(tmp_path, command):
-    extra = ["--num_generations", "4"] if command in ("gmpo", "gspo_token") else ["--beta", "0.2"]
+    extra = ["--num_generations", "4"] if command in GROUP_COMMANDS else ["--beta", "0.2"]
     trainer = cli.run([command, "--model_name_or_path", MODEL, "--dataset_name", "reverse", "--reward_funcs",
                        "exact_match", "--output_dir", str(tmp_path), "--max_steps", "1",
                        "--per_device_train_batch_size", "4", "--max_completion_length", "4", "--disable_tqdm", "true",
                        *extra])
     assert trainer.state.global_step == 1 and type(trainer).__name__ == cli.TRAINERS[command][0].split(":")[1]
-    if command not in ("gmpo", "gspo_token"):
+    if command not in GROUP_COMMANDS:
         assert trainer.args.beta == 0.2
+
+
+def test_cli_parses_a2po_and_list_fields(tmp_path):
+    _, config = cli.parse("a2po", ["--model_name_or_path", MODEL, "--dataset_name", "reverse", "--reward_funcs",
+                                   "exact_match", "--output_dir",
+                                   str(tmp_path), "--num_value_samples", "4", "--beta2", "0.01",
+                                   "--filter_all_incorrect", "false"])
+    assert (config.num_value_samples, config.beta2, config.beta, config.filter_all_incorrect) == (4, 0.01, 0.01, False)
+    _, config = cli.parse("xpo", ["--model_name_or_path", MODEL, "--dataset_name", "reverse", "--reward_funcs",
+                                  "exact_match", "--output_dir",
+                                  str(tmp_path), "--beta", "0.2", "0.1", "--alpha", "1e-4", "2e-4"])
+    assert config.beta_schedule == (0.2, 0.1) and config.alpha == [1e-4, 2e-4]
 
 
 def test_a2po_estimates_v_star_filters_hopeless_prompts_and_trains(tmp_path):
