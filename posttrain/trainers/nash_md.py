@@ -101,6 +101,8 @@ class NashMDTrainer(OnlineDPOTrainer):
                         "beta": self.args.beta, "mixture_coef": self.mixture_coef}
 
     def record_pairs(self, pairs: Pairs, metrics: dict):
+        if not bool(pairs.valid.any()):  # every pair left out of the loss: no means
+            return
         self.record({k: float(v) for k, v in metrics.items()}, "train")  # Nash-MD's own (TRL's names)
 
     def _record_rollout(self, g: dict, scores: Tensor, truncated: Tensor):

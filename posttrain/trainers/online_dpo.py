@@ -243,6 +243,8 @@ class OnlineDPOTrainer(OnlineTrainer):
     def record_pairs(self, pairs: Pairs, metrics: dict):
         """TRL's pair metrics: the chosen and rejected log-probs and implicit rewards β (log π - log π_ref)."""
         p, beta = pairs.preference, self.args.beta
+        if not bool(pairs.valid.any()):  # every pair left out of the loss (mask_truncated_completions): no means
+            return
         chosen = (beta * (p.chosen_logps - p.ref_chosen_logps)).detach()
         rejected = (beta * (p.rejected_logps - p.ref_rejected_logps)).detach()
         keep = pairs.valid
