@@ -28,8 +28,8 @@
              geometric mean of the token ratios, each clipped in log space to [-ε, ε_high] on the side
              its advantage would push (PPO's pessimistic min, in log space): much less sensitive to one
              outlier ratio than the arithmetic mean, so a wider range (ε = 0.4, e^±0.4) is the default of
-             GMPOConfig. One loss per sequence, carried by each of its tokens and averaged per sequence
-             ("seq_mean_token_mean"; `loss_type="gmpo"` sets both).
+             GMPOConfig. In token form, as GSPO-token: averaged per sequence ("seq_mean_token_mean";
+             `loss_type="gmpo"` sets both) its gradient is the paper's.
 
 CISPO's, SAPO's and VESPO's values are shifted by a constant (no gradient) so that, as for the others, a
 token sampled by the current policy (ρ = 1) has loss -A: CISPO -sg(w) A (1 + log π - sg(log π)), SAPO
@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.masked import AGGREGATIONS, masked_mean
-from posttrain.core.registry import keyword_options
+from posttrain.core.registry import Registry
 
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict]]
@@ -80,7 +80,20 @@ class PolicyLoss:
     options: tuple[str, ...]  # fn's keyword-only parameters, each read from the config field of that name
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES = Registry("policy loss", PolicyLoss, positional=("logp", "old_logp", "advantages", "mask"))
+# The options of the losses below: each is the config field of its name (OnlineConfig), checked against its bound.
+POLICY_LOSSES.option("epsilon", 0.2, "Clip range of the importance ratio (>= 0).", bound=(0, None),
+                     what="a clip range of the importance ratio")
+POLICY_LOSSES.option("epsilon_high", None, "Upper clip range (DAPO, >= 0); None: epsilon.", bound=(0, None),
+                     what="a clip range of the importance ratio")
+POLICY_LOSSES.option("sapo_temperature_pos", 1.0, "SAPO's gate temperature for positive advantages (loss_type 'sapo').")
+POLICY_LOSSES.option("sapo_temperature_neg", 1.05, "SAPO's gate temperature for other advantages (loss_type 'sapo').")
+# a negative VESPO rate would grow phi without bound as W grows
+POLICY_LOSSES.option("vespo_k_pos", 2.0, "VESPO's shape k of the kernel phi(W) = W^k exp(lambda (1 - W)) on the "
+                     "sequence ratio W, for advantages >= 0 (loss_type 'vespo').", bound=(0, None))
+POLICY_LOSSES.option("vespo_lambda_pos", 3.0, "VESPO's rate lambda for advantages >= 0.", bound=(0, None))
+POLICY_LOSSES.option("vespo_k_neg", 3.0, "VESPO's shape k for negative advantages.", bound=(0, None))
+POLICY_LOSSES.option("vespo_lambda_neg", 2.0, "VESPO's rate lambda for negative advantages.", bound=(0, None))
 
 
 def register_policy_loss(name: str, *, aggregation: str | None) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -89,14 +102,7 @@ def register_policy_loss(name: str, *, aggregation: str | None) -> Callable[[Pol
         raise ValueError(f"register_policy_loss({name!r}): aggregation={aggregation!r} is not a loss "
                          f"aggregation; choose from {sorted(AGGREGATIONS)} or None")
 
-    def decorate(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        options = keyword_options(fn, f"policy loss {name!r}", ("logp", "old_logp", "advantages", "mask"))
-        POLICY_LOSSES[name] = PolicyLoss(fn, aggregation, options)
-        return fn
-
-    return decorate
+    return POLICY_LOSSES.register(name, aggregation=aggregation)
 
 
 def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
@@ -255,16 +261,20 @@ def gmpo(
     epsilon: float = 0.4,
     epsilon_high: float | None = None,
 ) -> tuple[Tensor, dict]:
-    """-A exp(mean_t clip'(log ρ_t)) at every token of the sequence: clip' bounds log ρ_t to [-ε, ε_high] (ε_high
-    defaults to ε) only where that lowers the objective (above for A > 0, below for A < 0). `clipped` marks the
-    tokens held at a bound."""
+    """-A g per token, g = exp(mean_t clip'(log ρ_t)) the sequence's clipped geometric-mean ratio: clip' bounds log ρ_t
+    to [-ε, ε_high] (ε_high defaults to ε) only where that lowers the objective (above for A > 0, below for A < 0).
+    Token form: the gradient of token t's loss is -A g ∇clip'(log ρ_t), so the sequence mean's gradient is GMPO's
+    for a sequence-level advantage. `clipped` marks the tokens held at a bound (they give no gradient)."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
     log_ratio = _log_ratio(logp, old_logp, mask, "token")  # (B, T), 0 on padding
     bounded = torch.clamp(log_ratio, -epsilon, eps_high)
     positive = advantages > 0
     clipped_log_ratio = torch.where(positive, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
-    seq_log_ratio = masked_mean(clipped_log_ratio, mask, dim=-1)  # (B,) log of the geometric mean
-    per_token = torch.where(mask.bool(), -advantages * torch.exp(seq_log_ratio).unsqueeze(-1), 0.0)
+    geometric = torch.exp(masked_mean(clipped_log_ratio, mask, dim=-1)).detach().unsqueeze(-1)  # (B, 1)
+    # the token form (as GSPO-token): each token carries the sequence's value -A g and the gradient of its own
+    # clipped log-ratio, -A g ∇clip'(log ρ_t); averaged over the sequence it is ∇(-A g) for a sequence-level A
+    own = torch.exp(clipped_log_ratio - clipped_log_ratio.detach())
+    per_token = torch.where(mask.bool(), -advantages * geometric * own, 0.0)
     held = torch.where(positive, log_ratio > eps_high, (log_ratio < -epsilon) & (advantages < 0))
     return per_token, _stats(torch.exp(log_ratio), held, logp, old_logp, mask)
 

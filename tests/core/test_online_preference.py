@@ -64,8 +64,8 @@ def test_gmpo_is_the_clipped_geometric_mean_of_the_ratios_float64():
     torch.testing.assert_close(per_token[1, :2], torch.full((2,), 1.0 * g1, dtype=torch.float64))
     assert per_token[1, 2] == 0
     assert stats["clipped"].tolist() == [[True, False, False], [False, True, False]]
-    # gradient of the sequence loss -A g: only unclipped tokens, each -A g / |o|
-    per_token[0, 0].backward()
+    # gradient of the sequence loss -A g (the mean of its tokens): only unclipped tokens, each -A g / |o|
+    per_token[0].mean().backward()
     torch.testing.assert_close(logp.grad[0], torch.tensor([0.0, -2.0 * g0 / 3, -2.0 * g0 / 3], dtype=torch.float64))
 
 
