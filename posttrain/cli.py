@@ -355,6 +355,12 @@ TRAINERS = {
             "BCO on unpaired (or paired) feedback."),
     "kto": ("posttrain.trainers.kto:KTOTrainer", build_offline, ScriptArguments,
             "KTO on unpaired (or paired) feedback."),
+    "distillation": ("posttrain.trainers.distillation:DistillationTrainer", build_offline, ScriptArguments,
+                     "On-policy distillation from --teacher_model_name_or_path (generalised JSD)."),
+    "gkd": ("posttrain.trainers.gkd:GKDTrainer", build_offline, ScriptArguments,
+            "GKD: distillation mixing on-policy and dataset (or teacher, --seq_kd) completions."),
+    "minillm": ("posttrain.trainers.minillm:MiniLLMTrainer", build_offline, ScriptArguments,
+                "MiniLLM: reverse KL to --teacher_model_name_or_path as a policy gradient."),
 }
 
 

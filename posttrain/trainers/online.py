@@ -220,13 +220,21 @@ class OnlineTrainer(BaseTrainer):
                              f"({per_generation // args.num_generations}); add prompts or lower "
                              "per_device_train_batch_size / steps_per_generation")
 
+    @staticmethod
+    def uses_reference(args) -> bool:
+        """Whether the engine loads a reference policy: a KL term with `beta > 0`. A preset whose `beta` means
+        something else (distillation: the divergence's interpolation) says no here."""
+        return args.beta > 0
+
     def _set_reference(self, ref_model, policy, args: OnlineConfig):
-        """`self.ref_model`: only when beta > 0; a frozen copy of the policy unless one is given or the policy is a
-        PEFT model (whose reference is the adapter-disabled policy); synced to the policy with sync_ref_model."""
-        needs_ref = args.beta > 0
+        """`self.ref_model`: only when `uses_reference` (beta > 0); a frozen copy of the policy unless one is given
+        or the policy is a PEFT model (whose reference is the adapter-disabled policy); synced to the policy with
+        sync_ref_model."""
+        needs_ref = self.uses_reference(args)
         if needs_ref and ref_model is None and not loading.is_peft_model(policy):
             ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic
         self.ref_model = self.make_reference(ref_model, needed=needs_ref)
+        self.needs_reference = needs_ref  # build_experience computes reference log-probs
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a separate reference model; with PEFT the reference is the "
@@ -400,7 +408,7 @@ class OnlineTrainer(BaseTrainer):
             loss_mask[truncated] = 0
         batch["loss_mask"] = loss_mask
         scores = scores.to(device).float()
-        if args.beta > 0:
+        if self.needs_reference:
             with self.reference_context(self.ref_model):
                 ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
                 batch["ref_logp"] = self._no_grad_forward(ref, batch)
