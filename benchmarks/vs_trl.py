@@ -21,6 +21,8 @@ Workloads (default: all but the long ones; --long adds those):
   reward       reward model (Bradley-Terry), batch 4 of the same pairs, max_length 256
   grpo         2 prompts x 4 completions x <= 32 tokens per step, temperature 1, beta 0, one update per batch
   rloo         the same with the leave-one-out baseline, KL penalty 0.05, num_iterations=1 on both
+  online_dpo   Online DPO (sigmoid, beta 0.1): 2 prompts x 2 completions x <= 32 tokens per step, reference model;
+               TRL 1.16's trl.experimental (its batch counts prompts, posttrain's completions: 2 and 4)
   sft-long     SFT, batch 2, max_length 2048 (documents of 512-3072 tokens cut to 2048)       [--long]
   grpo-long    GRPO with completions of <= 256 tokens                                      [--long]
   grpo_tools   multi-turn GRPO with a calculator tool (`tools=`): 2 prompts x 4 episodes x <= 3 tool turns,
@@ -84,6 +86,9 @@ WORKLOADS = {
     "rloo": dict(trainer="rloo", data="prompts", unit="samples", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
         temperature=1.0, beta=0.05, num_iterations=1, shuffle_dataset=False)),
+    "online_dpo": dict(trainer="online_dpo", data="prompts", unit="samples", config=dict(
+        per_device_train_batch_size=2, max_new_tokens=32, learning_rate=1e-6,
+        temperature=1.0, top_k=0, top_p=1.0, beta=0.1, loss_type="sigmoid")),
     "sft-long": dict(trainer="sft", data="docs-2048", unit="tokens", long=True, config=dict(
         per_device_train_batch_size=2, max_length=2048, learning_rate=1e-5)),
     "grpo-long": dict(trainer="grpo", data="prompts", unit="samples", long=True, config=dict(
@@ -258,7 +263,7 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
     if spec["trainer"] == "ppo":  # policy, and critic (no output layer): two no-grad forwards, then fwd + bwd per epoch
         passes = 2 + 3 * spec["config"]["num_ppo_epochs"]
         return passes * (forward((tokens + 1) / 2) + forward((tokens + 1) / 2, n - output)) * tokens
-    passes = 1 + 3 + (1 if spec["trainer"] in ("rloo", "distillation", "gkd") else 0)  # + reference / teacher
+    passes = 1 + 3 + (1 if spec["trainer"] in ("rloo", "online_dpo", "distillation", "gkd") else 0)  # + reference / teacher
     return passes * forward((tokens + 1) / 2) * tokens
 
 
@@ -350,7 +355,8 @@ def same_work(workload: str, trl: dict, ours: dict) -> tuple[bool, str]:
     if trl["precision"] != ours["precision"]:  # e.g. one side under bf16 autocast: not the same arithmetic
         return False, f"precision {trl['precision']} / {ours['precision']}"
     if unit == "samples":
-        limit = WORKLOADS[workload]["config"]["max_completion_length"]
+        config = WORKLOADS[workload]["config"]
+        limit = config.get("max_completion_length", config.get("max_new_tokens"))  # Online DPO: max_new_tokens
         ok = trl["samples_per_step"] == ours["samples_per_step"] and trl["items_per_step"] == ours["items_per_step"]
         note = (f"samples/step {trl['samples_per_step']:g} / {ours['samples_per_step']:g}, <= {limit} tokens each; "
                 f"mean completion {_fmt(trl['completion_len'])} / {_fmt(ours['completion_len'])} tokens")

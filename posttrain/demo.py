@@ -5,7 +5,8 @@ On the built-in `reverse` task (reverse a 4-digit string) and the deterministic 
   1. evaluate the base model (held-out greedy exact match);
   2. SFT a short while -> a partly trained policy;
   3. train a reward model on (correct, corrupted) answer pairs -> held-out pairwise accuracy;
-  4. from the same SFT checkpoint: GRPO, RLOO, PPO and REINFORCE++ with the task's checker as reward;
+  4. from the same SFT checkpoint: GRPO, RLOO, PPO, REINFORCE++ and Online DPO with the task's checker as
+     reward (Online DPO ranks the two samples of each prompt with it);
   5. from the same SFT checkpoint: DPO, BCO and KTO on pairs built from the SFT model's own samples
      (a correct sample is chosen, an incorrect one rejected);
 
@@ -33,23 +34,30 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "dpo", "bco", "kto", "distill")
-# Run only when asked (--stages tools): a few minutes of CPU, more than the default stages together.
-OPT_IN_STAGES = ("tools",)
+STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "dpo", "bco", "kto", "distill")
+# Run only when asked (--stages tools): a few minutes of CPU, more than the default stages together; the other
+# online methods learn as their namesakes above (--stages xpo,nash_md,gmpo,gspo_token,grpo_with_replay_buffer,a2po).
+OPT_IN_STAGES = ("tools", "xpo", "nash_md", "gmpo", "gspo_token", "grpo_with_replay_buffer", "a2po")
 
 
-ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp")
+ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "xpo", "nash_md", "gmpo", "gspo_token",
+          "grpo_with_replay_buffer", "a2po")
+PAIRED = ("online_dpo", "xpo", "nash_md")  # two completions per prompt, ranked against each other
 PREFERENCE = ("dpo", "bco", "kto")
 
 # Budgets and learning rates per stage, measured on the tiny model (see the table in README.md).
 # The online stages count rollouts of 8 prompts x 8 samples: RLOO and PPO take num_ppo_epochs (4)
-# optimizer steps per rollout, so every online method sees the same 100 rollouts.
+# optimizer steps per rollout, so every online method sees the same 100 rollouts. Online DPO, XPO and Nash-MD
+# rank 32 prompts x 2 samples per step.
 # The distill stage: each distillation trainer (and SFT on the teacher's samples, with as many completion tokens)
 # trains the SFT checkpoint for `distill` steps of distill_batch_size completions from the best online stage's
 # policy.
 STEPS = {"sft": 170, "reward": 200, "grpo": 100, "rloo": 100, "ppo": 100, "reinforce_pp": 100,
-         "dpo": 200, "bco": 100, "kto": 100, "distill": 25}
+         "online_dpo": 40, "xpo": 40, "nash_md": 40, "gmpo": 100, "gspo_token": 100, "grpo_with_replay_buffer": 100,
+         "a2po": 40, "dpo": 200, "bco": 100, "kto": 100, "distill": 25}
 LEARNING_RATES = {"sft": 3e-3, "reward": 1e-3, "grpo": 1e-3, "rloo": 1e-3, "ppo": 1e-3, "reinforce_pp": 1e-3,
+                  "online_dpo": 1e-3, "xpo": 1e-3, "nash_md": 1e-3, "gmpo": 1e-3, "gspo_token": 1e-3,
+                  "grpo_with_replay_buffer": 1e-3, "a2po": 1e-3,
                   "dpo": 3e-4, "bco": 5e-4, "kto": 5e-4, "distill": 2e-3}
 
 
@@ -183,11 +191,16 @@ def _online(plan, name, tokenizer, train, test, start, sft_acc):
     from posttrain.tasks.builtin import digit_match_reward, final_answer_reward
 
     config_cls = getattr(posttrain, {"grpo": "GRPOConfig", "rloo": "RLOOConfig", "ppo": "PPOConfig",
-                                     "reinforce_pp": "ReinforcePPConfig"}[name])
+                                     "reinforce_pp": "ReinforcePPConfig", "online_dpo": "OnlineDPOConfig",
+                                     "xpo": "XPOConfig", "nash_md": "NashMDConfig", "gmpo": "GMPOConfig",
+                                     "gspo_token": "GSPOTokenConfig",
+                                     "grpo_with_replay_buffer": "GRPOWithReplayBufferConfig",
+                                     "a2po": "A2POConfig"}[name])
     trainer_cls = getattr(posttrain, config_cls.__name__.replace("Config", "Trainer"))
     reward = final_answer_reward if plan.task == "quick-add" else digit_match_reward
     prompts = train.remove_columns("completion")
-    extra = dict(per_device_train_batch_size=plan.rl_batch_size, num_generations=plan.num_generations,
+    extra = dict(per_device_train_batch_size=plan.rl_batch_size,
+                 num_generations=2 if name in PAIRED else 1 if name == "a2po" else plan.num_generations,
                  max_completion_length=plan.max_new_tokens, temperature=plan.temperature, log_completions=True,
                  num_completions_to_print=4)
     passes = getattr(config_cls, "num_ppo_epochs", 1)  # RLOO and PPO: optimizer steps per rollout (default 4)
@@ -488,8 +501,8 @@ def run(plan: DemoPlan) -> list[dict]:
         _, metric = run_reward(plan, tokenizer, train, test, start)
         record("reward", started, metric)
     policies = {}  # online stage -> (its trained policy's path, held-out accuracy): the distill stage's teachers
-    for name in ("grpo", "rloo", "ppo", "reinforce_pp"):
-        if name in stages:
+    for name in ONLINE:
+        if name in plan.stages:
             console.rule(name.upper())
             set_seed(plan.seed)
             started = time.time()
@@ -588,7 +601,7 @@ def main(argv=None):
     parser.add_argument("--model", default=None,
                         help="tiny-qwen2 (default), tiny-llama, small-qwen2, smollm2, or a model path")
     parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (all by "
-                        f"default), or the opt-in {','.join(OPT_IN_STAGES)} (a multi-turn tool environment)")
+                        f"default), or the opt-in {','.join(OPT_IN_STAGES)} (tools: a multi-turn tool environment)")
     parser.add_argument("--output_dir", default=None)
     parser.add_argument("--seed", type=int, default=None)
     for group in ("sft", "reward", "rl", "pref", "distill"):

@@ -42,3 +42,11 @@ def test_demo_cli_rejects_unknown_stage(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--stages", "sft,nope"])
     assert "unknown stage" in capsys.readouterr().err
+
+
+def test_online_dpo_stage_trains_pairs_from_the_starting_model(tmp_path):
+    rows = demo.run(_tiny_plan(tmp_path, "p", ("online_dpo",)))
+    assert [r["stage"] for r in rows] == ["base", "online_dpo"] and rows[1]["metric"] == "held-out accuracy"
+    history = json.loads((tmp_path / "p" / "online_dpo" / "log_history.json").read_text())
+    assert any("rewards/accuracies" in h for h in history)  # Online DPO's own metrics: it ran on pairs
+    assert "online_dpo" in demo.STAGES and "xpo" in demo.OPT_IN_STAGES

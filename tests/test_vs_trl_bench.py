@@ -219,6 +219,31 @@ def test_the_allocator_off_column_runs_posttrain_with_malloc_untouched(tmp_path,
         run("posttrain-malloc-off", "liar")
 
 
+def test_online_dpo_workload_runs_on_posttrain_with_trls_batch_meaning(tmp_path):
+    """The posttrain side of the online_dpo workload, on the tiny model for 2 steps (timing nothing): TRL's batch of
+    2 prompts becomes 4 completions, each step scores 2 pairs, and the first loss is DPO's log 2."""
+    import json
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"prompt": f"Reverse {i}{i + 1}{i + 2}:"} for i in range(6)]))
+    spec = {"side": "posttrain", "workload": "online_dpo", "trainer": "online_dpo",
+            "config": {**vs_trl.WORKLOADS["online_dpo"]["config"], "max_new_tokens": 4, "gradient_checkpointing": False,
+                       "bf16": False},
+            "model": "posttrain/tiny-qwen2", "models": {}, "data": str(prompts), "steps": 2, "threads": 1, "seed": 0,
+            "output_dir": str(tmp_path / "out"), "out": str(tmp_path / "result.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    worker = Path(__file__).parents[1] / "benchmarks" / "vs_trl_worker.py"
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path / "spec.json")], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["batch_size"] == 4 and result["samples"] == [4, 4]
+    assert result["logs"][0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy = reference at the first step
+    assert all(0 < n <= 4 for n in result["completion_tokens"])
+    summary = vs_trl.summarise(result, "samples")
+    assert vs_trl.same_work("online_dpo", summary, summary)[0]
 @pytest.mark.parametrize("workload", ["distillation", "gkd"])
 def test_distillation_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch, workload):
     # the worker's posttrain side on the tiny models, 2 steps: the trainer builds from the workload's TRL-named

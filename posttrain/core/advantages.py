@@ -13,6 +13,17 @@
                         whitened over the whole batch; no critic.
   reinforce_pp_baseline REINFORCE++-baseline: the group mean of the scores is subtracted
                         first, then as reinforce_pp.
+  preference_pair       Online DPO / XPO (Guo et al. 2024; Xie et al. 2024): the two completions of a
+                        prompt become a preference pair, +1 for the chosen (the higher score; the
+                        first on a tie, as TRL ranks them), -1 for the rejected (in a larger group:
+                        the best and the worst, 0 for the rest). A label, not a baseline-corrected
+                        return: the pair losses read its sign.
+  optimal_advantage     A*-PO (Brantley et al. 2025): the score as given is the advantage, r - V*(x),
+                        the trainer having subtracted the prompt's optimal value (`optimal_value`).
+  nash_md               Nash-MD (Munos et al. 2023): in each pair (policy sample, mixture sample),
+                        P - 0.5 on the policy's completion, P = σ(r_policy - r_mixture) the
+                        Bradley-Terry probability that it wins (in a larger group, the mean over the
+                        others); 0 on the mixture's (not trained on).
   reverse_kl_return     MiniLLM (Gu et al. 2024, "MiniLLM: Knowledge Distillation of Large Language
                         Models"): the policy gradient of -KL(student || teacher) over sequences; the
                         per-token rewards are log q_teacher - log q_student of the sampled tokens.
@@ -33,6 +44,7 @@ positions, treating the next masked token as the next step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -261,6 +273,48 @@ def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
     return masked_whiten(returns, inp.mask), None
 
 
+@register_advantage("preference_pair", per_token=False, critic=False, min_group=2)
+def preference_pair(inp: AdvantageInput):
+    """+1 on every token of each group's chosen completion, -1 on its rejected one's, 0 on the others: the chosen
+    has the highest score (the first of equals), the rejected the lowest (the last of equals), so a pair
+    (group_size 2, Online DPO's) ranks its first completion above the second when their scores tie."""
+    k = inp.group_size
+    if k < 2:
+        raise ValueError(f"preference_pair ranks the completions of a prompt: it needs group_size >= 2, got {k}")
+    g = group_view(inp.scores, k, inp.layout)  # (P, k)
+    signs = torch.zeros_like(g)
+    rows = torch.arange(g.shape[0], device=g.device)
+    signs[rows, g.argmax(dim=1)] = 1.0  # argmax: the first of equal maxima
+    signs[rows, k - 1 - g.flip(1).argmin(dim=1)] = -1.0  # the last of equal minima (a tie: the other row)
+    return _broadcast(_ungroup(signs, inp.layout), inp.mask), None
+
+
+@register_advantage("nash_md", per_token=False, critic=False, min_group=2)
+def nash_md(inp: AdvantageInput):
+    """P - 0.5 on the tokens of each group's first completion (the policy's), P = mean_j σ(s_0 - s_j) over the
+    others (the geometric mixture's; for a pair, σ(s_0 - s_1)); 0 on the others, which are not trained on."""
+    k = inp.group_size
+    if k < 2:
+        raise ValueError(f"nash_md compares the policy's completion with the mixture's: it needs group_size >= 2, "
+                         f"got {k}")
+    g = group_view(inp.scores, k, inp.layout)  # (P, k)
+    first = torch.sigmoid(g[:, :1] - g[:, 1:]).mean(dim=1) - 0.5
+    advantages = torch.zeros_like(g)
+    advantages[:, 0] = first
+    return _broadcast(_ungroup(advantages, inp.layout), inp.mask), None
+
+
+@register_advantage("optimal_advantage", per_token=False, critic=False, min_group=1)
+def optimal_advantage(inp: AdvantageInput):
+    """The score itself on every token: A*-PO's scores arrive as r - V*(x) (`optimal_value`)."""
+    return _broadcast(inp.scores, inp.mask), None
+
+
+def optimal_value(rewards: Tensor, beta1: float) -> Tensor:
+    """A*-PO's estimate of the optimal value of each prompt from its reference samples' rewards (P, n):
+    V*(x) = β1 log mean_i exp(r_i / β1) (P,), computed stably (a soft maximum: β1 -> 0 gives max_i r_i)."""
+    n = rewards.shape[1]
+    return beta1 * (torch.logsumexp(rewards / beta1, dim=1) - math.log(n))
 ADVANTAGES.option("rkl_advantage", True, "reverse_kl_return (MiniLLM): add the reverse-KL return to the reward "
                   "advantage.")
 ADVANTAGES.option("single_step_decomposition", True, "reverse_kl_return (MiniLLM): each step's own reverse KL "

@@ -73,7 +73,7 @@ from posttrain.rollout.multiturn import Tooling, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
-from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options, loss_types
+from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options
 from posttrain.trainers.prompts import PromptBatches, _collate_streamed, _PromptStream, new_stream_position
 
 
@@ -203,7 +203,7 @@ class OnlineTrainer(BaseTrainer):
                                     processing_class.eos_token_id, extra)
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
         self._shuffle = torch.Generator().manual_seed(args.seed + 1)
-        self.loss_mode, self.global_denominator = loss_types()[args.loss_type]
+        self.loss_mode, self.global_denominator = args.loss_aggregation()
         # the policy can move between sampling and training only with several optimizer steps or passes
         self.old_is_current = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
         # ... and then the sampler's linear outputs are the training forward's (accel/replay.py)
@@ -689,8 +689,9 @@ class OnlineTrainer(BaseTrainer):
             per_function, total = self.reward_scorer(prompts, completions, ids, columns,
                                                      extra=self._reward_extras("eval"))
             rows += zip(total.tolist(), per_function.tolist(), map(len, ids))
-            if not ADVANTAGES[self.args.advantage_estimator].critic:
-                losses.append(self._eval_loss(rollout, total, k))
+            loss = None if ADVANTAGES[self.args.advantage_estimator].critic else self._eval_loss(rollout, total, k)
+            if loss is not None:  # None: the trainer has no eval loss on these rollouts
+                losses.append(loss)
         rows = gather_object(rows) if acc.num_processes > 1 else rows
         p = metric_key_prefix
         metrics = {f"{p}_reward": sum(r[0] for r in rows) / max(len(rows), 1),
@@ -706,7 +707,7 @@ class OnlineTrainer(BaseTrainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    def _eval_loss(self, rollout: Rollout, scores: Tensor, k: int) -> float:
+    def _eval_loss(self, rollout: Rollout, scores: Tensor, k: int) -> float | None:
         """The training loss of one eval batch at ratio 1 (old = current): the policy loss with this batch's
         advantages, plus beta * KL where the KL is in the loss."""
         args, device = self.args, self.accelerator.device
