@@ -28,6 +28,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -260,6 +261,65 @@ def check_data_file(path: str, suffix: str):
         raise DatasetError(f"dataset file {path!r} holds only blank lines")
 
 
+# the local data file the running command trains on: {"path": as given, "lines": the 1-based line each row
+# starts on, or None where rows are not lines (parquet, a JSON object of columns)}
+_SOURCE: dict[str, Any] = {}
+
+
+def _row_lines(path: str) -> list[int] | None:
+    """The 1-based line of a data file on which each row starts (the rows `datasets` reads, in order)."""
+    import csv
+
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".parquet":
+        return None
+    with open(path, encoding="utf-8", newline="" if suffix == ".csv" else None) as handle:
+        text = handle.read()
+    if suffix == ".csv":
+        reader, starts, line = csv.reader(text.splitlines(keepends=True)), [], 1
+        for _ in reader:
+            starts.append(line)
+            line = reader.line_num + 1
+        return starts[1:]  # the first record is the header
+    decoder, start = json.JSONDecoder(), len(text) - len(text.lstrip())
+    if suffix == ".json" and text[start:start + 1] in "[{":
+        try:
+            document, _ = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            document = None
+        if isinstance(document, dict):
+            return None  # an object of columns
+        if isinstance(document, list):  # a list of rows: where each element starts
+            starts, pos = [], start + 1
+            while True:
+                while pos < len(text) and text[pos] in " \t\r\n,":
+                    pos += 1
+                if pos >= len(text) or text[pos] == "]":
+                    return starts
+                starts.append(text.count("\n", 0, pos) + 1)
+                _, pos = decoder.raw_decode(text, pos)
+    return [number for number, line in enumerate(text.splitlines(), 1) if line.strip()]  # JSON lines
+
+
+def locate(message: str) -> str:
+    """A data fault's message with its rows counted as the user counts them: "row i" (0-based, as the
+    library reports it) becomes the line of the training file it stands on, or row i + 1 (1-based) where
+    rows are not lines; a message that names no row is prefixed with the file."""
+    path, lines = _SOURCE.get("path"), _SOURCE.get("lines")
+
+    def where(match) -> str:
+        row = int(match.group(1))
+        if path is not None and lines is not None and row < len(lines):
+            return f"{path}, line {lines[row]}"
+        return f"{path + ', ' if path else ''}row {row + 1}"
+
+    located = re.sub(r"\brow (\d+)", where, message)
+    located = re.sub(r"\brows (\d+)-(\d+)", lambda m: f"rows {int(m.group(1)) + 1}-{int(m.group(2)) + 1}", located)
+    if path is not None and path not in located:
+        located = f"{path}: {located}"
+    return located
+
+
 def _utf8_lines(path: str):
     """(line number, text) of each line of a UTF-8 file; a DatasetError at the first bad byte."""
     with open(path, "rb") as handle:
@@ -274,6 +334,9 @@ def _utf8_lines(path: str):
 def load_datasets(script_args: ScriptArguments, config) -> tuple[Any, Any]:
     """(train, eval) datasets for a training command; eval only when `config.eval_strategy` is not 'no'."""
     train = load_dataset_arg(script_args.dataset_name, script_args.dataset_train_split, script_args.dataset_config)
+    path = os.path.expanduser(script_args.dataset_name)
+    if os.path.isfile(path):  # a FormatError's "row i" can then name the file's line
+        _SOURCE.update(path=script_args.dataset_name, lines=_row_lines(path))
     evaluation = None
     if str(getattr(config, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
         evaluation = load_dataset_arg(script_args.dataset_name, script_args.dataset_test_split,
@@ -533,8 +596,18 @@ def _flags(cls) -> dict[str, _Flag]:
     return flags
 
 
-def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], title: str):
-    group = parser.add_argument_group(title)
+# the flags `posttrain <command> --help` lists (those the command has); --help-all lists every one
+COMMON_FLAGS = ("model_name_or_path", "dataset_name", "output_dir", "max_steps", "num_train_epochs",
+                "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "max_length",
+                "logging_steps", "save_strategy", "save_steps", "eval_strategy", "seed", "report_to",
+                "resume_from_checkpoint", "use_peft", "dtype", "beta", "loss_type", "reward_funcs",
+                "reward_model_path", "sft_model_path", "num_generations", "max_completion_length", "temperature")
+
+
+def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], title: str, show_all: bool = True):
+    """One flag per field of `cls` that `flags` holds; with show_all False, --help lists only COMMON_FLAGS."""
+    shown = [f for f in dataclasses.fields(cls) if f.name in flags and (show_all or f.name in COMMON_FLAGS)]
+    group = parser.add_argument_group(title) if shown else parser
     for f in dataclasses.fields(cls):
         flag = flags.get(f.name)
         if flag is None:
@@ -543,7 +616,8 @@ def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], ti
         help_text = f.metadata.get("help", "")
         if f.default is not dataclasses.MISSING:
             help_text += f" (default: {f.default!r})"
-        kwargs = dict(dest=f.name, type=flag.convert, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+        help_text = help_text.replace("%", "%%") if f in shown else argparse.SUPPRESS
+        kwargs = dict(dest=f.name, type=flag.convert, default=argparse.SUPPRESS, help=help_text)
         if flag.is_bool:
             kwargs.update(nargs="?", const=True, metavar="true|false")
         elif flag.is_list:
@@ -594,19 +668,50 @@ def _yaml_value(flag: _Flag, value):
     raise ValueError(value)
 
 
-def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
+def _load_yaml(path: str, parser: argparse.ArgumentParser) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """The `field: value` pairs of a --config file and where each field stands ({field: (line, column)},
+    1-based); a fault is a usage error naming the file, line and column."""
     import yaml
 
     try:
         with open(path) as handle:
-            data = yaml.safe_load(handle) or {}
+            text = handle.read()
+        data = yaml.safe_load(text) or {}
+        node = yaml.compose(text)
     except OSError as err:
         parser.error(f"cannot read --config file: {err}")
     except yaml.YAMLError as err:
-        parser.error(f"{path} is not valid YAML: {err}")
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(getattr(err, "problem", None) or err).split())
+        parser.error(f"{path}{where}: not valid YAML: {what}")
     if not isinstance(data, dict):
-        parser.error(f"{path} must hold `field: value` pairs, got {type(data).__name__}")
-    return data
+        parser.error(f"{path}: must hold `field: value` pairs, got {type(data).__name__}")
+    marks = {key.value: (key.start_mark.line + 1, key.start_mark.column + 1) for key, _ in getattr(node, "value", ())}
+    return data, marks
+
+
+def _yaml_values(parser: argparse.ArgumentParser, path: str, flags: list[dict[str, _Flag]], values: list[dict]):
+    """Put the --config file's fields into `values` (one dict per flag class), each checked against its
+    field's type; an unknown field or a wrong type is a usage error naming its line and column."""
+    data, marks = _load_yaml(path, parser)
+    for key, value in data.items():
+        where = "(line {}, column {})".format(*marks.get(key, ("?", "?")))
+        owner = next((i for i, fl in enumerate(flags) if key in fl), None)
+        if owner is None:
+            parser.error(f"{path}: unknown field {key!r} for `{parser.prog}` {where}")
+        flag = flags[owner][key]
+        try:
+            values[owner][key] = _yaml_value(flag, value)
+        except (ValueError, json.JSONDecodeError):
+            parser.error(f"{path}: {key}: expected {flag.type_name}, got {type(value).__name__} {value!r} {where}")
+
+
+def default_output_dir(name: str) -> str:
+    """Where `posttrain NAME` writes without --output_dir: a folder named for the command (transformers'
+    own default, trainer_output/, is shared by every command, so an SFT run and the GRPO run after it
+    would write into one folder)."""
+    return f"{name}_output"
 
 
 def _config_class(fn):
@@ -621,8 +726,15 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     for earlier in flags[:-1]:  # a field of both (a model flag the config also has): the config's flag sets it
         for key in set(earlier) & set(flags[-1]):
             del earlier[key]
-    parser = _Parser(prog=f"posttrain {name}", description=fn.help)
+    show_all = "--help-all" in argv
+    argv = ["--help" if word == "--help-all" else word for word in argv]
+    total = sum(len(fl) for fl in flags)
+    parser = _Parser(prog=f"posttrain {name}", description=fn.help,
+                     usage=f"posttrain {name} [--config file.yaml] [--field value ...]",
+                     epilog=None if show_all else f"These are the common flags; every one of the {total} config "
+                     f"fields is a flag: `posttrain {name} --help-all` lists them all.")
     parser.add_argument("--config", help="YAML file of `field: value` pairs; command-line flags override it.")
+    parser.add_argument("--help-all", action="store_true", help="List every flag.")
     if fn.config_path is not None:
         parser.add_argument("--accelerate_config", default=argparse.SUPPRESS, help="Run under `accelerate launch` with this config: a file, "
                             f"or a name of the shipped ones ({', '.join(accelerate_config_names())}). "
@@ -633,10 +745,11 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
         if issubclass(cls, ModelArguments) and cls is not ModelArguments:  # the model flags in a group of their own
             model_fields = {f.name for f in dataclasses.fields(ModelArguments)}
             _add_flags(parser, ModelArguments, {k: v for k, v in cls_flags.items() if k in model_fields},
-                       ModelArguments.__name__)
+                       ModelArguments.__name__, show_all)
             cls_flags = {k: v for k, v in cls_flags.items() if k not in model_fields}
-        _add_flags(parser, cls, cls_flags, cls.__name__)
+        _add_flags(parser, cls, cls_flags, cls.__name__, show_all)
     given = vars(parser.parse_args(argv))
+    given.pop("help_all", None)
     launch = {key: given.pop(key) for key in ("accelerate_config", *LAUNCH_FLAGS) if key in given}
     if launch:  # run() launches before parsing; here they are only checked, and mean nothing without the config
         if "accelerate_config" not in launch:
@@ -645,18 +758,13 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
         _accelerate_config_path(parser, launch["accelerate_config"])
     values: list[dict] = [{} for _ in classes]
     if path := given.pop("config", None):
-        for key, value in _load_yaml(path, parser).items():
-            owner = next((i for i, fl in enumerate(flags) if key in fl), None)
-            if owner is None:
-                parser.error(f"{path}: unknown field {key!r} for `posttrain {name}`")
-            flag = flags[owner][key]
-            try:
-                values[owner][key] = _yaml_value(flag, value)
-            except (ValueError, json.JSONDecodeError):
-                parser.error(f"{path}: {key}: expected {flag.type_name}, got {type(value).__name__} {value!r}")
+        _yaml_values(parser, path, flags, values)
     for key, value in given.items():
         owner = next(i for i, fl in enumerate(flags) if key in fl)
         values[owner][key] = value
+    if fn.config_path is not None and "output_dir" in flags[-1] and "output_dir" not in values[-1]:
+        values[-1]["output_dir"] = default_output_dir(name)
+        print(f"posttrain {name}: no --output_dir given: writing to {values[-1]['output_dir']}/", file=sys.stderr)
     built = []
     for cls, kwargs in zip(classes, values):
         try:
@@ -793,14 +901,22 @@ def run(argv: list[str]):
     `accelerate launch` (see `launch_command`) and this returns None once it succeeds; its failure exits
     with its status."""
     argv = list(argv)
+    if argv and argv[0] == "--version":
+        import posttrain
+
+        print(f"posttrain {posttrain.__version__}")
+        return None
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {n:<8} {getattr(fn, 'help', '')}" for n, fn in COMMANDS.items()]
-        usage = "usage: posttrain <command> [--config file.yaml] [--field value ...]\n\ncommands:\n" + "\n".join(lines)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"{usage}\n\nposttrain: error: unknown command {argv[0]!r}", file=sys.stderr)
-            raise SystemExit(2)
-        print(usage)
-        return None
+        usage = ("usage: posttrain <command> [--config file.yaml] [--field value ...] [--debug]\n"
+                 "       posttrain --version\n\ncommands:\n" + "\n".join(lines) +
+                 "\n\n`posttrain <command> --help` lists the command's flags; --debug shows the traceback of an error.")
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            return None
+        problem = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"{usage}\n\nposttrain: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     name = argv[0]
     if name == "demo":  # the demo has its own small flag set
         from posttrain import demo
@@ -822,22 +938,32 @@ def run(argv: list[str]):
     trainer.save_model(config.output_dir)
     if trainer.eval_dataset is not None:
         trainer.evaluate()
+    if trainer.is_world_process_zero():
+        print(f"posttrain {name}: model saved to {os.path.abspath(config.output_dir)}")
     return trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `posttrain` console script: 0 on success. Failures exit non-zero: 2 for a
-    usage error; 1 for a dataset or model that cannot be loaded (one line that says why) or any
-    other exception (with its traceback)."""
+    usage error; 1 for a dataset or model that cannot be loaded or data that fits no format (one line
+    that names the file, its line and the column: `locate`) or any other exception (with its traceback,
+    an internal error). `--debug` anywhere on the line shows the traceback of every error."""
+    from posttrain.data.formats import FormatError
     from posttrain.models.loading import ModelLoadError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [word for word in argv if word != "--debug"]
     try:
-        run(sys.argv[1:] if argv is None else argv)
-    except (DatasetError, ModelLoadError) as err:
-        print(f"posttrain: error: {err}", file=sys.stderr)
+        run(argv)
+    except (DatasetError, ModelLoadError, FormatError) as err:
+        if debug:
+            raise
+        print(f"posttrain: error: {' '.join(locate(str(err)).split())}", file=sys.stderr)
         return 1
     finally:
         close_process_group()
+        _SOURCE.clear()
     return 0
 
 
