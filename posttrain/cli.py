@@ -27,6 +27,7 @@ import enum
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import sys
@@ -943,6 +944,29 @@ def run(argv: list[str]):
     return trainer
 
 
+# (logger, start of message): lines optional packages print on every CPU run when transformers imports them,
+# saying only that they found no GPU kernels (bitsandbytes via peft) or no GPU (deepspeed)
+KNOWN_NOISE = (("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+               ("DeepSpeed", "Setting accelerator to CPU"))
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def quiet_known_noise():
+    """Drop the KNOWN_NOISE lines (filters on those loggers, set before the packages are imported)."""
+    for name, start in KNOWN_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropMessage(start))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `posttrain` console script: 0 on success. Failures exit non-zero: 2 for a
     usage error; 1 for a dataset or model that cannot be loaded or data that fits no format (one line
@@ -952,6 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.models.loading import ModelLoadError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_known_noise()
     debug = "--debug" in argv
     argv = [word for word in argv if word != "--debug"]
     try:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
+import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -28,6 +31,21 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelLoadError(OSError):
     pass
+
+
+class _PlainWhenRedirected(logging.Filter):
+    """transformers' load report (utils/loading_report.py) starts with a bold escape code whatever the stream
+    it goes to: drop escape codes from transformers' loading messages where stderr is not a terminal."""
+
+    ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not (sys.stderr is not None and sys.stderr.isatty()):
+            record.msg = self.ESCAPE.sub("", record.msg)
+        return True
+
+
+logging.getLogger("transformers.modeling_utils").addFilter(_PlainWhenRedirected())
 
 
 def smollm2_path() -> Path:

@@ -342,6 +342,8 @@ class BaseTrainer(Trainer):
             products.enable(model)
         self.model_name = model_name
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        if args.dataloader_pin_memory and (args.use_cpu or not _accelerator_available()):
+            args.dataloader_pin_memory = False  # pinned pages serve copies to an accelerator; torch warns without one
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
@@ -636,3 +638,11 @@ def _model_reference(name: str | None) -> str:
     local = name.startswith(BUILTIN_PREFIX) or os.path.isabs(name) or name.startswith((".", "~")) or \
         os.path.exists(name) or name.count("/") != 1
     return f"`{name}`" if local else f"[{name}](https://huggingface.co/{name})"
+
+
+def _accelerator_available() -> bool:
+    """Whether torch sees an accelerator (CUDA, XPU, MPS, ...) to which pinned memory would be copied."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return accelerator.is_available()
+    return torch.cuda.is_available()
