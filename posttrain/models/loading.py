@@ -22,7 +22,7 @@ import torch
 
 from posttrain.cache import build_in, cache_dir
 from posttrain.memory import hand_over_file_backed
-from posttrain.models import tiny
+from posttrain.models import compat, tiny
 
 BUILTIN_PREFIX = "posttrain/"
 SMOLLM2 = "smollm2-135m-instruct"
@@ -401,7 +401,7 @@ def apply_peft(model, peft_config):
         from peft import get_peft_model
     except ImportError as err:
         raise ImportError("peft_config needs the peft package: pip install 'posttrain[peft]'") from err
-    if getattr(model, "is_gradient_checkpointing", False) and hasattr(model, "enable_input_require_grads"):
+    if compat.activation_checkpointing(model) and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
     return get_peft_model(model, peft_config)
 
