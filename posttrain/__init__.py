@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import importlib
 
+from posttrain import threads as _threads
+
 __version__ = "0.1.0"
+
+_threads.configure()  # before torch loads: thread count from the CPU share, no long spin (posttrain/threads.py)
 
 _EXPORTS = {
     "SFTConfig": "posttrain.trainers.sft", "SFTTrainer": "posttrain.trainers.sft",
