@@ -558,10 +558,15 @@ def report(plan: DemoPlan, console=None):
     (out / "report.md").write_text(f"# posttrain demo: {plan.model} on {plan.task}\n\n" + "\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(plan.results, indent=1))
     _plot(plan, out)
-    models = [r["stage"] for r in plan.results if (out / r["stage"] / "config.json").exists()]
+    models = [_folder(r["stage"]) for r in plan.results if (out / _folder(r["stage"]) / "config.json").exists()]
     console.print(f"saved in {out}/: report.md, results.json, curves.png"
                   + (f"; the trained models (from_pretrained-loadable) in {', '.join(m + '/' for m in models)}"
                      if models else ""), highlight=False)
+
+
+def _folder(stage: str) -> str:
+    """The output folder of a table row's stage ("sft (reused)": sft/)."""
+    return stage.split(" (")[0]
 
 
 def _plot(plan: DemoPlan, out: Path):
@@ -577,7 +582,7 @@ def _plot(plan: DemoPlan, out: Path):
         return
     curves = {}
     for r in plan.results:
-        log = out / r["stage"] / "log_history.json"
+        log = out / _folder(r["stage"]) / "log_history.json"
         if not log.exists():
             continue
         history = json.loads(log.read_text())

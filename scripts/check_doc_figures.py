@@ -68,6 +68,15 @@ def _posttrain() -> list[str]:
     return [sys.executable, "-m", "posttrain.cli"]
 
 
+def _run(argv, cwd: str, shell: bool = False) -> str:
+    """Run a command quietly; its stdout, or its output's end and an error when it fails."""
+    done = subprocess.run(argv, cwd=cwd, env=_env(), shell=shell, capture_output=True, text=True)
+    if done.returncode:
+        sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
+        raise SystemExit(f"{argv!r} failed with exit status {done.returncode}")
+    return done.stdout
+
+
 def _held_out(folder: str) -> float:
     from posttrain.data.builtin import task_dataset
     from posttrain.eval import generation_accuracy
@@ -82,7 +91,7 @@ def run_demo(workdir: str, model: str | None = None) -> dict:
     out = os.path.join(workdir, "demo")
     argv = [*_posttrain(), "demo", "--output_dir", out] + (["--model", model] if model else [])
     start = time.time()
-    subprocess.run(argv, check=True, cwd=workdir, env=_env(), stdout=subprocess.DEVNULL)
+    _run(argv, cwd=workdir)
     results = json.loads(Path(out, "results.json").read_text())
     figures = {r["stage"]: [r["before"], r["after"]] for r in results}
     if model:  # the README also states the sampled training reward, first and last logging step
@@ -94,16 +103,14 @@ def run_demo(workdir: str, model: str | None = None) -> dict:
 def run_cli(workdir: str) -> dict:
     """The README's `posttrain sft` and `posttrain grpo` lines as written; held-out accuracy of each model."""
     for command in cli_example(README.read_text()):
-        subprocess.run(command.replace("posttrain ", " ".join(_posttrain()) + " ", 1), shell=True, check=True,
-                       cwd=workdir, env=_env(), stdout=subprocess.DEVNULL)
+        _run(command.replace("posttrain ", " ".join(_posttrain()) + " ", 1), cwd=workdir, shell=True)
     return {"figures": {"sft": _held_out(os.path.join(workdir, "out/sft")),
                         "grpo": _held_out(os.path.join(workdir, "out/grpo"))}}
 
 
 def run_quickstart(workdir: str) -> dict:
     """The README's Quickstart snippet as written: the accuracies it prints."""
-    out = subprocess.run([sys.executable, "-c", quickstart_snippet(README.read_text())], check=True, cwd=workdir,
-                         env=_env(), capture_output=True, text=True).stdout
+    out = _run([sys.executable, "-c", quickstart_snippet(README.read_text())], cwd=workdir)
     printed = dict(re.findall(r"^held-out accuracy after (\w+): ([0-9.]+)$", out, flags=re.M))
     return {"figures": {stage.lower(): float(value) for stage, value in printed.items()}}
 

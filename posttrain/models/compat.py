@@ -7,7 +7,7 @@
   became `is_activation_checkpointing` and `activation_checkpointing_enable` (the old names warn, to be
   removed in v6).
 
-`docs/debugging.md` ("Transformers versions") gives the command that runs the tests against the oldest
+README.md ("Two commands on a fresh machine") gives the command that runs the tests against the oldest
 and the newest transformers in range.
 """
 
