@@ -27,7 +27,8 @@ def test_quota_from_cgroup_v2_and_v1(monkeypatch, tmp_path):
     fake_cgroup(monkeypatch, tmp_path / "v1", "3:cpu,cpuacct:/ci\n",
                 {"cpu,cpuacct/ci/cpu.cfs_quota_us": "300000", "cpu,cpuacct/ci/cpu.cfs_period_us": "100000"})
     assert threads.cpu_quota(str(tmp_path / "v1")) == 3.0
-    fake_cgroup(monkeypatch, tmp_path / "v1u", "3:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "1"})
+    fake_cgroup(monkeypatch, tmp_path / "v1u", "3:cpu:/\n",
+                {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "1"})
     assert threads.cpu_quota(str(tmp_path / "v1u")) is None
 
 
