@@ -12,6 +12,7 @@ import torch
 from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
+from posttrain.models import compat
 from posttrain.models.lean import (RMS_NORMS, SWIGLU_MLPS, RMSNormFunction, SwiGLUFunction, is_lean, make_lean,
                                    undo_lean)
 from posttrain.models.loading import load_causal_lm
@@ -251,7 +252,7 @@ def test_the_known_classes_compute_what_llamas_do():
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradients_under_gradient_checkpointing_are_the_plain_models(reentrant):
     plain = llama().train()
-    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    compat.enable_activation_checkpointing(plain, {"use_reentrant": reentrant})
     lean = lean_copy(plain)
     ids = tokens(plain)
     g_plain, g_lean = grads(plain, ids), grads(lean, ids)
