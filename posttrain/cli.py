@@ -285,8 +285,10 @@ def _row_lines(path: str) -> list[int] | None:
     decoder, start = json.JSONDecoder(), len(text) - len(text.lstrip())
     if suffix == ".json" and text[start:start + 1] in "[{":
         try:
-            document, _ = decoder.raw_decode(text, start)
+            document, end = decoder.raw_decode(text, start)
         except json.JSONDecodeError:
+            document, end = None, 0
+        if text[end:].strip():  # more after the first value: JSON lines in a .json file
             document = None
         if isinstance(document, dict):
             return None  # an object of columns

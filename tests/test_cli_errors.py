@@ -55,6 +55,9 @@ def test_row_lines_and_locate(tmp_path):
     columns = tmp_path / "c.json"
     columns.write_text('{"x": [1, 2]}')
     assert cli._row_lines(str(columns)) is None
+    lines_in_json = tmp_path / "l.json"
+    lines_in_json.write_text('{"x": 1}\n\n{"x": 2}\n')
+    assert cli._row_lines(str(lines_in_json)) == [1, 3]
     cli._SOURCE.update(path="c.json", lines=None)
     try:  # rows that are not lines are counted from 1
         assert cli.locate("row 0, column 'x': bad") == "c.json, row 1, column 'x': bad"
