@@ -2,7 +2,7 @@
 
 Runs the same GRPO workload (tiny-qwen2 on the `reverse` task: `--steps` steps of 8 prompts x 8 samples,
 8 new tokens, from step 0) in a fresh process, once on the otherwise idle machine and once beside `--busy`
-processes that spin in a busy loop, each with posttrain's thread setup (`posttrain/threads.py`: threads from
+processes that spin in a busy loop, each with posttrain's thread setup (`posttrain/accel/threads.py`: threads from
 the affinity mask and the cgroup quota, a short OpenMP spin) and with libgomp's defaults (OMP_NUM_THREADS =
 the CPUs, GOMP_SPINCOUNT 300,000: what runs did before). Reported per setting: the wall time and the CPU
 time the workload used, its slowdown against the idle run, and the fair-share bound -- the slowdown of a
@@ -37,7 +37,7 @@ def workload(steps: int) -> dict:
     import torch
 
     from posttrain import GRPOConfig, GRPOTrainer
-    from posttrain.data.builtin import digit_match_reward, task_dataset
+    from posttrain.tasks.builtin import digit_match_reward, task_dataset
 
     args = GRPOConfig(output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "busy_machine_bench"),
                       max_steps=steps, learning_rate=1e-3, per_device_train_batch_size=64, num_generations=8,

@@ -78,7 +78,7 @@ def _run(argv, cwd: str, shell: bool = False) -> str:
 
 
 def _held_out(folder: str) -> float:
-    from posttrain.data.builtin import task_dataset
+    from posttrain.tasks.builtin import task_dataset
     from posttrain.eval import generation_accuracy
     from posttrain.models.loading import load_causal_lm, load_tokenizer
 
@@ -128,7 +128,7 @@ def machine() -> str:
     """The CPU class the learning figures hold for: model name, threads, the float32 products' backend."""
     import torch
 
-    from posttrain.models import products
+    from posttrain.accel import products
 
     name = "unknown CPU"
     try:

@@ -1,5 +1,5 @@
 """posttrain sizes its threads to the CPU share (affinity, cgroup quota) and keeps one OpenMP pool with a
-short spin (posttrain/threads.py, issue #34)."""
+short spin (posttrain/accel/threads.py, issue #34)."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from posttrain import threads
+from posttrain.accel import threads
 
 
 def fake_cgroup(monkeypatch, tmp_path, proc_cgroup: str, files: dict[str, str]):
@@ -63,7 +63,7 @@ def test_import_posttrain_sets_threads_and_a_short_spin_unless_the_user_did():
 
 
 def test_the_decoding_kernels_share_torchs_openmp_runtime():
-    from posttrain.rollout import few_rows
+    from posttrain.accel import few_rows
 
     if few_rows.kernels() is None:
         pytest.skip("no C compiler or no AVX2/FMA here: decoding runs through torch alone")

@@ -1,7 +1,7 @@
 """How many CPU threads posttrain computes with, and how its threads wait: sized to this process's share of
 the CPU, so that a busy machine costs a run no more than the share it loses.
 
-PyTorch's intra-op pool (OpenMP, libgomp on Linux) and the decoding kernels (`rollout/decode_kernels.c`,
+PyTorch's intra-op pool (OpenMP, libgomp on Linux) and the decoding kernels (`accel/decode_kernels.c`,
 run on the same libgomp team) start one thread per core the process may run on. Two things make a shared
 machine (a laptop, a CI runner, a container with a CPU quota, other training jobs) cost far more than the
 CPU taken away:
