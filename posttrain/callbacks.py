@@ -73,9 +73,14 @@ class CompletionsTable:
             f.writelines(kept)
         self._steps_on_file = {json.loads(line).get("step", 0) for line in kept}
 
-    def write(self, step: int, prompts: list, completions: list[str], scores: dict[str, list[float]]):
+    def write(self, step: int, prompts: list, completions: list[str], scores: dict[str, list[float]],
+              extra: dict[str, list] | None = None):
+        """Append the rows to the file, print them and report them; `extra`: more columns, one value per row
+        (what reward functions gave `log_extra`), in the file and the trackers' table."""
+        extra = extra or {}
         rows = [{"step": step, "prompt": _text(p), "completion": c,
-                 **{name: _number(values[i]) for name, values in scores.items()}}
+                 **{name: _number(values[i]) for name, values in scores.items()},
+                 **{name: values[i] for name, values in extra.items()}}
                 for i, (p, c) in enumerate(zip(prompts, completions))]
         if self.path and step not in self._steps_on_file:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -85,7 +90,7 @@ class CompletionsTable:
         shown = rows if self.num_to_print is None else rows[: self.num_to_print]
         if shown:  # num_completions_to_print=0: the rows go to the file (and trackers) only
             self.print(step, shown, list(scores))
-        self.report(rows, list(scores))
+        self.report(rows, [*scores, *extra])
         return rows
 
     def report(self, rows: list[dict], names: list[str]):
