@@ -44,6 +44,22 @@ _EXPORTS = {
     "DatasetConfig": "posttrain.scripts", "DatasetMixtureConfig": "posttrain.scripts", "get_dataset": "posttrain.scripts",
     "get_peft_config": "posttrain.scripts", "get_quantization_config": "posttrain.scripts",
     "get_kbit_device_map": "posttrain.scripts",
+    # TRL's helper names (trl.data_utils, trl.chat_template_utils, trl.rewards, callbacks, collators)
+    **{name: "posttrain.data.utils" for name in (
+        "apply_chat_template", "maybe_apply_chat_template", "extract_prompt", "maybe_extract_prompt",
+        "unpair_preference_dataset", "maybe_unpair_preference_dataset", "is_conversational",
+        "is_conversational_from_value", "maybe_convert_to_chatml", "pack_dataset", "truncate_dataset")},
+    **{name: "posttrain.models.chat_templates" for name in (
+        "clone_chat_template", "get_training_chat_template", "add_response_schema", "supports_tool_calling")},
+    **{name: "posttrain.tasks.rewards" for name in (
+        "accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_cosine_scaled_reward",
+        "get_repetition_penalty_reward", "get_soft_overlong_punishment")},
+    **{name: "posttrain.callbacks" for name in (
+        "LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCallback", "BEMACallback",
+        "MergeModelCallback", "WeaveCallback")},
+    "create_reference_model": "posttrain.models.reference",
+    **{name: "posttrain.data.collators" for name in (
+        "DataCollatorForLanguageModeling", "DataCollatorForPreference", "DataCollatorForUnpairedPreference")},
 }
 
 __all__ = sorted(_EXPORTS)

@@ -244,7 +244,7 @@ class OnlineTrainer(BaseTrainer):
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a separate reference model; with PEFT the reference is the "
                                  "adapter-disabled policy, which cannot be synced")
-            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
+            self.add_callback(SyncRefModelCallback(self.ref_model))
 
     # ------------------------------------------------------------------ data
     @staticmethod

@@ -427,7 +427,7 @@ class PreferenceTrainer(BaseTrainer):
         self._reference_is_policy = ref_model is None or ref_model is model
         self.ref_model = self.make_reference(ref_model, needs_reference)
         if sync:
-            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
+            self.add_callback(SyncRefModelCallback(self.ref_model))
         if needs_reference and getattr(args, "precompute_ref_log_probs", False):
             self.precompute_reference()
         self._num_tokens = {"train": 0, "eval": 0}

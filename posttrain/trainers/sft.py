@@ -71,6 +71,7 @@ from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, enc
 from posttrain.forward.logprobs import attention_kind, linear_selective_log_softmax, plain_lm_head
 from posttrain.models import loading
 from posttrain.models.modes import eval_mode
+from posttrain.models.offloading import OffloadActivations
 from posttrain.trainers.base import (BaseConfig, BaseTrainer, as_dataset, check_datasets, classic_arguments,
                                      map_datasets, seed_run)
 
@@ -126,6 +127,10 @@ class SFTConfig(BaseConfig):
         default=None, metadata={"help": "Extra variables for every chat-template call (e.g. "
                                         "{'enable_thinking': False}); a row's own `chat_template_kwargs` column "
                                         "adds to them and wins."})
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Keep the activations saved for the backward pass in CPU memory until "
+                                         "backward needs them (saved-tensor hooks), saving accelerator memory for "
+                                         "transfer time. A model on the CPU has nothing to move."})
     dataset_kwargs: dict[str, Any] | None = field(
         default=None, metadata={"help": "TRL's dataset options. {'skip_prepare_dataset': True}: the datasets are "
                                         "already tokenised (`input_ids`, optionally `loss_mask`, `completion_mask` "
@@ -413,6 +418,12 @@ class SFTTrainer(BaseTrainer):
         return dataset.map(encode_batch, batched=True, with_indices=True, remove_columns=_column_names(dataset))
 
     # ------------------------------------------------------------------ loss
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.args.activation_offloading:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with OffloadActivations():  # forward and backward both: backward reads what the forward saved
+            return super().training_step(model, inputs, num_items_in_batch)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._flatten_width is not None and "attention_mask" in inputs and "position_ids" not in inputs:
             inputs = self._flattened_if_cheaper(model, inputs)
