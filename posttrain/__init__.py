@@ -9,9 +9,11 @@ import importlib
 import logging
 
 from posttrain import _moved
+from posttrain.accel import threads as _threads
 
 __version__ = "0.1.0"
 
+_threads.configure()  # before torch loads: thread count from the CPU share, no long spin (accel/threads.py)
 # bitsandbytes (QLoRA), imported by peft when installed, warns at import on CPUs with AVX512-BF16 that its optional
 # hub kernel package `kernels` is missing; its own CPU kernels serve, so the line is noise in every run
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

@@ -113,7 +113,9 @@ class CompletionsTable:
             with open(self.path, "a", encoding="utf-8") as f:
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self.print(step, rows[: self.num_to_print] if self.num_to_print else rows, list(scores))
+        shown = rows if self.num_to_print is None else rows[: self.num_to_print]
+        if shown:  # num_completions_to_print=0: the rows go to the file (and trackers) only
+            self.print(step, shown, list(scores))
         self.report(rows, [*scores, *extra])
         return rows
 

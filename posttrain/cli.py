@@ -26,7 +26,9 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import sys
 import types
 import typing
@@ -133,6 +135,67 @@ def command(name: str, config: str | None, script_args: type | None = ScriptArgu
     return register
 
 
+# the local data file the running command trains on: {"path": as given, "lines": the 1-based line each row
+# starts on, or None where rows are not lines (parquet, a JSON object of columns)}
+_SOURCE: dict[str, Any] = {}
+
+
+def _row_lines(path: str) -> list[int] | None:
+    """The 1-based line of a data file on which each row starts (the rows `datasets` reads, in order)."""
+    import csv
+
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".parquet":
+        return None
+    with open(path, encoding="utf-8", newline="" if suffix == ".csv" else None) as handle:
+        text = handle.read()
+    if suffix == ".csv":
+        reader, starts, line = csv.reader(text.splitlines(keepends=True)), [], 1
+        for _ in reader:
+            starts.append(line)
+            line = reader.line_num + 1
+        return starts[1:]  # the first record is the header
+    decoder, start = json.JSONDecoder(), len(text) - len(text.lstrip())
+    if suffix == ".json" and text[start:start + 1] in "[{":
+        try:
+            document, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            document, end = None, 0
+        if text[end:].strip():  # more after the first value: JSON lines in a .json file
+            document = None
+        if isinstance(document, dict):
+            return None  # an object of columns
+        if isinstance(document, list):  # a list of rows: where each element starts
+            starts, pos = [], start + 1
+            while True:
+                while pos < len(text) and text[pos] in " \t\r\n,":
+                    pos += 1
+                if pos >= len(text) or text[pos] == "]":
+                    return starts
+                starts.append(text.count("\n", 0, pos) + 1)
+                _, pos = decoder.raw_decode(text, pos)
+    return [number for number, line in enumerate(text.splitlines(), 1) if line.strip()]  # JSON lines
+
+
+def locate(message: str) -> str:
+    """A data fault's message with its rows counted as the user counts them: "row i" (0-based, as the
+    library reports it) becomes the line of the training file it stands on, or row i + 1 (1-based) where
+    rows are not lines; a message that names no row is prefixed with the file."""
+    path, lines = _SOURCE.get("path"), _SOURCE.get("lines")
+
+    def where(match) -> str:
+        row = int(match.group(1))
+        if path is not None and lines is not None and row < len(lines):
+            return f"{path}, line {lines[row]}"
+        return f"{path + ', ' if path else ''}row {row + 1}"
+
+    located = re.sub(r"\brow (\d+)", where, message)
+    located = re.sub(r"\brows (\d+)-(\d+)", lambda m: f"rows {int(m.group(1)) + 1}-{int(m.group(2)) + 1}", located)
+    if path is not None and path not in located:
+        located = f"{path}: {located}"
+    return located
+
+
 def load_datasets(script_args: ScriptArguments, config) -> tuple[Any, Any]:
     """(train, eval) datasets for a training command; eval only when `config.eval_strategy` is not 'no'. A mixture
     (--datasets) wins over --dataset_name, as in TRL's scripts; its splits are "train" and, with
@@ -144,6 +207,9 @@ def load_datasets(script_args: ScriptArguments, config) -> tuple[Any, Any]:
             raise DatasetError(f"eval_strategy {config.eval_strategy!r} needs a test split, and the --datasets mixture "
                                f"has only {sorted(mixture)}: give --test_split_size (e.g. 0.1)")
         return mixture["train"], mixture[script_args.dataset_test_split] if evaluate else None
+
+    if os.path.isfile(path := os.path.expanduser(script_args.dataset_name)):  # "row i" can name the file's line
+        _SOURCE.update(path=script_args.dataset_name, lines=_row_lines(path))
 
     def split(name):
         return load_split(script_args.dataset_name, name, script_args.dataset_config,
@@ -326,11 +392,58 @@ def run_env(script_args=None, config=None):
 
 def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
     """The --config file's `field: value` pairs; its `env:` mapping (as in TRL's config files) is put into
-    os.environ. A file that cannot be read is a usage error."""
+    os.environ. A file that cannot be read is a usage error; one that is not YAML names the line and column."""
+    import yaml
+
     try:
         return read_config(path)
     except ValueError as err:
+        mark = getattr(err.__cause__, "problem_mark", None)
+        if isinstance(err.__cause__, yaml.YAMLError):
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = " ".join(str(getattr(err.__cause__, "problem", None) or err.__cause__).split())
+            parser.error(f"{path}{where}: not valid YAML: {what}")
         parser.error(str(err))
+
+
+def _yaml_marks(path: str) -> dict[str, str]:
+    """{field: "(line L, column C)"} of a --config file's top-level keys (1-based), for its error messages."""
+    import yaml
+
+    try:
+        with open(path) as handle:
+            node = yaml.compose(handle)
+    except (OSError, yaml.YAMLError):
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {key.value: f"(line {key.start_mark.line + 1}, column {key.start_mark.column + 1})"
+            for key, _ in node.value}
+
+
+def default_output_dir(name: str) -> str:
+    """Where `posttrain NAME` writes without --output_dir: a folder named for the command (transformers'
+    own default, trainer_output/, is shared by every command, so an SFT run and the GRPO run after it
+    would write into one folder)."""
+    return f"{name}_output"
+
+
+def _yaml_values(parser: argparse.ArgumentParser, path: str, flags: list[dict], values: list[dict]):
+    """Put the --config file's fields into `values` (one dict per flag class, a field of both into both), each
+    checked against its field's type; an unknown field or a wrong type is a usage error naming its line."""
+    marks = _yaml_marks(path)
+    for key, value in _load_yaml(path, parser).items():
+        owners = [i for i, fl in enumerate(flags) if key in fl]
+        if not owners:
+            parser.error(f"{path}: unknown field {key!r} for `{parser.prog}` {marks.get(key, '')}".rstrip())
+        flag = flags[owners[0]][key]
+        try:
+            value = _yaml_value(flag, value)
+        except (ValueError, json.JSONDecodeError):
+            parser.error(f"{path}: {key}: expected {flag.type_name}, got {type(value).__name__} {value!r} "
+                         f"{marks.get(key, '')}".rstrip())
+        for owner in owners:
+            values[owner][key] = value
 
 
 def _config_class(fn):
@@ -346,8 +459,14 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     for earlier in shown[:-1]:
         for key in set(earlier) & set(shown[-1]):
             del earlier[key]
-    parser = _Parser(prog=f"posttrain {name}", description=fn.help)
+    show_all = "--help-all" in argv
+    argv = ["--help" if word == "--help-all" else word for word in argv]
+    parser = _Parser(prog=f"posttrain {name}", description=fn.help,
+                     usage=f"posttrain {name} [--config file.yaml] [--field value ...]",
+                     epilog=None if show_all else f"These are the common flags; every one of the "
+                     f"{sum(len(fl) for fl in shown)} fields is a flag: `posttrain {name} --help-all` lists them all.")
     parser.add_argument("--config", help="YAML file of `field: value` pairs; command-line flags override it.")
+    parser.add_argument("--help-all", action="store_true", help="List every flag.")
     if fn.config_path is not None:
         parser.add_argument("--accelerate_config", default=argparse.SUPPRESS, help="Run under `accelerate launch` with this config: a file, "
                             f"or a name of the shipped ones ({', '.join(accelerate_config_names())}). "
@@ -358,10 +477,11 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
         if issubclass(cls, ModelArguments) and cls is not ModelArguments:  # the model flags in a group of their own
             model_fields = {f.name for f in dataclasses.fields(ModelArguments)}
             _add_flags(parser, ModelArguments, {k: v for k, v in cls_flags.items() if k in model_fields},
-                       ModelArguments.__name__)
+                       ModelArguments.__name__, show_all)
             cls_flags = {k: v for k, v in cls_flags.items() if k not in model_fields}
-        _add_flags(parser, cls, cls_flags, cls.__name__)
+        _add_flags(parser, cls, cls_flags, cls.__name__, show_all)
     given = vars(parser.parse_args(argv))
+    given.pop("help_all", None)
     launch = {key: given.pop(key) for key in ("accelerate_config", *LAUNCH_FLAGS) if key in given}
     if launch:  # run() launches before parsing; here they are only checked, and mean nothing without the config
         if "accelerate_config" not in launch:
@@ -370,20 +490,13 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
         _accelerate_config_path(parser, launch["accelerate_config"])
     values: list[dict] = [{} for _ in classes]
     if path := given.pop("config", None):
-        for key, value in _load_yaml(path, parser).items():
-            owners = [i for i, fl in enumerate(flags) if key in fl]
-            if not owners:
-                parser.error(f"{path}: unknown field {key!r} for `posttrain {name}`")
-            flag = flags[owners[0]][key]
-            try:
-                value = _yaml_value(flag, value)
-            except (ValueError, json.JSONDecodeError):
-                parser.error(f"{path}: {key}: expected {flag.type_name}, got {type(value).__name__} {value!r}")
-            for owner in owners:
-                values[owner][key] = value
+        _yaml_values(parser, path, flags, values)
     for key, value in given.items():
         for owner in (i for i, fl in enumerate(flags) if key in fl):
             values[owner][key] = value
+    if fn.config_path is not None and "output_dir" in flags[-1] and "output_dir" not in values[-1]:
+        values[-1]["output_dir"] = default_output_dir(name)
+        print(f"posttrain {name}: no --output_dir given: writing to {values[-1]['output_dir']}/", file=sys.stderr)
     built = []
     for cls, kwargs in zip(classes, values):
         try:
@@ -530,14 +643,22 @@ def run(argv: list[str]):
     `accelerate launch` (see `launch_command`) and this returns None once it succeeds; its failure exits
     with its status."""
     argv = list(argv)
+    if argv and argv[0] == "--version":
+        import posttrain
+
+        print(f"posttrain {posttrain.__version__}")
+        return None
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {n:<8} {getattr(fn, 'help', '')}" for n, fn in COMMANDS.items()]
-        usage = "usage: posttrain <command> [--config file.yaml] [--field value ...]\n\ncommands:\n" + "\n".join(lines)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"{usage}\n\nposttrain: error: unknown command {argv[0]!r}", file=sys.stderr)
-            raise SystemExit(2)
-        print(usage)
-        return None
+        usage = ("usage: posttrain <command> [--config file.yaml] [--field value ...] [--debug]\n"
+                 "       posttrain --version\n\ncommands:\n" + "\n".join(lines) +
+                 "\n\n`posttrain <command> --help` lists the command's flags; --debug shows the traceback of an error.")
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            return None
+        problem = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"{usage}\n\nposttrain: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     name = argv[0]
     if name == "demo":  # the demo has its own small flag set
         from posttrain import demo
@@ -559,22 +680,56 @@ def run(argv: list[str]):
     trainer.save_model(config.output_dir)
     if trainer.eval_dataset is not None:
         trainer.evaluate()
+    if trainer.is_world_process_zero():
+        print(f"posttrain {name}: model saved to {os.path.abspath(config.output_dir)}")
     return trainer
+
+
+# (logger, start of message): lines optional packages print on every CPU run when transformers imports them,
+# saying only that they found no GPU kernels (bitsandbytes via peft) or no GPU (deepspeed)
+KNOWN_NOISE = (("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+               ("DeepSpeed", "Setting accelerator to CPU"))
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def quiet_known_noise():
+    """Drop the KNOWN_NOISE lines (filters on those loggers, set before the packages are imported)."""
+    for name, start in KNOWN_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropMessage(start))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `posttrain` console script: 0 on success. Failures exit non-zero: 2 for a
-    usage error; 1 for a dataset or model that cannot be loaded (one line that says why) or any
-    other exception (with its traceback)."""
+    usage error; 1 for a dataset or model that cannot be loaded or data that fits no format (one line
+    that names the file, its line and the column: `locate`) or any other exception (with its traceback,
+    an internal error). `--debug` anywhere on the line shows the traceback of every error."""
+    from posttrain.data.formats import FormatError
     from posttrain.models.loading import ModelLoadError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_known_noise()
+    debug = "--debug" in argv
+    argv = [word for word in argv if word != "--debug"]
     try:
-        run(sys.argv[1:] if argv is None else argv)
-    except (DatasetError, ModelLoadError) as err:
-        print(f"posttrain: error: {err}", file=sys.stderr)
+        run(argv)
+    except (DatasetError, ModelLoadError, FormatError) as err:
+        if debug:
+            raise
+        print(f"posttrain: error: {' '.join(locate(str(err)).split())}", file=sys.stderr)
         return 1
     finally:
         close_process_group()
+        _SOURCE.clear()
     return 0
 
 

@@ -137,8 +137,18 @@ def _flags(cls) -> dict[str, _Flag]:
     return flags
 
 
-def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], title: str):
-    group = parser.add_argument_group(title)
+# the flags `posttrain <command> --help` lists (those the command has); --help-all lists every one
+COMMON_FLAGS = ("model_name_or_path", "dataset_name", "output_dir", "max_steps", "num_train_epochs",
+                "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "max_length",
+                "logging_steps", "save_strategy", "save_steps", "eval_strategy", "seed", "report_to",
+                "resume_from_checkpoint", "use_peft", "dtype", "beta", "loss_type", "reward_funcs",
+                "reward_model_path", "sft_model_path", "num_generations", "max_completion_length", "temperature")
+
+
+def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], title: str, show_all: bool = True):
+    """One flag per field of `cls` that `flags` holds; with show_all False, --help lists only COMMON_FLAGS."""
+    shown = [f for f in dataclasses.fields(cls) if f.name in flags and (show_all or f.name in COMMON_FLAGS)]
+    group = parser.add_argument_group(title) if shown else parser
     for f in dataclasses.fields(cls):
         flag = flags.get(f.name)
         if flag is None:
@@ -147,7 +157,8 @@ def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], ti
         help_text = f.metadata.get("help", "")
         if f.default is not dataclasses.MISSING:
             help_text += f" (default: {f.default!r})"
-        kwargs = dict(dest=f.name, type=flag.convert, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+        help_text = help_text.replace("%", "%%") if f in shown else argparse.SUPPRESS
+        kwargs = dict(dest=f.name, type=flag.convert, default=argparse.SUPPRESS, help=help_text)
         if flag.is_bool:
             kwargs.update(nargs="?", const=True, metavar="true|false")
         elif flag.is_list:
@@ -155,7 +166,7 @@ def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], ti
         group.add_argument(*names, **kwargs)
         if flag.is_bool and f.default is True:  # as transformers' HfArgumentParser: --no_<field> turns it off
             group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
-                               help=f"Set {f.name} to False.")
+                               help=f"Set {f.name} to False." if f in shown else argparse.SUPPRESS)
 
 
 def _matches(value, tp) -> bool:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
+import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import torch
 
 from posttrain.accel.memory import hand_over_file_backed
 from posttrain.cache import build_in, cache_dir
-from posttrain.models import tiny
+from posttrain.models import compat, tiny
 
 BUILTIN_PREFIX = "posttrain/"
 SMOLLM2 = "smollm2-135m-instruct"
@@ -28,6 +31,21 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelLoadError(OSError):
     pass
+
+
+class _PlainWhenRedirected(logging.Filter):
+    """transformers' load report (utils/loading_report.py) starts with a bold escape code whatever the stream
+    it goes to: drop escape codes from transformers' loading messages where stderr is not a terminal."""
+
+    ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not (sys.stderr is not None and sys.stderr.isatty()):
+            record.msg = self.ESCAPE.sub("", record.msg)
+        return True
+
+
+logging.getLogger("transformers.modeling_utils").addFilter(_PlainWhenRedirected())
 
 
 def smollm2_path() -> Path:
@@ -394,7 +412,7 @@ def apply_peft(model, peft_config, gradient_checkpointing: bool = False):
             # (an in-place bias add on its output); the training layout serves both
             if getattr(module, "support_avx512bf16_for_cpu", False):
                 module.support_avx512bf16_for_cpu = False
-    if getattr(model, "is_gradient_checkpointing", False) and hasattr(model, "enable_input_require_grads"):
+    if compat.activation_checkpointing(model) and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
     return get_peft_model(model, peft_config)
 

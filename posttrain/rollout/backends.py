@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from posttrain.models import compat
 from posttrain.models.modes import unwrap
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class ModelForward(SamplerBackend):
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
         out = self.net(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                        logits_to_keep=1)
-        self.cache = out.past_key_values
+        self.cache = compat.output_cache(self.net, out)
         return out.logits[:, -1, :]
 
     def expand(self, group: int, capacity: int) -> None:
@@ -103,8 +104,8 @@ class ModelForward(SamplerBackend):
 
     def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
         out = self.net(input_ids=tokens[:, None], attention_mask=attention, position_ids=positions,
-                       past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
+                       **compat.cache_kwargs(self.net, self.cache), use_cache=True, logits_to_keep=1)
+        self.cache = compat.output_cache(self.net, out)
         return out.logits[:, -1, :]
 
     def select(self, keep: Tensor) -> None:

@@ -353,6 +353,8 @@ class BaseTrainer(Trainer):
             products.enable(model)
         self.model_name = model_name
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        if args.dataloader_pin_memory and (args.use_cpu or not _accelerator_available()):
+            args.dataloader_pin_memory = False  # pinned pages serve copies to an accelerator; torch warns without one
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
@@ -591,8 +593,12 @@ class BaseTrainer(Trainer):
         names = ("learning_rate", "lr_scheduler_type", "num_train_epochs", "max_steps", "per_device_train_batch_size",
                  "gradient_accumulation_steps", "seed", "beta", "loss_type", "max_length", "num_generations")
         hyper = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        if (args.max_steps or 0) > 0:  # max_steps overrides num_train_epochs: listing both misleads
+            hyper.pop("num_train_epochs", None)
+        else:
+            hyper.pop("max_steps", None)
         hyper["lr_scheduler_type"] = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
-        base = f"[{self.model_name}](https://huggingface.co/{self.model_name})" if self.model_name else "a base model"
+        base = _model_reference(self.model_name)
         versions = {"posttrain": getattr(posttrain, "__version__", "unknown"), "transformers": transformers.__version__,
                     "torch": torch.__version__, "datasets": datasets.__version__}
         if importlib.util.find_spec("peft") is not None:
@@ -631,3 +637,23 @@ class BaseTrainer(Trainer):
                 logs[prefix + name] = sum(values) / len(values)
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+
+def _model_reference(name: str | None) -> str:
+    """The base model as the model card names it: a hub link for a hub id, plain text for a built-in
+    model or a local folder (a link to huggingface.co/<local path> leads nowhere)."""
+    if not name:
+        return "a base model"
+    from posttrain.models.loading import BUILTIN_PREFIX
+
+    local = name.startswith(BUILTIN_PREFIX) or os.path.isabs(name) or name.startswith((".", "~")) or \
+        os.path.exists(name) or name.count("/") != 1
+    return f"`{name}`" if local else f"[{name}](https://huggingface.co/{name})"
+
+
+def _accelerator_available() -> bool:
+    """Whether torch sees an accelerator (CUDA, XPU, MPS, ...) to which pinned memory would be copied."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return accelerator.is_available()
+    return torch.cuda.is_available()

@@ -225,7 +225,9 @@ class OnlineConfig(BaseConfig):
     total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (>= 1; sets "
                                        "max_steps). None: max_steps / num_train_epochs decide."})
     log_completions: bool = field(default=False, metadata={"help": "A completions table at every logging step."})
-    num_completions_to_print: int | None = field(default=None, metadata={"help": "Table rows printed (None: all)."})
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Table rows printed (None: all; 0: none, the rows go to completions.jsonl "
+                                        "only)."})
     num_sample_generations: int = field(default=0, metadata={"help": "Completion tables (and completions.jsonl "
                                         "rows) at this many evenly spaced steps."})
 
