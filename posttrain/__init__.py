@@ -27,6 +27,12 @@ _EXPORTS = {
     "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
+    "ORPOConfig": "posttrain.trainers.orpo", "ORPOTrainer": "posttrain.trainers.orpo",
+    "CPOConfig": "posttrain.trainers.cpo", "CPOTrainer": "posttrain.trainers.cpo",
+    "TPOConfig": "posttrain.trainers.tpo", "TPOTrainer": "posttrain.trainers.tpo",
+    "PRMConfig": "posttrain.trainers.prm", "PRMTrainer": "posttrain.trainers.prm",
+    "ProcessRewardFunction": "posttrain.rollout.process_rewards",
+    "task_stepwise_dataset": "posttrain.data.builtin",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -27,7 +27,8 @@ def step_loss(logits: Tensor, labels: Tensor) -> Tensor:
     labelled = labels != IGNORE
     if not labelled.any():
         return logits.sum() * 0.0
-    return F.cross_entropy(logits[labelled].float(), labels[labelled])
+    picked = logits[labelled]
+    return F.cross_entropy(picked.to(torch.promote_types(picked.dtype, torch.float32)), labels[labelled])
 
 
 @torch.no_grad()
