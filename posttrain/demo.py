@@ -6,7 +6,7 @@ On the built-in `reverse` task (reverse a 4-digit string) and the deterministic 
   2. SFT a short while -> a partly trained policy;
   3. train a reward model on (correct, corrupted) answer pairs -> held-out pairwise accuracy;
   4. from the same SFT checkpoint: GRPO, RLOO, PPO and REINFORCE++ with the task's checker as reward;
-  5. from the same SFT checkpoint: DPO, BCO and KTO on pairs built from the SFT model's own samples
+  5. from the same SFT checkpoint: DPO, ORPO, CPO, BCO and KTO on pairs built from the SFT model's own samples
      (a correct sample is chosen, an incorrect one rejected);
 
 then prints a table (stage, metric before -> after, wall time) and writes report.md, curves.png
@@ -33,21 +33,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "dpo", "bco", "kto")
+STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "dpo", "orpo", "cpo", "bco", "kto")
 # Run only when asked (--stages tools): a few minutes of CPU, more than the default stages together.
 OPT_IN_STAGES = ("tools",)
 
 
 ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp")
-PREFERENCE = ("dpo", "bco", "kto")
+PREFERENCE = ("dpo", "orpo", "cpo", "bco", "kto")
 
 # Budgets and learning rates per stage, measured on the tiny model (see the table in README.md).
 # The online stages count rollouts of 8 prompts x 8 samples: RLOO and PPO take num_ppo_epochs (4)
 # optimizer steps per rollout, so every online method sees the same 100 rollouts.
 STEPS = {"sft": 170, "reward": 200, "grpo": 100, "rloo": 100, "ppo": 100, "reinforce_pp": 100,
-         "dpo": 200, "bco": 100, "kto": 100}
+         "dpo": 200, "orpo": 60, "cpo": 60, "bco": 100, "kto": 100}
 LEARNING_RATES = {"sft": 3e-3, "reward": 1e-3, "grpo": 1e-3, "rloo": 1e-3, "ppo": 1e-3, "reinforce_pp": 1e-3,
-                  "dpo": 3e-4, "bco": 5e-4, "kto": 5e-4}
+                  "dpo": 3e-4, "orpo": 3e-4, "cpo": 3e-4, "bco": 5e-4, "kto": 5e-4}
 
 
 @dataclass
@@ -68,7 +68,7 @@ class DemoPlan:
     results: list[dict] = field(default_factory=list)
 
     def set_steps(self, group: str, n: int):
-        """--sft_steps / --reward_steps / --rl_steps (every online stage) / --pref_steps (DPO, BCO, KTO)."""
+        """--sft_steps / --reward_steps / --rl_steps (every online stage) / --pref_steps (DPO, ORPO, CPO, BCO, KTO)."""
         names = {"sft": ("sft",), "reward": ("reward",), "rl": ONLINE, "pref": PREFERENCE}[group]
         self.steps.update({name: n for name in names})
 
@@ -410,7 +410,7 @@ def run(plan: DemoPlan) -> list[dict]:
             started = time.time()
             _, metric = _online(plan, name, tokenizer, train, test, start, start_acc)
             record(name, started, metric)
-    preference = [s for s in ("dpo", "bco", "kto") if s in stages]
+    preference = [s for s in PREFERENCE if s in stages]
     if preference:
         console.rule("preference pairs from the SFT model's own samples")
         set_seed(plan.seed)
@@ -505,7 +505,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=None)
     for group in ("sft", "reward", "rl", "pref"):
         parser.add_argument(f"--{group}_steps", type=int, default=None,
-                            help={"rl": "rollouts per online stage", "pref": "steps per DPO/BCO/KTO stage"}.get(group))
+                            help={"rl": "rollouts per online stage", "pref": "steps per DPO/ORPO/CPO/BCO/KTO stage"}.get(group))
     parser.add_argument("--eval_size", type=int, default=None, help="held-out prompts evaluated")
     args = parser.parse_args(argv)
     plan = plan_for(args.model)

@@ -188,34 +188,40 @@ def _steps(task: str, prompt: str, answer: str) -> list[str]:
     return steps + [f"answer {answer}"]
 
 
-def _corrupt_step(step: str, rng: random.Random) -> str:
-    """The step with one digit of its last number replaced: a wrong result of the same length."""
+def _corrupt_step(step: str, rng: random.Random, corruption: str) -> str:
+    """The step with one digit of its last number replaced: by a lowercase letter ("letter", a malformed step)
+    or by another digit ("digit", a wrong result of the right form)."""
     last = list(re.finditer(r"\d+", step))[-1]
     k = rng.randrange(last.start(), last.end())
-    return step[:k] + rng.choice("0123456789".replace(step[k], "")) + step[k + 1:]
+    pool = "abcdefghijklmnopqrstuvwxyz" if corruption == "letter" else "0123456789".replace(step[k], "")
+    return step[:k] + rng.choice(pool) + step[k + 1:]
 
 
 def task_stepwise_dataset(task: str = "reverse", split: str = "train", size: int | None = None, seed: int = 0,
-                          corrupted_fraction: float = 0.5):
+                          corrupted_fraction: float = 0.5, corruption: str = "letter"):
     """Stepwise supervision for process reward models: `prompt`, `completions` (the solution's steps, see
     `_steps`), `labels` (one bool per step: is it correct), `answer`.
 
-    A `corrupted_fraction` of the rows has one wrong step (a digit of its result replaced) at a random
-    position: the steps before it are labelled True, it is labelled False and the row ends there (the
-    first error, as PRM800K labels solutions); the other rows are the whole correct solution, every step
-    True. Prompts are the task's (train and test disjoint)."""
+    A `corrupted_fraction` of the rows has one wrong step at a random position, a digit of its result
+    replaced by a letter (`corruption="letter"`, a malformed step) or by another digit ("digit", a wrong
+    result of the right form: much harder to learn, as for `task_preference_dataset`): the steps before
+    it are labelled True, it is labelled False and the row ends there (the first error, as PRM800K labels
+    solutions); the other rows are the whole correct solution, every step True. Prompts are the task's
+    (train and test disjoint)."""
     from datasets import Dataset
 
     if task not in ("reverse", "add"):
         raise ValueError(f"stepwise data exists for the tasks 'reverse' and 'add', got {task!r}")
-    rng = random.Random(f"{task}-{split}-stepwise-{seed}")
+    if corruption not in ("letter", "digit"):
+        raise ValueError(f"unknown corruption {corruption!r}; choose 'letter' or 'digit'")
+    rng = random.Random(f"{task}-{split}-stepwise-{corruption}-{seed}")
     rows = []
     for row in task_dataset(task, split, size, seed=seed):
         steps = _steps(task, row["prompt"], row["answer"])
         labels = [True] * len(steps)
         if rng.random() < corrupted_fraction:
             k = rng.randrange(len(steps))
-            steps, labels = steps[:k] + [_corrupt_step(steps[k], rng)], labels[:k] + [False]
+            steps, labels = steps[:k] + [_corrupt_step(steps[k], rng, corruption)], labels[:k] + [False]
         rows.append({"prompt": row["prompt"], "completions": steps, "labels": labels, "answer": row["answer"]})
     return Dataset.from_list(rows)
 
