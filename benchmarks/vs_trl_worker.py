@@ -18,19 +18,22 @@ import resource
 import sys
 import time
 
-# Trainer classes by workload: the module under trl / posttrain.trainers and the class names.
+# Trainer classes by workload: the module under posttrain.trainers, the class names, and TRL's module (TRL 1.16
+# ships ORPO and CPO in trl.experimental only).
 TRAINERS = {
-    "sft": ("sft", "SFTConfig", "SFTTrainer"),
-    "dpo": ("dpo", "DPOConfig", "DPOTrainer"),
-    "reward": ("reward", "RewardConfig", "RewardTrainer"),
-    "grpo": ("grpo", "GRPOConfig", "GRPOTrainer"),
-    "rloo": ("rloo", "RLOOConfig", "RLOOTrainer"),
+    "sft": ("sft", "SFTConfig", "SFTTrainer", "trl"),
+    "dpo": ("dpo", "DPOConfig", "DPOTrainer", "trl"),
+    "reward": ("reward", "RewardConfig", "RewardTrainer", "trl"),
+    "grpo": ("grpo", "GRPOConfig", "GRPOTrainer", "trl"),
+    "rloo": ("rloo", "RLOOConfig", "RLOOTrainer", "trl"),
+    "orpo": ("orpo", "ORPOConfig", "ORPOTrainer", "trl.experimental.orpo"),
+    "cpo": ("cpo", "CPOConfig", "CPOTrainer", "trl.experimental.cpo"),
 }
 
 
 def trainer_classes(side: str, kind: str):
-    module, config, trainer = TRAINERS[kind]
-    lib = importlib.import_module("trl" if side == "trl" else f"posttrain.trainers.{module}")
+    module, config, trainer, trl_module = TRAINERS[kind]
+    lib = importlib.import_module(trl_module if side == "trl" else f"posttrain.trainers.{module}")
     return getattr(lib, config), getattr(lib, trainer)
 
 
