@@ -1,4 +1,5 @@
-"""What the offline preference trainers (reward, DPO, BCO, KTO) share: one data path and one reference path.
+"""What the offline preference trainers (reward, DPO, BCO, KTO, ORPO, CPO, TPO) share: one data path and one
+reference path.
 
 * `prepare_preference_dataset`: validate any accepted layout (formats.validate names the bad
   row), convert it to pairs (`prompt_ids`, `chosen_ids`, `rejected_ids`) or to unpaired rows
@@ -17,7 +18,10 @@
   step and saved with every checkpoint.
 * `generate_during_eval` (a config field of BCO): each evaluation first samples completions of a few eval
   prompts from the policy and the reference, shown side by side (`eval_samples.py`).
-* `PreferenceConfig`: the fields DPO and KTO share (lengths, truncation_mode, reference handling).
+* `PairDataConfig`: lengths, truncation_mode and dropout; `PreferenceConfig` adds the reference handling
+  (DPO, KTO).
+* `ReferenceFreePairTrainer`: the PreferenceTrainer of ORPO, CPO and TPO, whose losses read the policy's own
+  log-probs only (no reference model), with TRL's constructor arguments and `record_pairs` for their metrics.
 """
 
 from __future__ import annotations

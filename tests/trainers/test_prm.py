@@ -138,3 +138,14 @@ def test_process_reward_function_scores_steps_and_runs_in_grpo(tmp_path):
                        train_dataset=[{"prompt": "reverse 12 ="}, {"prompt": "reverse 34 ="}] * 2)
     grpo.train()
     assert "rewards/prm_min/mean" in grpo.state.log_history[0]
+
+
+def test_streamed_stepwise_rows_train(tmp_path):
+    from datasets import IterableDataset
+
+    rows = list(task_stepwise_dataset("add", "train", 16))
+    stream = IterableDataset.from_generator(lambda: iter(rows))
+    trainer = PRMTrainer(TINY, args=PRMConfig(**config_kwargs(tmp_path, max_steps=3)), train_dataset=stream)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert all(0 <= r["accuracy"] <= 1 for r in trainer.state.log_history if "accuracy" in r)
