@@ -4,7 +4,8 @@ reference model (CPO, SimPO, AlphaPO, TPO, ORPO).
 Notation: r_w, r_l are the implicit rewards of the chosen and rejected completion (log π(y|x), summed
 over the completion or averaged per token, see each loss's `length_normalised`), z = r_w - r_l.
 
-Margin losses (`MARGIN_LOSSES`: name -> `MarginLoss`, whose `fn(z, *, beta, label_smoothing, gamma) -> (B,)`):
+Margin losses (`MARGIN_LOSSES`: name -> `MarginLoss`, whose `fn(z, *, beta, [label_smoothing], [gamma]) -> (B,)`;
+the options a loss reads are its keyword-only parameters, so `smoothable` and `uses_gamma` come from its signature):
   sigmoid  CPO, Xu et al. 2024 (their eq. 3, DPO's loss with the reference dropped): the ε-smoothed
            logistic loss -(1-ε) log σ(βz) - ε log σ(-βz); TPO's main loss on summed log-probs.
   hinge    SLiC's hinge, Zhao et al. 2023: relu(1 - βz).
@@ -31,62 +32,63 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posttrain.core.preference_losses import _smoothed_logistic
+from posttrain.core.registry import Registry
 
 
 @dataclass(frozen=True)
 class MarginLoss:
     """A loss of the reward margin z = r_w - r_l and the facts the trainers and config checks read from it."""
 
-    fn: Callable[..., Tensor]  # fn(z (B,), *, beta, label_smoothing, gamma) -> (B,)
+    fn: Callable[..., Tensor]  # fn(z (B,), *, beta, [label_smoothing], [gamma]) -> (B,)
     length_normalised: bool  # rewards are per-token mean log-probs (else sums over the completion)
-    smoothable: bool  # accepts label_smoothing > 0
-    uses_gamma: bool = False  # reads the target margin γ
+    options: tuple[str, ...] = ()  # its keyword-only parameters (read off its signature)
+
+    @property
+    def smoothable(self) -> bool:
+        """Accepts label_smoothing > 0."""
+        return "label_smoothing" in self.options
+
+    @property
+    def uses_gamma(self) -> bool:
+        """Reads a target margin γ."""
+        return "gamma" in self.options
 
 
-MARGIN_LOSSES: dict[str, MarginLoss] = {}
+MARGIN_LOSSES = Registry("reference-free pair loss", MarginLoss, positional=("z",))
 
 
-def _register(name: str, **facts):
-    def decorate(fn):
-        MARGIN_LOSSES[name] = MarginLoss(fn, **facts)
-        return fn
-
-    return decorate
-
-
-@_register("sigmoid", length_normalised=False, smoothable=True)
-def sigmoid_margin(z: Tensor, *, beta: float, label_smoothing: float = 0.0, gamma: float = 0.0) -> Tensor:
+@MARGIN_LOSSES.register("sigmoid", length_normalised=False)
+def sigmoid_margin(z: Tensor, *, beta: float, label_smoothing: float = 0.0) -> Tensor:
     return _smoothed_logistic(beta * z, label_smoothing)
 
 
-@_register("hinge", length_normalised=False, smoothable=False)
-def hinge_margin(z: Tensor, *, beta: float, label_smoothing: float = 0.0, gamma: float = 0.0) -> Tensor:
+@MARGIN_LOSSES.register("hinge", length_normalised=False)
+def hinge_margin(z: Tensor, *, beta: float) -> Tensor:
     return torch.relu(1 - beta * z)
 
 
-@_register("ipo", length_normalised=True, smoothable=False)
-def ipo_margin(z: Tensor, *, beta: float, label_smoothing: float = 0.0, gamma: float = 0.0) -> Tensor:
+@MARGIN_LOSSES.register("ipo", length_normalised=True)
+def ipo_margin(z: Tensor, *, beta: float) -> Tensor:
     return (z - 1 / (2 * beta)) ** 2
 
 
-def _target_margin(z: Tensor, *, beta: float, label_smoothing: float = 0.0, gamma: float = 0.5) -> Tensor:
+@MARGIN_LOSSES.register("simpo", length_normalised=True)
+def target_margin(z: Tensor, *, beta: float, label_smoothing: float = 0.0, gamma: float = 0.5) -> Tensor:
     # the Bradley-Terry objective asked for a margin of at least γ
     return _smoothed_logistic(beta * z - gamma, label_smoothing)
 
 
-MARGIN_LOSSES["simpo"] = MarginLoss(_target_margin, length_normalised=True, smoothable=True, uses_gamma=True)
-MARGIN_LOSSES["tpo-l"] = MarginLoss(_target_margin, length_normalised=True, smoothable=True, uses_gamma=True)
+MARGIN_LOSSES.add("tpo-l", target_margin, length_normalised=True)
 
 
 def margin_loss(name: str, z: Tensor, *, beta: float, label_smoothing: float = 0.0, gamma: float = 0.0) -> Tensor:
-    """Per-pair loss (B,) of the registered margin loss `name`; raises for an unknown name or a smoothing
-    the loss has no form for."""
-    if name not in MARGIN_LOSSES:
-        raise ValueError(f"unknown loss type {name!r}; choose from {sorted(MARGIN_LOSSES)}")
-    spec = MARGIN_LOSSES[name]
+    """Per-pair loss (B,) of the registered margin loss `name` (γ reaches only the losses that read it); raises for
+    an unknown name or a label smoothing the loss has no form for."""
+    spec = MARGIN_LOSSES.choose(name)
     if label_smoothing and not spec.smoothable:
         raise ValueError(f"the {name!r} loss has no label-smoothed form; set label_smoothing=0")
-    return spec.fn(z, beta=beta, label_smoothing=label_smoothing, gamma=gamma)
+    options = {k: v for k, v in (("label_smoothing", label_smoothing), ("gamma", gamma)) if k in spec.options}
+    return spec.fn(z, beta=beta, **options)
 
 
 def alphapo_rewards(logps: Tensor, alpha: float) -> Tensor:

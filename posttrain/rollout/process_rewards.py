@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.core.process_rewards import IGNORE, STEP_AGGREGATIONS
-from posttrain.data.builtin import completion_text
+from posttrain.tasks.builtin import completion_text
 from posttrain.data.collate import pad
 from posttrain.data.tokenize import encode_steps
 from posttrain.models import loading

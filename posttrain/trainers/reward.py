@@ -8,10 +8,10 @@ negative log-likelihood, `core.preference_losses.pairwise_reward_loss`. Optional
 
 Departures: a pair's prompt goes through the model once: each pair is one sequence
 [prompt | chosen | rejected] whose block mask lets each completion see the prompt and itself only
-(`core.logprobs.pack_pairs`), and each completion's score is read at its last token, so the
+(`forward.logprobs.pack_pairs`), and each completion's score is read at its last token, so the
 model computes what the two [prompt | completion] rows would give, up to float rounding, on
 P + C_c + C_r tokens instead of 2 P + C_c + C_r. Under sdpa (document attention,
-`models.document_attention`) a batch's pairs go through the model as ONE padding-free row, each
+`accel.document_attention`) a batch's pairs go through the model as ONE padding-free row, each
 pair attending under its own block mask: one forward per batch, no padding. Models whose
 attention takes no block mask, or
 whose score head is not a plain map of the last hidden state, get the two rows stacked along the
@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from posttrain.core.logprobs import attention_kind, length_groups, pack_pairs
+from posttrain.accel import document_attention
+from posttrain.core.log_softmax import length_groups
 from posttrain.core.preference_losses import pairwise_reward_loss
-from posttrain.models import document_attention
+from posttrain.forward.logprobs import attention_kind, pack_pairs
 from posttrain.models.loading import is_peft_model, peft_for_task
 from posttrain.trainers.base import BaseConfig, classic_arguments
 from posttrain.trainers.preference_base import PreferenceTrainer
@@ -161,7 +162,8 @@ class RewardTrainer(PreferenceTrainer):
                           stacklevel=2)
         super().__init__(model, None, args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
-                         peft_config=peft_for_task(peft_config, "SEQ_CLS", "a reward model is a sequence classifier"), callbacks=callbacks, optimizers=optimizers,
+                         peft_config=peft_for_task(peft_config, "SEQ_CLS", "a reward model is a sequence classifier"),
+                         callbacks=callbacks, optimizers=optimizers,
                          needs_reference=False, model_kind="seq-cls", compute_metrics=compute_metrics)
         # each batch's pairs as one padding-free row, each pair attending within itself (see pair_rewards)
         document_attention.enable(self.accelerator.unwrap_model(self.model))

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.core.contrastive_losses import MARGIN_LOSSES, margin_loss, token_mean_nll
-from posttrain.trainers.preference_base import (TRUNCATION_MODES, PairDataConfig, ReferenceFreePairTrainer,
-                                                  completion_logps)
+from posttrain.forward.completions import completion_logps
+from posttrain.trainers.preference_base import TRUNCATION_MODES, PairDataConfig, ReferenceFreePairTrainer
 
 TPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "tpo-l")
 

@@ -43,7 +43,7 @@ def test_hinge_ipo_and_target_margin():
 
 
 def test_unknown_loss_and_smoothing_without_a_smoothed_form_raise():
-    with pytest.raises(ValueError, match="unknown loss type 'kto'"):
+    with pytest.raises(ValueError, match="unknown reference-free pair loss 'kto'"):
         margin_loss("kto", t(1.0), beta=1.0)
     with pytest.raises(ValueError, match="'hinge' loss has no label-smoothed form"):
         margin_loss("hinge", t(1.0), beta=1.0, label_smoothing=0.1)

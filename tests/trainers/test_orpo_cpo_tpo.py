@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tests.helpers.preference import TINY, assert_all_changed, assert_finite_metrics, config_kwargs, snapshot
 
-from posttrain.data.builtin import zen
+from posttrain.tasks.builtin import zen
 from posttrain.data.formats import FormatError
 from posttrain.trainers.cpo import CPOConfig, CPOTrainer
 from posttrain.trainers.orpo import ORPOConfig, ORPOTrainer
@@ -208,7 +208,7 @@ def self_play(sft_reverse_path):
     """(train pairs, held-out pairs) from the partially SFT-trained model's own `reverse` samples, built as the demo
     builds them for DPO (a correct sample chosen, an incorrect one rejected), each with the gold answer as TPO's
     `reference`."""
-    from posttrain.data.builtin import task_dataset
+    from posttrain.tasks.builtin import task_dataset
     from posttrain.demo import DemoPlan, _self_play_pairs
     from posttrain.models.loading import load_tokenizer
 

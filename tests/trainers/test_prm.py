@@ -6,7 +6,7 @@ import torch
 from tests.helpers.preference import TINY, assert_all_changed, config_kwargs, snapshot
 
 from posttrain.core.process_rewards import IGNORE
-from posttrain.data.builtin import task_stepwise_dataset
+from posttrain.tasks.builtin import task_stepwise_dataset
 from posttrain.data.formats import FormatError
 from posttrain.data.tokenize import encode_steps
 from posttrain.models.loading import load_tokenizer

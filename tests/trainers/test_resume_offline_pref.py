@@ -22,7 +22,7 @@ RUNS = {
                                                                  "reference=True)"),
     "prm": ("posttrain.trainers.prm", "PRMConfig", "PRMTrainer", "task_stepwise_dataset('add', 'train', 24)"),
 }
-IMPORTS = "from posttrain.data.builtin import zen, task_preference_dataset, task_stepwise_dataset"
+IMPORTS = "from posttrain.tasks.builtin import zen, task_preference_dataset, task_stepwise_dataset"
 
 
 def fields(run: dict) -> dict:
@@ -33,7 +33,7 @@ def fields(run: dict) -> dict:
 def maker(name):
     import importlib
 
-    from posttrain.data import builtin
+    from posttrain.tasks import builtin
 
     module, config, trainer, data = RUNS[name]
     module = importlib.import_module(module)
