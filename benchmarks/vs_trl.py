@@ -106,6 +106,13 @@ WORKLOADS = {
                             stop_token="eos", num_sample_generations=0)),
     "bco": dict(trainer="bco", data="pairs", unit="rows", trl="1.12", worker="vs_trl_experimental_worker.py",
                 config=dict(per_device_train_batch_size=8, max_length=256, learning_rate=1e-6, beta=0.1)),
+    # on-policy distillation from a teacher of the same tokenizer (SmolLM2 with seeded noise: prepare_models)
+    "distillation": dict(trainer="distillation", data="prompts", unit="samples", worker="vs_trl_distill_worker.py",
+                         config=dict(per_device_train_batch_size=8, max_completion_length=32, learning_rate=1e-6,
+                                     temperature=1.0, lmbda=1.0, beta=1.0, loss_top_k=0, shuffle_dataset=False)),
+    "gkd": dict(trainer="gkd", data="messages", unit="samples", worker="vs_trl_distill_worker.py",
+                config=dict(per_device_train_batch_size=8, max_new_tokens=32, learning_rate=1e-6, temperature=1.0,
+                            lmbda=1.0, beta=0.5)),
 }
 SIDES = ("trl", "posttrain")
 # The columns a run can have: the library each runs and the environment its worker gets on top of the run's.
@@ -134,7 +141,27 @@ def prepare_models(cache: Path) -> dict[str, str]:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(seqcls)
-    return {"causal": str(causal), "seqcls": str(seqcls)}
+    return {"causal": str(causal), "seqcls": str(seqcls), "teacher": str(perturbed_teacher(cache, causal))}
+
+
+def perturbed_teacher(cache: Path, causal) -> Path:
+    """The distillation workloads' teacher: the causal LM with N(0, (0.02 * std)^2) noise on every weight tensor
+    (seed 1), saved once: the same tokenizer and architecture, other next-token distributions."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache / "smollm2-135m-instruct-teacher"
+    if not (folder / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(causal, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.02 * p.float().std().clamp(min=1e-3))
+        tmp = Path(tempfile.mkdtemp(dir=cache))
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(causal).save_pretrained(tmp)
+        tmp.rename(folder)
+    return folder
 
 
 def documents(tokenizer, n: int, low: int, high: int, cut: int) -> list[list[int]]:
@@ -176,7 +203,9 @@ def prepare_data(cache: Path, model_dir: str) -> tuple[dict[str, str], dict[str,
     sets = {"docs-256": [{"input_ids": d} for d in documents(tokenizer, 256, 32, 384, 256)],
             "docs-2048": [{"input_ids": d} for d in documents(tokenizer, 64, 512, 3072, 2048)],
             "pairs": pairs(256),
-            "prompts": [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 64}
+            "prompts": [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 64,
+            "messages": [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "Sure."}]}
+                         for p in PROMPTS] * 64}
     paths = {}
     for name, rows in sets.items():
         paths[name] = str(cache / f"{name}.json")
@@ -219,7 +248,8 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
     sequences (prompt + chosen, prompt + rejected); DPO adds the reference's forward (ORPO and CPO have none). An
     online sample is
     prompt + completion: sampled (one forward per token), trained (forward + backward), and for RLOO scored
-    by the reference (one more forward). A side that computes a shared prompt once does less than this."""
+    by the reference (one more forward; distillation: by the teacher). A side that computes a shared prompt
+    once does less than this."""
     n, output, layers, d_attn = model
     spec = WORKLOADS[workload]
 
@@ -237,7 +267,7 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
     if spec["trainer"] == "ppo":  # policy, and critic (no output layer): two no-grad forwards, then fwd + bwd per epoch
         passes = 2 + 3 * spec["config"]["num_ppo_epochs"]
         return passes * (forward((tokens + 1) / 2) + forward((tokens + 1) / 2, n - output)) * tokens
-    passes = 1 + 3 + (1 if spec["trainer"] == "rloo" else 0)
+    passes = 1 + 3 + (1 if spec["trainer"] in ("rloo", "distillation", "gkd") else 0)  # + reference / teacher
     return passes * forward((tokens + 1) / 2) * tokens
 
 

@@ -6,12 +6,16 @@ Public names are imported lazily so that `import posttrain` stays fast.
 from __future__ import annotations
 
 import importlib
+import logging
 
 from posttrain import _moved
 
 __version__ = "0.1.0"
 
-_moved.install()  # old import paths of moved modules (e.g. posttrain.tasks.builtin) keep working
+# bitsandbytes (QLoRA), imported by peft when installed, warns at import on CPUs with AVX512-BF16 that its optional
+# hub kernel package `kernels` is missing; its own CPU kernels serve, so the line is noise in every run
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+_moved.install()  # old import paths of moved modules (e.g. posttrain.data.builtin) keep working
 
 _EXPORTS = {
     "SFTConfig": "posttrain.trainers.sft", "SFTTrainer": "posttrain.trainers.sft",
@@ -31,6 +35,13 @@ _EXPORTS = {
     "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
+    "DistillationConfig": "posttrain.trainers.distillation", "DistillationTrainer": "posttrain.trainers.distillation",
+    "GKDConfig": "posttrain.trainers.gkd", "GKDTrainer": "posttrain.trainers.gkd",
+    "MiniLLMConfig": "posttrain.trainers.minillm", "MiniLLMTrainer": "posttrain.trainers.minillm",
+    "TrlParser": "posttrain.scripts", "ScriptArguments": "posttrain.scripts", "ModelConfig": "posttrain.scripts",
+    "DatasetConfig": "posttrain.scripts", "DatasetMixtureConfig": "posttrain.scripts", "get_dataset": "posttrain.scripts",
+    "get_peft_config": "posttrain.scripts", "get_quantization_config": "posttrain.scripts",
+    "get_kbit_device_map": "posttrain.scripts",
     "ORPOConfig": "posttrain.trainers.orpo", "ORPOTrainer": "posttrain.trainers.orpo",
     "CPOConfig": "posttrain.trainers.cpo", "CPOTrainer": "posttrain.trainers.cpo",
     "TPOConfig": "posttrain.trainers.tpo", "TPOTrainer": "posttrain.trainers.tpo",

@@ -73,9 +73,14 @@ class CompletionsTable:
             f.writelines(kept)
         self._steps_on_file = {json.loads(line).get("step", 0) for line in kept}
 
-    def write(self, step: int, prompts: list, completions: list[str], scores: dict[str, list[float]]):
+    def write(self, step: int, prompts: list, completions: list[str], scores: dict[str, list[float]],
+              extra: dict[str, list] | None = None):
+        """Append the rows to the file, print them and report them; `extra`: more columns, one value per row
+        (what reward functions gave `log_extra`), in the file and the trackers' table."""
+        extra = extra or {}
         rows = [{"step": step, "prompt": _text(p), "completion": c,
-                 **{name: _number(values[i]) for name, values in scores.items()}}
+                 **{name: _number(values[i]) for name, values in scores.items()},
+                 **{name: values[i] for name, values in extra.items()}}
                 for i, (p, c) in enumerate(zip(prompts, completions))]
         if self.path and step not in self._steps_on_file:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -83,7 +88,7 @@ class CompletionsTable:
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
         self.print(step, rows[: self.num_to_print] if self.num_to_print else rows, list(scores))
-        self.report(rows, list(scores))
+        self.report(rows, [*scores, *extra])
         return rows
 
     def report(self, rows: list[dict], names: list[str]):

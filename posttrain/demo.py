@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "dpo", "orpo", "cpo", "bco", "kto")
+STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "dpo", "orpo", "cpo", "bco", "kto", "distill")
 # Run only when asked (--stages tools): a few minutes of CPU, more than the default stages together.
 OPT_IN_STAGES = ("tools",)
 
@@ -44,10 +44,13 @@ PREFERENCE = ("dpo", "orpo", "cpo", "bco", "kto")
 # Budgets and learning rates per stage, measured on the tiny model (see the table in README.md).
 # The online stages count rollouts of 8 prompts x 8 samples: RLOO and PPO take num_ppo_epochs (4)
 # optimizer steps per rollout, so every online method sees the same 100 rollouts.
+# The distill stage: each distillation trainer (and SFT on the teacher's samples, with as many completion tokens)
+# trains the SFT checkpoint for `distill` steps of distill_batch_size completions from the best online stage's
+# policy.
 STEPS = {"sft": 170, "reward": 200, "grpo": 100, "rloo": 100, "ppo": 100, "reinforce_pp": 100,
-         "dpo": 200, "orpo": 60, "cpo": 60, "bco": 100, "kto": 100}
+         "dpo": 200, "orpo": 60, "cpo": 60, "bco": 100, "kto": 100, "distill": 25}
 LEARNING_RATES = {"sft": 3e-3, "reward": 1e-3, "grpo": 1e-3, "rloo": 1e-3, "ppo": 1e-3, "reinforce_pp": 1e-3,
-                  "dpo": 3e-4, "orpo": 3e-4, "cpo": 3e-4, "bco": 5e-4, "kto": 5e-4}
+                  "dpo": 3e-4, "orpo": 3e-4, "cpo": 3e-4, "bco": 5e-4, "kto": 5e-4, "distill": 2e-3}
 
 
 @dataclass
@@ -65,11 +68,14 @@ class DemoPlan:
     temperature: float = 1.0  # sampling temperature of the online stages
     eval_size: int = 100
     max_new_tokens: int = 8
+    distill_batch_size: int = 16  # completions per step of each distillation trainer
+    distill_tokens: int | None = None  # completion tokens the distillation trainer saw (the SFT baseline's budget)
     results: list[dict] = field(default_factory=list)
 
     def set_steps(self, group: str, n: int):
         """--sft_steps / --reward_steps / --rl_steps (every online stage) / --pref_steps (DPO, ORPO, CPO, BCO, KTO)."""
-        names = {"sft": ("sft",), "reward": ("reward",), "rl": ONLINE, "pref": PREFERENCE}[group]
+        names = {"sft": ("sft",), "reward": ("reward",), "rl": ONLINE, "pref": PREFERENCE,
+                 "distill": ("distill",)}[group]
         self.steps.update({name: n for name in names})
 
 
@@ -347,6 +353,85 @@ def run_guess_number(plan: DemoPlan) -> tuple[tuple, list[dict]]:
     return ("held-out reward", before, after), _episode(trainer, test[0])
 
 
+DISTILLERS = ("distillation", "gkd", "minillm", "sft on teacher samples")
+
+
+def _teacher_samples(plan, tokenizer, prompts, teacher, rows: int):
+    """`rows` prompt-completion rows: the teacher's samples (training temperature) of the first prompts, cycled."""
+    import torch
+    from datasets import Dataset
+
+    from posttrain.data.tokenize import encode_prompt
+    from posttrain.models.loading import load_causal_lm
+    from posttrain.rollout.generate import SamplingConfig, generate
+
+    model = load_causal_lm(teacher)
+    texts = [prompts[i % len(prompts)] for i in range(rows)]
+    out = generate(model, [encode_prompt(tokenizer, p) for p in texts],
+                   SamplingConfig(max_new_tokens=plan.max_new_tokens, temperature=plan.temperature),
+                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                   generator=torch.Generator().manual_seed(plan.seed))
+    lengths = out.completion_mask.sum(1).tolist()
+    completions = tokenizer.batch_decode([ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)],
+                                         skip_special_tokens=True)
+    return Dataset.from_list([{"prompt": p, "completion": c} for p, c in zip(texts, completions)]), sum(lengths)
+
+
+def run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher):
+    """One distillation trainer from the SFT checkpoint `start` with the online policy `teacher`; or, for "sft on
+    teacher samples", SFT on the teacher's samples of as many completion tokens as the distillation run saw."""
+    import posttrain
+
+    steps, batch = plan.steps["distill"], plan.distill_batch_size
+    common = _common_args(plan, "distill", output_dir=str(Path(plan.output_dir) / name.replace(" ", "_")),
+                          per_device_train_batch_size=batch)
+    if name == "sft on teacher samples":
+        tokens = plan.distill_tokens or steps * batch * plan.max_new_tokens
+        data, got = _teacher_samples(plan, tokenizer, train["prompt"], teacher, steps * batch)
+        rows = max(batch, min(len(data), round(tokens / max(got / len(data), 1))))  # as many completion tokens
+        trainer = posttrain.SFTTrainer(model=start, processing_class=tokenizer, train_dataset=data.select(range(rows)),
+                                       args=posttrain.SFTConfig(**{**common, "max_steps": -1, "num_train_epochs": 1,
+                                                                   "max_length": 64}))
+    elif name == "minillm":
+        trainer = posttrain.MiniLLMTrainer(
+            model=start, teacher_model=teacher, processing_class=tokenizer,
+            train_dataset=train.remove_columns("completion"),
+            # one sample per prompt, as the other distillers: no reward function, so no group baseline is needed
+            args=posttrain.MiniLLMConfig(**common, num_generations=1, max_completion_length=plan.max_new_tokens))
+    else:
+        config_cls, trainer_cls = ((posttrain.DistillationConfig, posttrain.DistillationTrainer)
+                                   if name == "distillation" else (posttrain.GKDConfig, posttrain.GKDTrainer))
+        trainer = trainer_cls(model=start, teacher_model=teacher, processing_class=tokenizer, train_dataset=train,
+                              args=config_cls(**common, loss_top_k=0, max_completion_length=plan.max_new_tokens))
+    trainer.train()
+    if name == "distillation":  # the completion tokens it trained on: the SFT baseline gets as many
+        lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+        plan.distill_tokens = int(sum(lengths) / max(len(lengths), 1) * steps * batch)
+    _finish(trainer, plan, name.replace(" ", "_"))
+    return "held-out accuracy", start_acc, _accuracy(trainer.model, tokenizer, test, plan)
+
+
+def _distill_stage(plan, console, record, tokenizer, train, test, start, start_acc, policies: dict):
+    """Each distiller from the SFT checkpoint `start`, the teacher the best online policy (GRPO trained first
+    when no online stage ran); `record(stage, started, metric)` adds each row."""
+    from transformers import set_seed
+
+    if not policies:
+        console.rule("GRPO (the teacher)")
+        set_seed(plan.seed)
+        started = time.time()
+        path, metric = _online(plan, "grpo", tokenizer, train, test, start, start_acc)
+        policies["grpo"] = (path, metric[2])
+        record("grpo", started, metric)
+    teacher, teacher_acc = max(policies.values(), key=lambda p: p[1])
+    for name in DISTILLERS:
+        console.rule(f"{name} from the best online policy (held-out accuracy {teacher_acc:.2f})")
+        set_seed(plan.seed)
+        started = time.time()
+        metric = run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher)
+        record(name, started, metric)
+
+
 def _show_episode(console, messages):
     for m in messages:
         calls = [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
@@ -402,12 +487,14 @@ def run(plan: DemoPlan) -> list[dict]:
         started = time.time()
         _, metric = run_reward(plan, tokenizer, train, test, start)
         record("reward", started, metric)
+    policies = {}  # online stage -> (its trained policy's path, held-out accuracy): the distill stage's teachers
     for name in ("grpo", "rloo", "ppo", "reinforce_pp"):
         if name in stages:
             console.rule(name.upper())
             set_seed(plan.seed)
             started = time.time()
-            _, metric = _online(plan, name, tokenizer, train, test, start, start_acc)
+            path, metric = _online(plan, name, tokenizer, train, test, start, start_acc)
+            policies[name] = (path, metric[2])
             record(name, started, metric)
     preference = [s for s in PREFERENCE if s in stages]
     if preference:
@@ -421,6 +508,8 @@ def run(plan: DemoPlan) -> list[dict]:
             started = time.time()
             _, metric = _preference(plan, name, tokenizer, pairs, test, start, start_acc)
             record(name, started, metric)
+    if "distill" in stages:
+        _distill_stage(plan, console, record, tokenizer, train, test, start, start_acc, policies)
     if "tools" in plan.stages:
         console.rule("tools: calculator (SFT on traces, then GRPO with CalculatorEnv)")
         set_seed(plan.seed)
@@ -502,9 +591,10 @@ def main(argv=None):
                         f"default), or the opt-in {','.join(OPT_IN_STAGES)} (a multi-turn tool environment)")
     parser.add_argument("--output_dir", default=None)
     parser.add_argument("--seed", type=int, default=None)
-    for group in ("sft", "reward", "rl", "pref"):
+    for group in ("sft", "reward", "rl", "pref", "distill"):
         parser.add_argument(f"--{group}_steps", type=int, default=None,
-                            help={"rl": "rollouts per online stage", "pref": "steps per DPO/ORPO/CPO/BCO/KTO stage"}.get(group))
+                            help={"rl": "rollouts per online stage", "pref": "steps per DPO/ORPO/CPO/BCO/KTO stage",
+                                  "distill": "steps per distillation trainer"}.get(group))
     parser.add_argument("--eval_size", type=int, default=None, help="held-out prompts evaluated")
     args = parser.parse_args(argv)
     plan = plan_for(args.model)
@@ -517,7 +607,7 @@ def main(argv=None):
     for name in ("output_dir", "seed", "eval_size"):
         if getattr(args, name) is not None:
             setattr(plan, name, getattr(args, name))
-    for group in ("sft", "reward", "rl", "pref"):
+    for group in ("sft", "reward", "rl", "pref", "distill"):
         if getattr(args, f"{group}_steps") is not None:
             plan.set_steps(group, getattr(args, f"{group}_steps"))
     run(plan)

@@ -220,8 +220,8 @@ def test_a_faulty_file_in_a_dataset_folder_is_named(tmp_path):
         cli.load_dataset_arg(str(tmp_path))
 
 
-@pytest.mark.parametrize("name", ["sft", "reward", "dpo", "bco", "kto", "grpo", "rloo", "ppo", "orpo", "cpo", "tpo",
-                                  "prm"])
+@pytest.mark.parametrize("name", ["sft", "reward", "dpo", "bco", "kto", "grpo", "rloo", "ppo", "distillation", "gkd",
+                                  "minillm", "orpo", "cpo", "tpo", "prm"])
 def test_every_default_written_as_yaml_passes_the_type_check(name):
     """The YAML type check accepts each field's own default, so it cannot refuse a valid config."""
     import enum

@@ -219,6 +219,37 @@ def test_the_allocator_off_column_runs_posttrain_with_malloc_untouched(tmp_path,
         run("posttrain-malloc-off", "liar")
 
 
+@pytest.mark.parametrize("workload", ["distillation", "gkd"])
+def test_distillation_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch, workload):
+    # the worker's posttrain side on the tiny models, 2 steps: the trainer builds from the workload's TRL-named
+    # config, the teacher's decoder runs on every completion of a step, and the result holds what vs_trl reads
+    import json
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    worker = importlib.import_module("vs_trl_distill_worker")
+    rows = [{"prompt": [{"role": "user", "content": p}]} for p in vs_trl.PROMPTS] * 8
+    if workload == "gkd":
+        rows = [{"messages": r["prompt"] + [{"role": "assistant", "content": "Sure."}]} for r in rows]
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    config = {**vs_trl.WORKLOADS[workload]["config"], "per_device_train_batch_size": 4}
+    config["max_completion_length" if workload == "distillation" else "max_new_tokens"] = 4
+    spec = {"side": "posttrain", "workload": workload, "trainer": vs_trl.WORKLOADS[workload]["trainer"],
+            "config": config, "model": resolve("posttrain/tiny-qwen2"),
+            "models": {"teacher": resolve("posttrain/tiny-llama")}, "data": str(tmp_path / "data.json"), "steps": 2,
+            "threads": torch.get_num_threads(), "seed": 0, "output_dir": str(tmp_path / "out"),
+            "out": str(tmp_path / "result.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(sys, "argv", ["worker", str(tmp_path / "spec.json")])
+    worker.main()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["samples"] == [4, 4] and len(result["step_end"]) == 2
+    summary = vs_trl.summarise(result, vs_trl.WORKLOADS[workload]["unit"])
+    assert summary["samples_per_step"] == 4 and summary["first_loss"] is not None
+    # per token: sampled, trained (3 forwards), the teacher's forward; 10 + 4 tokens attending to 7.5 keys
+    assert vs_trl.flops_per_item(workload, {"prompt/tokens": 10.0}, (1000, 100, 2, 8), 4.0) == 5 * (2000 + 64 * 7.5) * 14
+
+
 @pytest.mark.parametrize("workload", ["orpo", "cpo"])
 def test_orpo_and_cpo_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch, workload):
     """The posttrain side of the orpo and cpo workloads, as vs_trl.py starts it (its worker in a fresh process, the

@@ -13,6 +13,9 @@
                         whitened over the whole batch; no critic.
   reinforce_pp_baseline REINFORCE++-baseline: the group mean of the scores is subtracted
                         first, then as reinforce_pp.
+  reverse_kl_return     MiniLLM (Gu et al. 2024, "MiniLLM: Knowledge Distillation of Large Language
+                        Models"): the policy gradient of -KL(student || teacher) over sequences; the
+                        per-token rewards are log q_teacher - log q_student of the sampled tokens.
 
 Each takes an `AdvantageInput` plus keyword-only options (each read from the config field of
 its name) and returns `(advantages, returns)`: advantages `(B, T)`, 0 on padding; returns
@@ -256,3 +259,39 @@ def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
     scores = _ungroup(g - g.mean(dim=1, keepdim=True), inp.layout)  # (B,)
     returns = _discounted_return(per_token_rewards(scores, inp.mask, inp.token_rewards), inp.mask, gamma)
     return masked_whiten(returns, inp.mask), None
+
+
+ADVANTAGES.option("rkl_advantage", True, "reverse_kl_return (MiniLLM): add the reverse-KL return to the reward "
+                  "advantage.")
+ADVANTAGES.option("single_step_decomposition", True, "reverse_kl_return (MiniLLM): each step's own reverse KL "
+                  "exactly, over the vocabulary, in the loss; the return covers the later steps.")
+ADVANTAGES.option("length_normalization", True, "reverse_kl_return (MiniLLM): divide each return by the number of "
+                  "steps it sums.")
+
+
+@register_advantage("reverse_kl_return", per_token=True, critic=False, min_group=1)
+def reverse_kl_return(inp: AdvantageInput, *, gamma: float = 1.0, length_normalization: bool = True,
+                      single_step_decomposition: bool = True, rkl_advantage: bool = True):
+    """MiniLLM's advantage: the scores minus their group mean (as GRPO without the std; 0 for a group of one),
+    plus, with `rkl_advantage`, the return R_t = sum_{s>=t} γ^(s-t) r_s of the per-token rewards r_s
+    (`token_rewards`: log q_T(y_s) - log q_S(y_s), the negated single-sample reverse KL). With
+    `single_step_decomposition` the current step is left out (R_{t+1}: the loss adds that step's exact
+    reverse KL over the vocabulary instead); with `length_normalization` each return is divided by the
+    number of steps it sums (MiniLLM's R^Norm), so long completions do not get larger advantages. (MiniLLMConfig's
+    gamma defaults to TRL's 0.0: with the single-step decomposition the return is then 0.)"""
+    g = group_view(inp.scores, inp.group_size, inp.layout)  # (P, k)
+    scores = _ungroup(g - g.mean(dim=1, keepdim=True), inp.layout)  # (B,)
+    mask = inp.mask.bool()
+    advantages = torch.where(mask, scores[:, None], 0.0)
+    if not rkl_advantage or inp.token_rewards is None:
+        return advantages, None
+    rewards = torch.where(mask, inp.token_rewards.to(scores.dtype), 0.0)
+    if single_step_decomposition:  # r'_t = γ r_{t+1}: the next masked token's reward, discounted once
+        later = _discounted_return(rewards, mask, gamma) - rewards  # γ G_{t+1}
+        returns = torch.where(mask, later, 0.0)
+    else:
+        returns = _discounted_return(rewards, mask, gamma)
+    if length_normalization:
+        steps = mask.flip(1).cumsum(1).flip(1).to(scores.dtype)  # masked tokens from t to the end
+        returns = returns / (steps - float(single_step_decomposition)).clamp(min=1)
+    return advantages + torch.where(mask, returns, 0.0), None

@@ -92,7 +92,8 @@ def margin_loss(name: str, z: Tensor, *, beta: float, label_smoothing: float = 0
 
 
 def alphapo_rewards(logps: Tensor, alpha: float) -> Tensor:
-    """AlphaPO's reward (1 - p^(-α)) / α of p = exp(logps), computed as -expm1(-α logps) / α; logps itself at α = 0."""
+    """AlphaPO's reward (1 - p^(-α)) / α of p = exp(logps), computed as -expm1(-α logps) / α; at α = 0 the
+    log-prob itself."""
     if alpha == 0:
         return logps
     return -torch.expm1(-alpha * logps) / alpha

@@ -394,14 +394,33 @@ def route_through_fsdp_root(root, part):
     part.forward = lambda *args, **kwargs: (inner if in_root else root.forward_of_part)(*args, **kwargs)
 
 
-def apply_peft(model, peft_config):
-    """Wrap `model` with a PEFT adapter (LoRA, ...) when a config is given."""
+def is_quantized(model) -> bool:
+    """Whether `model` was loaded in 4 or 8 bits (bitsandbytes): its base weights cannot be trained."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def apply_peft(model, peft_config, gradient_checkpointing: bool = False):
+    """Wrap `model` with a PEFT adapter (LoRA, ...) when a config is given. A 4/8-bit model (QLoRA) is first
+    prepared as peft prepares one for training (base weights frozen, norms in float32); without an adapter it
+    is refused, since nothing of it could train."""
     if peft_config is None:
+        if is_quantized(model):
+            raise ValueError("the model is loaded in 4 or 8 bits (quantization_config), whose weights cannot be "
+                             "trained: pass peft_config (e.g. peft.LoraConfig, or --use_peft) to train an adapter "
+                             "on it (QLoRA)")
         return model
     try:
-        from peft import get_peft_model
+        from peft import get_peft_model, prepare_model_for_kbit_training
     except ImportError as err:
         raise ImportError("peft_config needs the peft package: pip install 'posttrain[peft]'") from err
+    if is_quantized(model):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        for module in model.modules():
+            # bitsandbytes repacks a 4-bit weight for its CPU inference kernel at the first no-grad eval-mode
+            # forward (a generation, an evaluation), after which a training forward of that layer fails
+            # (an in-place bias add on its output); the training layout serves both
+            if getattr(module, "support_avx512bf16_for_cpu", False):
+                module.support_avx512bf16_for_cpu = False
     if getattr(model, "is_gradient_checkpointing", False) and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
     return get_peft_model(model, peft_config)

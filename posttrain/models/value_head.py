@@ -98,12 +98,16 @@ class CausalLMWithValueHead(_PolicyWrapper):
         save_file(state, os.path.join(save_directory, VALUE_HEAD_FILE))
 
     @classmethod
-    def from_pretrained(cls, path: str, **kwargs) -> "CausalLMWithValueHead":
-        """The policy from `path` and the head saved with it (a fresh zero head if there is none)."""
+    def from_pretrained(cls, path, **kwargs) -> "CausalLMWithValueHead":
+        """The policy from `path` and the head saved with it (a fresh zero head if there is none). `path` may
+        be a model object too, as TRL accepts: it becomes the policy as it is, with a fresh head; a model that
+        has a value head already is returned as it is."""
         from posttrain.models.loading import load_causal_lm
 
+        if isinstance(path, CausalLMWithValueHead):
+            return path
         model = cls(load_causal_lm(path, **kwargs))
-        if os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)):
+        if isinstance(path, str) and os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)):
             model.load_critic(path)
         return model
 

@@ -53,6 +53,11 @@ class BaseConfig(TrainingArguments):
         default=None,
         metadata={"help": "Keyword arguments for `from_pretrained` when the model is given as a string "
                           "(e.g. {'dtype': 'bfloat16'}). Default: float32."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the modelling and tokenizer code a model folder ships (auto_map) when "
+                                         "the model or tokenizer is given as a string; the same as "
+                                         "model_init_kwargs={'trust_remote_code': True}. That code runs in this "
+                                         "process with your permissions: only for folders you trust."})
     logging_steps: float = field(default=10, metadata={"help": "Log every this many optimizer steps."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: posttrain's collators pick the columns they need."})
@@ -87,6 +92,11 @@ class BaseConfig(TrainingArguments):
     def __post_init__(self):
         super().__post_init__()
         # transformers turns "none" into an empty list; keep that behaviour
+        if self.trust_remote_code:  # every loader reads it from model_init_kwargs
+            if (self.model_init_kwargs or {}).get("trust_remote_code", True) is not True:
+                raise ValueError("trust_remote_code=True contradicts model_init_kwargs {'trust_remote_code': False}; "
+                                 "give one of them")
+            self.model_init_kwargs = {**(self.model_init_kwargs or {}), "trust_remote_code": True}
         self._check()
 
     def _check(self):
@@ -333,7 +343,7 @@ class BaseTrainer(Trainer):
         if args.gradient_checkpointing and hasattr(model, "config"):
             model.config.use_cache = False
         self.tag_model(model)
-        model = loading.apply_peft(model, peft_config)
+        model = loading.apply_peft(model, peft_config, args.gradient_checkpointing)
         check_liger(args, model)  # after PEFT: some adapters are refused with liger
         if args.lean_activations and not args.torch_compile:
             lean.make_lean(model)  # every trained module (a PPO critic's too); frozen copies made later inherit it

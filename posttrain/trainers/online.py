@@ -51,6 +51,7 @@ import itertools
 import math
 import os
 import time
+from collections import defaultdict
 
 import torch
 from torch import Tensor
@@ -83,7 +84,7 @@ def _prepare_policy(policy, args: OnlineConfig, peft_config, value_model, init_k
         disable_dropout(policy)
     if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
         policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
-    policy = loading.apply_peft(policy, peft_config)
+    policy = loading.apply_peft(policy, peft_config, args.gradient_checkpointing)
     if ADVANTAGES[args.advantage_estimator].critic:  # the critic trains with the policy, in one module
         critic = value_model if value_model is None else loading.load_sequence_classifier(
             value_model, convert_causal_lm=True, **init_kwargs)  # a causal LM: a fresh score head, with a warning
@@ -132,6 +133,7 @@ class OnlineTrainer(BaseTrainer):
     """Rollout -> score -> advantages -> clipped policy update, configured by an `OnlineConfig`."""
 
     config_class = OnlineConfig
+    prompts_required = True  # a train_dataset (or environments that supply prompts); PPO's manual loop needs none
     _tag = "online"
 
     def __init__(self, model, reward_funcs=None, args: OnlineConfig | None = None, train_dataset=None,
@@ -151,6 +153,9 @@ class OnlineTrainer(BaseTrainer):
         if reward_funcs is None and args.reward_model_path:
             reward_funcs = [args.reward_model_path]
         tooling, reward_funcs, train_dataset = _tooling(args, tools, environment_factory, reward_funcs, train_dataset)
+        if train_dataset is None and self.prompts_required:
+            raise ValueError(f"train_dataset is required: {type(self).__name__} samples completions of its prompts "
+                             "(or give environment_factory= whose environments' reset() supply them)")
         if rollout_func is not None and tooling is not None:
             raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
                              "rollout_func or tools= / environment_factory=, not both")
@@ -220,13 +225,21 @@ class OnlineTrainer(BaseTrainer):
                              f"({per_generation // args.num_generations}); add prompts or lower "
                              "per_device_train_batch_size / steps_per_generation")
 
+    @staticmethod
+    def uses_reference(args) -> bool:
+        """Whether the engine loads a reference policy: a KL term with `beta > 0`. A preset whose `beta` means
+        something else (distillation: the divergence's interpolation) says no here."""
+        return args.beta > 0
+
     def _set_reference(self, ref_model, policy, args: OnlineConfig):
-        """`self.ref_model`: only when beta > 0; a frozen copy of the policy unless one is given or the policy is a
-        PEFT model (whose reference is the adapter-disabled policy); synced to the policy with sync_ref_model."""
-        needs_ref = args.beta > 0
+        """`self.ref_model`: only when `uses_reference` (beta > 0); a frozen copy of the policy unless one is given
+        or the policy is a PEFT model (whose reference is the adapter-disabled policy); synced to the policy with
+        sync_ref_model."""
+        needs_ref = self.uses_reference(args)
         if needs_ref and ref_model is None and not loading.is_peft_model(policy):
             ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic
         self.ref_model = self.make_reference(ref_model, needed=needs_ref)
+        self.needs_reference = needs_ref  # build_experience computes reference log-probs
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a separate reference model; with PEFT the reference is the "
@@ -341,10 +354,11 @@ class OnlineTrainer(BaseTrainer):
 
     def _reward_extras(self, mode: str) -> dict:
         """The keyword arguments TRL passes every reward function besides the data: the trainer state and
-        two logging hooks (`log_metric(name, value)` averages a number into the logs; `log_extra(name,
-        values)` is accepted, its per-completion values are not kept)."""
+        two logging hooks: `log_metric(name, value)` averages a number into the logs; `log_extra(column, values)`
+        (one value per completion) adds a column to this batch's completions table (log_completions)."""
+        self._extra_columns = defaultdict(list)  # this call's; `_keep_samples` takes them
         return {"trainer_state": self.state, "log_metric": lambda name, value: self.record({name: float(value)}, mode),
-                "log_extra": lambda name, values: None}
+                "log_extra": lambda column, values: self._extra_columns[column].extend(values)}
 
     def decode(self, rollout: Rollout, prompts: list, episodes=None):
         """(texts, completions as reward functions get them (messages for chat prompts; a multi-turn
@@ -400,7 +414,7 @@ class OnlineTrainer(BaseTrainer):
             loss_mask[truncated] = 0
         batch["loss_mask"] = loss_mask
         scores = scores.to(device).float()
-        if args.beta > 0:
+        if self.needs_reference:
             with self.reference_context(self.ref_model):
                 ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
                 batch["ref_logp"] = self._no_grad_forward(ref, batch)
@@ -541,7 +555,8 @@ class OnlineTrainer(BaseTrainer):
         if "vllm_logp" in inputs and args.vllm_importance_sampling_correction:  # sampled by vLLM, not by pi_old
             per_token = per_token * truncated_importance_weights(old_logp, inputs["vllm_logp"],
                                                                  args.vllm_importance_sampling_clip_max)
-        metrics = {"loss/policy_avg": masked_mean(per_token.detach(), mask)}
+        policy_avg = masked_mean(per_token.detach(), mask)
+        metrics = {"loss/policy_avg": policy_avg, "policy_loss": policy_avg}  # TRL's name and the classic one
         if "ref_logp" in inputs:  # GRPO: beta * KL(pi || ref) per token, in the loss
             kl = kl_penalty(logp, inputs["ref_logp"], args.kl_estimator)
             if args.use_bias_correction_kl:  # samples are pi_old's: weight by pi/pi_old to estimate KL(pi || ref)
@@ -613,10 +628,16 @@ class OnlineTrainer(BaseTrainer):
         from accelerate.utils import gather_object
 
         scores = {name: per_function[:, j].tolist() for j, name in enumerate(self.reward_scorer.names)}
+        extra = dict(getattr(self, "_extra_columns", {}))
+        for column, values in extra.items():
+            if len(values) != len(texts):
+                raise ValueError(f"log_extra({column!r}, values): {len(values)} values for {len(texts)} completions; "
+                                 "give one value per completion (the reward function's `completions`)")
         if self.accelerator.num_processes > 1:
             prompts, texts = gather_object(list(prompts)), gather_object(list(texts))
             scores = {name: gather_object(v) for name, v in scores.items()}
-        self._samples = (prompts, texts, scores)
+            extra = {column: gather_object(list(v)) for column, v in extra.items()}
+        self._samples = (prompts, texts, scores, extra)
         if sample_now:
             self._last_sample_step = step
             if self.is_world_process_zero():

@@ -320,6 +320,12 @@ class SFTTrainer(BaseTrainer):
                 raise ValueError("dataset_kwargs={'skip_prepare_dataset': True} uses the dataset as it is, so it "
                                  "must be tokenised already: it needs an 'input_ids' column (optionally "
                                  f"'loss_mask'); its columns are {_column_names(dataset)}")
+            wanted = [name for name in ("assistant_only_loss", "completion_only_loss") if getattr(args, name) is True]
+            if wanted and not any(c in _column_names(dataset) for c in MASK_COLUMNS):
+                raise ValueError(f"{wanted[0]}=True with dataset_kwargs={{'skip_prepare_dataset': True}} needs the "
+                                 f"rows' mask: a column among {list(MASK_COLUMNS)} (1 on the tokens to train on); "
+                                 f"without one every token would be trained on. Its columns are "
+                                 f"{_column_names(dataset)}")
             return dataset
         streamed = isinstance(dataset, IterableDataset)
         columns = _column_names(dataset)
