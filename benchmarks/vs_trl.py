@@ -19,6 +19,8 @@ Workloads (default: all but the long ones; --long adds those):
   sft-packed   the same documents packed into 256-token rows (each library's default packing)
   dpo          sigmoid DPO (beta 0.1), batch 4 chat preference pairs, max_length 256, reference model
   reward       reward model (Bradley-Terry), batch 4 of the same pairs, max_length 256
+  orpo         ORPO (beta 0.1), batch 4 of the same pairs, max_length 256, no reference model
+  cpo          CPO, sigmoid (beta 0.1) + the chosen NLL (cpo_alpha 1), batch 4 of the same pairs, max_length 256
   grpo         2 prompts x 4 completions x <= 32 tokens per step, temperature 1, beta 0, one update per batch
   rloo         the same with the leave-one-out baseline, KL penalty 0.05, num_iterations=1 on both
   online_dpo   Online DPO (sigmoid, beta 0.1): 2 prompts x 2 completions x <= 32 tokens per step, reference model;
@@ -80,6 +82,11 @@ WORKLOADS = {
         per_device_train_batch_size=4, max_length=256, learning_rate=1e-6, beta=0.1, loss_type="sigmoid")),
     "reward": dict(trainer="reward", data="pairs", unit="pairs", model="seqcls", config=dict(
         per_device_train_batch_size=4, max_length=256, learning_rate=1e-5)),
+    "orpo": dict(trainer="orpo", data="pairs", unit="pairs", config=dict(
+        per_device_train_batch_size=4, max_length=256, learning_rate=1e-6, beta=0.1)),
+    "cpo": dict(trainer="cpo", data="pairs", unit="pairs", config=dict(
+        per_device_train_batch_size=4, max_length=256, learning_rate=1e-6, beta=0.1, loss_type="sigmoid",
+        cpo_alpha=1.0)),
     "grpo": dict(trainer="grpo", data="prompts", unit="samples", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
         temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
@@ -243,7 +250,8 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
 
     Per token, a forward pass costs 2 N + 4 n_layer d_attn ctx (N: weights in matrix products; ctx: keys
     the token attends to, causal); forward + backward costs 3x that. A preference pair is two full
-    sequences (prompt + chosen, prompt + rejected); DPO adds the reference's forward. An online sample is
+    sequences (prompt + chosen, prompt + rejected); DPO adds the reference's forward (ORPO and CPO have none). An
+    online sample is
     prompt + completion: sampled (one forward per token), trained (forward + backward), and for RLOO scored
     by the reference (one more forward; distillation: by the teacher). A side that computes a shared prompt
     once does less than this."""
@@ -255,9 +263,10 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
 
     if spec["trainer"] == "sft":
         return 3 * forward(lengths[spec["data"] + "/context"])
-    if spec["trainer"] in ("dpo", "reward", "bco"):  # a BCO row is one of a pair's two sequences
+    if spec["trainer"] in ("dpo", "reward", "bco", "orpo", "cpo"):  # a BCO row is one of a pair's two sequences
         ctx = lengths["pair/context"]
-        per_token = 3 * forward(ctx) + forward(ctx) if spec["trainer"] != "reward" else 3 * forward(ctx, n - output)
+        per_token = {"reward": 3 * forward(ctx, n - output), "orpo": 3 * forward(ctx),
+                     "cpo": 3 * forward(ctx)}.get(spec["trainer"], 3 * forward(ctx) + forward(ctx))
         return per_token * lengths["pair/tokens"] / (2 if spec["trainer"] == "bco" else 1)
     tokens = lengths.get(spec["data"] + "/tokens", lengths["prompt/tokens"]) + completion_len
     if spec["trainer"] == "ppo":  # policy, and critic (no output layer): two no-grad forwards, then fwd + bwd per epoch

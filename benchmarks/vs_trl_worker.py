@@ -27,6 +27,8 @@ TRAINERS = {
     "grpo": ("grpo", "GRPOConfig", "GRPOTrainer"),
     "rloo": ("rloo", "RLOOConfig", "RLOOTrainer"),
     "online_dpo": ("online_dpo", "OnlineDPOConfig", "OnlineDPOTrainer", "trl.experimental.online_dpo"),
+    "orpo": ("orpo", "ORPOConfig", "ORPOTrainer", "trl.experimental.orpo"),
+    "cpo": ("cpo", "CPOConfig", "CPOTrainer", "trl.experimental.cpo"),
 }
 ONLINE = ("grpo", "rloo", "online_dpo")  # trained from prompts with length_reward
 

@@ -68,6 +68,12 @@ _EXPORTS = {
     "create_reference_model": "posttrain.models.reference",
     **{name: "posttrain.data.collators" for name in (
         "DataCollatorForLanguageModeling", "DataCollatorForPreference", "DataCollatorForUnpairedPreference")},
+    "ORPOConfig": "posttrain.trainers.orpo", "ORPOTrainer": "posttrain.trainers.orpo",
+    "CPOConfig": "posttrain.trainers.cpo", "CPOTrainer": "posttrain.trainers.cpo",
+    "TPOConfig": "posttrain.trainers.tpo", "TPOTrainer": "posttrain.trainers.tpo",
+    "PRMConfig": "posttrain.trainers.prm", "PRMTrainer": "posttrain.trainers.prm",
+    "ProcessRewardFunction": "posttrain.rollout.process_rewards",
+    "task_stepwise_dataset": "posttrain.tasks.builtin",
 }
 
 __all__ = sorted(_EXPORTS)

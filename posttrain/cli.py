@@ -265,6 +265,11 @@ def build_reward(trainer_class, script_args, config):
     return build_offline(trainer_class, script_args, config, task_type="SEQ_CLS")
 
 
+def build_prm(trainer_class, script_args, config):
+    """`build_offline` with a token-classification adapter (--use_peft trains the step head too)."""
+    return build_offline(trainer_class, script_args, config, task_type="TOKEN_CLS")
+
+
 # command: (trainer "module:Class", built by, script arguments, help); the config class is the trainer's
 # namesake (DPOTrainer: DPOConfig, in the same module)
 TRAINERS = {
@@ -304,6 +309,14 @@ TRAINERS = {
             "GKD: distillation mixing on-policy and dataset (or teacher, --seq_kd) completions."),
     "minillm": ("posttrain.trainers.minillm:MiniLLMTrainer", build_offline, ScriptArguments,
                 "MiniLLM: reverse KL to --teacher_model_name_or_path as a policy gradient."),
+    "orpo": ("posttrain.trainers.orpo:ORPOTrainer", build_offline, ScriptArguments,
+             "ORPO: NLL on the chosen plus an odds-ratio term, no reference model."),
+    "cpo": ("posttrain.trainers.cpo:CPOTrainer", build_offline, ScriptArguments,
+            "CPO / SimPO / AlphaPO: reference-free pair losses plus behaviour cloning."),
+    "tpo": ("posttrain.trainers.tpo:TPOTrainer", build_offline, ScriptArguments,
+            "TPO on (prompt, reference, chosen, rejected) triples."),
+    "prm": ("posttrain.trainers.prm:PRMTrainer", build_prm, ScriptArguments,
+            "Process reward model on stepwise supervision (a token classifier)."),
 }
 
 

@@ -7,7 +7,7 @@ On the built-in `reverse` task (reverse a 4-digit string) and the deterministic 
   3. train a reward model on (correct, corrupted) answer pairs -> held-out pairwise accuracy;
   4. from the same SFT checkpoint: GRPO, RLOO, PPO, REINFORCE++ and Online DPO with the task's checker as
      reward (Online DPO ranks the two samples of each prompt with it);
-  5. from the same SFT checkpoint: DPO, BCO and KTO on pairs built from the SFT model's own samples
+  5. from the same SFT checkpoint: DPO, ORPO, CPO, BCO and KTO on pairs built from the SFT model's own samples
      (a correct sample is chosen, an incorrect one rejected);
 
 then prints a table (stage, metric before -> after, wall time) and writes report.md, curves.png
@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "dpo", "bco", "kto", "distill")
+STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "dpo", "orpo", "cpo", "bco", "kto",
+          "distill")
 # Run only when asked (--stages tools): a few minutes of CPU, more than the default stages together; the other
 # online methods learn as their namesakes above (--stages xpo,nash_md,gmpo,gspo_token,grpo_with_replay_buffer,a2po).
 OPT_IN_STAGES = ("tools", "xpo", "nash_md", "gmpo", "gspo_token", "grpo_with_replay_buffer", "a2po")
@@ -51,7 +52,7 @@ OPT_IN_STAGES = ("tools", "xpo", "nash_md", "gmpo", "gspo_token", "grpo_with_rep
 ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "xpo", "nash_md", "gmpo", "gspo_token",
           "grpo_with_replay_buffer", "a2po")
 PAIRED = ("online_dpo", "xpo", "nash_md")  # two completions per prompt, ranked against each other
-PREFERENCE = ("dpo", "bco", "kto")
+PREFERENCE = ("dpo", "orpo", "cpo", "bco", "kto")
 NEEDS_SFT = ("reward", *ONLINE, *PREFERENCE, "distill")  # stages that start from the SFT checkpoint
 SFT_RECORD = "demo_stage.json"  # in the SFT folder: what made the checkpoint, and its held-out accuracy
 
@@ -64,11 +65,11 @@ SFT_RECORD = "demo_stage.json"  # in the SFT folder: what made the checkpoint, a
 # policy.
 STEPS = {"sft": 170, "reward": 200, "grpo": 100, "rloo": 100, "ppo": 100, "reinforce_pp": 100,
          "online_dpo": 40, "xpo": 40, "nash_md": 40, "gmpo": 100, "gspo_token": 100, "grpo_with_replay_buffer": 100,
-         "a2po": 40, "dpo": 200, "bco": 100, "kto": 100, "distill": 25}
+         "a2po": 40, "dpo": 200, "orpo": 60, "cpo": 60, "bco": 100, "kto": 100, "distill": 25}
 LEARNING_RATES = {"sft": 3e-3, "reward": 1e-3, "grpo": 1e-3, "rloo": 1e-3, "ppo": 1e-3, "reinforce_pp": 1e-3,
                   "online_dpo": 1e-3, "xpo": 1e-3, "nash_md": 1e-3, "gmpo": 1e-3, "gspo_token": 1e-3,
                   "grpo_with_replay_buffer": 1e-3, "a2po": 1e-3,
-                  "dpo": 3e-4, "bco": 5e-4, "kto": 5e-4, "distill": 2e-3}
+                  "dpo": 3e-4, "orpo": 3e-4, "cpo": 3e-4, "bco": 5e-4, "kto": 5e-4, "distill": 2e-3}
 
 
 @dataclass
@@ -94,7 +95,7 @@ class DemoPlan:
     results: list[dict] = field(default_factory=list)
 
     def set_steps(self, group: str, n: int):
-        """--sft_steps / --reward_steps / --rl_steps (every online stage) / --pref_steps (DPO, BCO, KTO)."""
+        """--sft_steps / --reward_steps / --rl_steps (every online stage) / --pref_steps (DPO, ORPO, CPO, BCO, KTO)."""
         names = {"sft": ("sft",), "reward": ("reward",), "rl": ONLINE, "pref": PREFERENCE,
                  "distill": ("distill",)}[group]
         self.steps.update({name: n for name in names})
@@ -723,7 +724,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=None)
     for group in ("sft", "reward", "rl", "pref", "distill"):
         parser.add_argument(f"--{group}_steps", type=int, default=None,
-                            help={"rl": "rollouts per online stage", "pref": "steps per DPO/BCO/KTO stage",
+                            help={"rl": "rollouts per online stage", "pref": "steps per DPO/ORPO/CPO/BCO/KTO stage",
                                   "distill": "steps per distillation trainer"}.get(group))
     parser.add_argument("--eval_size", type=int, default=None, help="held-out prompts evaluated")
     parser.add_argument("--verbose", action="store_true",

@@ -232,7 +232,7 @@ def test_a_faulty_file_in_a_dataset_folder_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["sft", "reward", "dpo", "bco", "kto", "grpo", "rloo", "ppo", "distillation", "gkd",
-                                  "minillm"])
+                                  "minillm", "orpo", "cpo", "tpo", "prm"])
 def test_every_default_written_as_yaml_passes_the_type_check(name):
     """The YAML type check accepts each field's own default, so it cannot refuse a valid config."""
     import enum
@@ -271,3 +271,22 @@ def test_main_reports_what_cannot_be_loaded_in_one_line_and_returns_1(tmp_path, 
     assert cli.main(["sft", *argv, "--output_dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command, dataset, extra", [
+    ("orpo", "reverse/preference", []),
+    ("cpo", "reverse/preference", ["--loss_type", "simpo", "--cpo_alpha", "0"]),
+    ("tpo", "reverse/triple_preference", ["--tpo_alpha", "0.5"]),
+    ("prm", "add/stepwise_supervision", ["--train_on_last_step_only", "true"]),
+])
+def test_offline_preference_and_prm_commands_train_and_save(tmp_path, command, dataset, extra):
+    out = tmp_path / command
+    trainer = cli.run([command, *TINY, "--dataset_name", dataset, "--output_dir", str(out), "--max_steps", "2",
+                       "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--disable_tqdm", "true",
+                       *extra])
+    assert trainer.state.global_step == 2 and type(trainer).__name__ == f"{command.upper()}Trainer"
+    assert (out / "model.safetensors").exists()
+    if command == "prm":
+        from transformers import AutoModelForTokenClassification
+
+        assert AutoModelForTokenClassification.from_pretrained(out).config.num_labels == 2

@@ -17,7 +17,7 @@ def _tiny_plan(tmp_path, name, stages):
 
 
 def test_demo_writes_report_plot_and_loadable_models_and_repeats(tmp_path):
-    stages = ("sft", "reward", "grpo", "dpo")
+    stages = ("sft", "reward", "grpo", "dpo", "orpo", "cpo")
     first = demo.run(_tiny_plan(tmp_path, "a", stages))
     assert [r["stage"] for r in first] == ["base", *stages]
     out = tmp_path / "a"

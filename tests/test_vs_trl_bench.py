@@ -273,3 +273,37 @@ def test_distillation_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch,
     assert summary["samples_per_step"] == 4 and summary["first_loss"] is not None
     # per token: sampled, trained (3 forwards), the teacher's forward; 10 + 4 tokens attending to 7.5 keys
     assert vs_trl.flops_per_item(workload, {"prompt/tokens": 10.0}, (1000, 100, 2, 8), 4.0) == 5 * (2000 + 64 * 7.5) * 14
+
+
+@pytest.mark.parametrize("workload", ["orpo", "cpo"])
+def test_orpo_and_cpo_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch, workload):
+    """The posttrain side of the orpo and cpo workloads, as vs_trl.py starts it (its worker in a fresh process, the
+    workload's configuration), on the tiny model and 8 of the bench's chat pairs for 2 steps; times are not read.
+    Their TRL side imports trl.experimental.orpo / .cpo (TRL 1.16)."""
+    import json
+    import subprocess
+    import sys
+
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    spec = vs_trl.WORKLOADS[workload]
+    assert (spec["trainer"], spec["data"], spec["unit"]) == (workload, "pairs", "pairs")
+    data = tmp_path / "pairs.json"
+    data.write_text(json.dumps(vs_trl.pairs(8)))
+    job = {"side": "posttrain", "workload": workload, "trainer": spec["trainer"],
+           "config": {**spec["config"], "gradient_checkpointing": False, "bf16": False, "max_length": 64},
+           "model": resolve("posttrain/tiny-qwen2"), "data": str(data), "seed": 0, "threads": 1, "steps": 2,
+           "output_dir": str(tmp_path / "out"), "out": str(tmp_path / "result.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(job))
+    done = subprocess.run([sys.executable, str(benchmarks / "vs_trl_worker.py"), str(tmp_path / "spec.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert len(result["step_end"]) == 2 and result["batch_size"] == 4 and result["precision"] == "torch.float32"
+    first = vs_trl.summarise(result, "pairs")
+    assert first["first_loss"] is not None and first["first_loss"] > 0
+    assert "nll_loss" in result["logs"][0]
+    monkeypatch.syspath_prepend(str(benchmarks))
+    assert importlib.import_module("vs_trl_worker").TRAINERS[workload][3] == f"trl.experimental.{workload}"
+    # no reference model: three forwards' worth (forward + backward) per token of both sequences
+    model, lengths = (1000, 100, 2, 8), {"pair/context": 5.0, "pair/tokens": 20.0}
+    assert vs_trl.flops_per_item(workload, lengths, model, 0.0) == 3 * 2320 * 20

@@ -17,6 +17,7 @@ live in one place:
 
 from __future__ import annotations
 
+from posttrain.core.process_rewards import IGNORE
 from posttrain.data import formats
 from posttrain.data.chat import require_chat_template, template_inputs, template_variables
 
@@ -166,3 +167,29 @@ def encode_text(tokenizer, text, assistant_only: bool = False, tools=None, templ
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return {"input_ids": ids, "loss_mask": [1] * len(ids)}
+
+
+def encode_steps(tokenizer, prompt: str, steps: list[str], labels: list, *, step_separator: str, max_length=None,
+                 max_prompt_length=None, max_completion_length=None, last_step_only: bool = False) -> dict:
+    """A stepwise row for a process reward model -> {"input_ids", "labels"}: the prompt (after the BOS token,
+    where the tokenizer has one), then each step followed by `step_separator`; a step's label (int) sits at its
+    separator's last token, -100 everywhere else. Truncation keeps the prompt's last `max_prompt_length`
+    tokens, the steps' first `max_completion_length` and the whole row's first `max_length`."""
+    separator = tokenizer(step_separator, add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if tokenizer.bos_token_id is not None:
+        prompt_ids = [tokenizer.bos_token_id] + prompt_ids
+    if max_prompt_length is not None:
+        prompt_ids = prompt_ids[-max_prompt_length:]
+    labels = [int(x) for x in labels]
+    if last_step_only:
+        labels = [IGNORE] * (len(labels) - 1) + labels[-1:]
+    step_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] + separator for s in steps]
+    completion = [t for s in step_ids for t in s]
+    step_labels = [y for s, label in zip(step_ids, labels) for y in [IGNORE] * (len(s) - 1) + [label]]
+    if max_completion_length is not None:
+        completion, step_labels = completion[:max_completion_length], step_labels[:max_completion_length]
+    input_ids, labels = prompt_ids + completion, [IGNORE] * len(prompt_ids) + step_labels
+    if max_length is not None:
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return {"input_ids": input_ids, "labels": labels}

@@ -10,6 +10,7 @@ Built-in names, all offline:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -193,21 +194,47 @@ def load_sequence_classifier(model, num_labels: int = 1, dtype=None, *, warn_unt
     return loaded
 
 
+def load_token_classifier(model, num_labels: int = 2, dtype=None, **kwargs):
+    """A token-classification model with `num_labels` outputs per token (a process reward model). A causal-LM
+    object becomes one with its weights and a new head (`causal_lm_as_classifier`, with an UntrainedHeadWarning);
+    a causal-LM checkpoint loads its body under a new head; a token classifier (object or folder) as it is."""
+    from transformers import AutoModelForTokenClassification
+
+    if not isinstance(model, str):
+        if _is_causal_lm(model):
+            return causal_lm_as_classifier(model, num_labels, AutoModelForTokenClassification)
+        return model
+    return _from_pretrained(AutoModelForTokenClassification, model, num_labels=num_labels,
+                            dtype=_init_dtype(dtype, kwargs), **kwargs)
+
+
+def peft_for_task(peft_config, task_type: str, what: str):
+    """`peft_config` with `task_type` (SEQ_CLS, TOKEN_CLS: the fresh head is then trained and saved with the
+    adapter): set where the config gives none, refused where it gives another; None stays None."""
+    if peft_config is None or getattr(peft_config, "task_type", task_type) == task_type:
+        return peft_config
+    if getattr(peft_config, "task_type", None) is None:
+        return dataclasses.replace(peft_config, task_type=task_type)
+    raise ValueError(f"{what}: peft_config.task_type must be {task_type!r} (so its head is trained), "
+                     f"got {peft_config.task_type!r}")
+
+
 def _is_causal_lm(model) -> bool:
     return "CausalLM" in type(model).__name__ or hasattr(model, "lm_head")
 
 
-def causal_lm_as_classifier(model, num_labels: int = 1):
+def causal_lm_as_classifier(model, num_labels: int = 1, auto_class=None):
     """The causal LM object's transformer body under a new `num_labels`-output score head
-    (AutoModelForSequenceClassification of its architecture; the LM head is dropped), with an
-    UntrainedHeadWarning: the scores mean nothing until the head is trained."""
+    (`auto_class` of its architecture, AutoModelForSequenceClassification by default; the LM head is
+    dropped), with an UntrainedHeadWarning: the scores mean nothing until the head is trained."""
     from transformers import AutoModelForSequenceClassification
 
+    auto_class = auto_class or AutoModelForSequenceClassification
     config = copy.deepcopy(model.config)
     config.num_labels = num_labels
     name = getattr(config, "_name_or_path", "") or type(model).__name__
     try:
-        scorer = AutoModelForSequenceClassification.from_config(config, dtype=model.dtype)
+        scorer = auto_class.from_config(config, dtype=model.dtype)
     except ValueError as err:
         raise ValueError(f"{name!r} is a causal language model ({type(model).__name__}) and its architecture has no "
                          f"sequence-classification class to turn it into a scorer; pass a sequence classifier with "

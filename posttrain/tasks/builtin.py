@@ -147,14 +147,15 @@ def task_dataset(task: str = "reverse", split: str = "train", size: int | None =
 
 
 def task_preference_dataset(task: str = "reverse", split: str = "train", size: int | None = None,
-                            corruption: str = "letter", unpaired: bool = False, seed: int = 0):
+                            corruption: str = "letter", unpaired: bool = False, seed: int = 0, reference: bool = False):
     """Preference data for a task: `prompt`, `chosen` (the right answer), `rejected` (a corrupted one), `answer`.
 
     corruption "letter": one digit becomes a lowercase letter, a malformed answer (never the
     first digit: " a274" would merge " a" into one token, and a shorter rejected answer is
     favoured by its length alone); "digit": one digit becomes another digit, a wrong answer of
     the right form (much harder to learn). With `unpaired`: `prompt`, `completion`, `label`,
-    one row per prompt, alternately the right (True) and the corrupted (False) answer.
+    one row per prompt, alternately the right (True) and the corrupted (False) answer. With `reference`
+    (pairs only): a `reference` column, the gold answer, for TPO's triples.
     """
     from datasets import Dataset
 
@@ -171,7 +172,60 @@ def task_preference_dataset(task: str = "reverse", split: str = "train", size: i
             rows.append({"prompt": row["prompt"], "completion": good if i % 2 == 0 else bad, "label": i % 2 == 0,
                          "answer": answer})
         else:
-            rows.append({"prompt": row["prompt"], "chosen": good, "rejected": bad, "answer": answer})
+            rows.append({"prompt": row["prompt"], "chosen": good, "rejected": bad, "answer": answer,
+                         **({"reference": " " + answer} if reference else {})})
+    return Dataset.from_list(rows)
+
+
+def _steps(task: str, prompt: str, answer: str) -> list[str]:
+    """A task's worked solution as steps: `reverse`, one answer digit a step ("digit 1 is 4"); `add`, one column
+    a step from the right ("7+5+0=12"), then the answer ("answer 132")."""
+    if task == "reverse":
+        return [f"digit {i + 1} is {d}" for i, d in enumerate(answer)]
+    a, b = (s[::-1] for s in prompt.split()[1:3])
+    steps, carry = [], 0
+    for i in range(max(len(a), len(b))):
+        x, y = int(a[i]) if i < len(a) else 0, int(b[i]) if i < len(b) else 0
+        steps.append(f"{x}+{y}+{carry}={x + y + carry}")
+        carry = (x + y + carry) // 10
+    return steps + [f"answer {answer}"]
+
+
+def _corrupt_step(step: str, rng: random.Random, corruption: str) -> str:
+    """The step with one digit of its last number replaced: by a lowercase letter ("letter", a malformed step)
+    or by another digit ("digit", a wrong result of the right form)."""
+    last = list(re.finditer(r"\d+", step))[-1]
+    k = rng.randrange(last.start(), last.end())
+    pool = "abcdefghijklmnopqrstuvwxyz" if corruption == "letter" else "0123456789".replace(step[k], "")
+    return step[:k] + rng.choice(pool) + step[k + 1:]
+
+
+def task_stepwise_dataset(task: str = "reverse", split: str = "train", size: int | None = None, seed: int = 0,
+                          corrupted_fraction: float = 0.5, corruption: str = "letter"):
+    """Stepwise supervision for process reward models: `prompt`, `completions` (the solution's steps, see
+    `_steps`), `labels` (one bool per step: is it correct), `answer`.
+
+    A `corrupted_fraction` of the rows has one wrong step at a random position, a digit of its result
+    replaced by a letter (`corruption="letter"`, a malformed step) or by another digit ("digit", a wrong
+    result of the right form: much harder to learn, as for `task_preference_dataset`): the steps before
+    it are labelled True, it is labelled False and the row ends there (the first error, as PRM800K labels
+    solutions); the other rows are the whole correct solution, every step True. Prompts are the task's
+    (train and test disjoint)."""
+    from datasets import Dataset
+
+    if task not in ("reverse", "add"):
+        raise ValueError(f"stepwise data exists for the tasks 'reverse' and 'add', got {task!r}")
+    if corruption not in ("letter", "digit"):
+        raise ValueError(f"unknown corruption {corruption!r}; choose 'letter' or 'digit'")
+    rng = random.Random(f"{task}-{split}-stepwise-{corruption}-{seed}")
+    rows = []
+    for row in task_dataset(task, split, size, seed=seed):
+        steps = _steps(task, row["prompt"], row["answer"])
+        labels = [True] * len(steps)
+        if rng.random() < corrupted_fraction:
+            k = rng.randrange(len(steps))
+            steps, labels = steps[:k] + [_corrupt_step(steps[k], rng, corruption)], labels[:k] + [False]
+        rows.append({"prompt": row["prompt"], "completions": steps, "labels": labels, "answer": row["answer"]})
     return Dataset.from_list(rows)
 
 
@@ -245,7 +299,9 @@ TASK_CHECKERS = Registry("task checker", entries={"quick-add": final_answer_chec
 
 def load_builtin(name: str, split: str = "train"):
     """Datasets by CLI name: "zen", "zen/<layout>", "zen-chat/<layout>", "<task>", "<task>-chat",
-    "<task>/preference", "<task>/unpaired_preference" (`task_preference_dataset`)."""
+    "<task>/preference", "<task>/unpaired_preference", "<task>/triple_preference" (`task_preference_dataset`),
+    "reverse/stepwise_supervision",
+    "add/stepwise_supervision" (`task_stepwise_dataset`)."""
     base, _, layout = name.partition("/")
     if base in ("zen", "zen-chat"):
         return zen(layout or "language_modeling", conversational=base == "zen-chat")
@@ -254,6 +310,10 @@ def load_builtin(name: str, split: str = "train"):
     if task in TASKS:
         if layout in ("preference", "unpaired_preference") and not conversational:
             return task_preference_dataset(task, split=split, unpaired=layout == "unpaired_preference")
+        if layout == "triple_preference" and not conversational:
+            return task_preference_dataset(task, split=split, reference=True)
+        if layout == "stepwise_supervision" and not conversational:
+            return task_stepwise_dataset(task, split=split)
         return task_dataset(task, split=split, conversational=conversational)
     raise KeyError(name)
 
@@ -261,4 +321,6 @@ def load_builtin(name: str, split: str = "train"):
 def builtin_names() -> list[str]:
     names = ["zen", "zen-chat"] + [f"zen/{l}" for l in ZEN_LAYOUTS] + [f"zen-chat/{l}" for l in ZEN_LAYOUTS]
     return (names + list(TASKS) + [f"{t}-chat" for t in TASKS]
-            + [f"{t}/{layout}" for t in TASKS for layout in ("preference", "unpaired_preference")])
+            + [f"{t}/{layout}" for t in TASKS for layout in ("preference", "unpaired_preference")]
+            + [f"{t}/triple_preference" for t in TASKS]
+            + [f"{t}/stepwise_supervision" for t in ("reverse", "add")])

@@ -332,6 +332,8 @@ class BaseTrainer(Trainer):
         init_kwargs = dict(args.model_init_kwargs or {})
         if model_kind == "causal-lm":
             model = loading.load_causal_lm(model, **init_kwargs)
+        elif model_kind == "token-cls":
+            model = loading.load_token_classifier(model, **init_kwargs)
         else:
             model = loading.load_sequence_classifier(model, convert_causal_lm=True, **init_kwargs)
         self.processing_class_ = processing_class = loading.load_tokenizer(

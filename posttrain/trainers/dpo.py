@@ -211,16 +211,7 @@ class DPOTrainer(PreferenceTrainer):
             chosen_rewards, rejected_rewards = dpo_rewards(inp, args.beta)
         if self.uses_reward_mean:
             self.add_pending_rewards(torch.cat([chosen_rewards, rejected_rewards]))
-        self.record({
-            "rewards/chosen": chosen_rewards.mean(),
-            "rewards/rejected": rejected_rewards.mean(),
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-            "logps/chosen": plain[:B].detach().mean(),
-            "logps/rejected": plain[B:].detach().mean(),
-            "logits/chosen": mean_logits[:B].mean(),
-            "logits/rejected": mean_logits[B:].mean(),
-        }, mode)
+        self.record_pairs(chosen_rewards, rejected_rewards, plain, mean_logits, mode)
         self.count_tokens(mask, mode)
         if return_outputs:
             return loss, {"rewards_chosen": chosen_rewards, "rewards_rejected": rejected_rewards}

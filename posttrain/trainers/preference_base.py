@@ -1,4 +1,5 @@
-"""What the offline preference trainers (reward, DPO, BCO, KTO) share: one data path and one reference path.
+"""What the offline preference trainers (reward, DPO, BCO, KTO, ORPO, CPO, TPO) share: one data path and one
+reference path.
 
 * `prepare_preference_dataset`: validate any accepted layout (formats.validate names the bad
   row), convert it to pairs (`prompt_ids`, `chosen_ids`, `rejected_ids`) or to unpaired rows
@@ -14,7 +15,10 @@
   step and saved with every checkpoint.
 * `generate_during_eval` (a config field of BCO): each evaluation first samples completions of a few eval
   prompts from the policy and the reference, shown side by side (`eval_samples.py`).
-* `PreferenceConfig`: the fields DPO and KTO share (lengths, truncation_mode, reference handling).
+* `PairDataConfig`: lengths, truncation_mode and dropout; `PreferenceConfig` adds the reference handling
+  (DPO, KTO).
+* `ReferenceFreePairTrainer`: the PreferenceTrainer of ORPO, CPO and TPO, whose losses read the policy's own
+  log-probs only (no reference model), with TRL's constructor arguments and `record_pairs` for their metrics.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from posttrain.forward.completions import completion_logps
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout, eval_mode
 from posttrain.trainers.base import (BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
-                                     is_streamed, latest_checkpoint, map_datasets)
+                                     classic_arguments, is_streamed, latest_checkpoint, map_datasets)
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +71,9 @@ TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass
-class PreferenceConfig(BaseConfig):
-    """Fields DPOConfig and KTOConfig share: sequence limits and the reference model's handling."""
+class PairDataConfig(BaseConfig):
+    """Sequence limits and dropout: what every offline preference config has (the reference-free ORPO, CPO and
+    TPO configs are this plus their loss fields)."""
 
     max_length: int | None = field(default=1024, metadata={
         "help": "Maximum tokens of prompt + completion; `truncation_mode` says which end survives (None: no limit)."})
@@ -82,6 +87,17 @@ class PreferenceConfig(BaseConfig):
                 "the completion, by cutting the prompt's start (down to one token; only then is the completion's "
                 "end cut). For pairs the prompt is cut to fit the longer completion.",
         "choices": list(TRUNCATION_MODES)})
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "Set every dropout probability of the model to 0, so policy and reference log-probs are comparable."})
+
+    def _check(self):
+        check_beta_and_lengths(self)
+
+
+@dataclass
+class PreferenceConfig(PairDataConfig):
+    """Fields DPOConfig and KTOConfig share: sequence limits and the reference model's handling."""
+
     precompute_ref_log_probs: bool = field(default=False, metadata={
         "help": "Score the train (and eval) data with the reference once before training, store the "
                 "log-probs as dataset columns and free the reference model."})
@@ -91,11 +107,9 @@ class PreferenceConfig(BaseConfig):
     ref_model_mixup_alpha: float = field(default=0.6, metadata={
         "help": "α of the reference sync (TR-DPO), in [0, 1]."})
     ref_model_sync_steps: int = field(default=512, metadata={"help": "Optimizer steps between reference syncs."})
-    disable_dropout: bool = field(default=True, metadata={
-        "help": "Set every dropout probability of the model to 0, so policy and reference log-probs are comparable."})
 
     def _check(self):
-        check_beta_and_lengths(self)
+        super()._check()
         if self.sync_ref_model and self.precompute_ref_log_probs:
             raise ValueError("sync_ref_model updates the reference during training, so its log-probs cannot be "
                              "precomputed; set precompute_ref_log_probs=False or sync_ref_model=False")
@@ -202,7 +216,8 @@ def pretokenised_pairs(dataset, name: str = "train") -> dict[str, list] | None:
 
 def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: int | None,
                                max_prompt_length: int | None = None, max_completion_length: int | None = None,
-                               keep: tuple[str, ...] = (), name: str = "train", truncation_mode: str = "keep_start"):
+                               keep: tuple[str, ...] = (), name: str = "train", truncation_mode: str = "keep_start",
+                               extra_completions: tuple[str, ...] = ()):
     """Validate, convert and tokenise `dataset` for pairwise (`paired`) or unpaired training.
 
     Any layout formats accepts works (ranked rows expand to every ordered pair, implicit prompts
@@ -211,13 +226,15 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
     their start, long completions their end; with `truncation_mode="keep_start"` rows whose prompt
     alone reaches `max_length` are dropped, with "keep_end" the prompt's start is cut first (see
     `_fit`). A streamed dataset (IterableDataset) is converted and tokenised lazily, batch by
-    batch, as rows are read (no count of dropped or truncated rows then).
+    batch, as rows are read (no count of dropped or truncated rows then). `extra_completions` (pairs
+    only; TPO's "reference") are more completion columns of the same prompt, tokenised and cut with the
+    pair into `<column>_ids`.
     """
     from datasets import IterableDataset
 
     dataset = as_dataset(dataset, name)
     target = "preference" if paired else "unpaired_preference"
-    text_cols = ("chosen", "rejected") if paired else ("completion",)
+    text_cols = ("chosen", "rejected", *extra_completions) if paired else ("completion",)
     limits = (max_length, max_prompt_length, max_completion_length, truncation_mode)
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
@@ -261,13 +278,17 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
             return out
 
         return dataset.map(stream, batched=True, with_indices=True, remove_columns=columns)
-    tokenised = pretokenised_pairs(dataset, name) if paired else None
+    tokenised = pretokenised_pairs(dataset, name) if paired and not extra_completions else None
     if tokenised is not None:
         return _fit_pretokenised(dataset, tokenised, keep, limits, name)
     if "responses" in dataset.column_names:
         dataset = dataset.map(lambda batch, indices: ranked_columns(batch, indices, name), batched=True,
                                   with_indices=True, remove_columns=dataset.column_names, desc="ranked rows")
     dataset, _ = formats.to_canonical(dataset, target=target)  # validates every row first
+    missing = [c for c in extra_completions if c not in dataset.column_names]
+    if missing:
+        raise formats.FormatError(f"{name} data has no {missing} column(s): each row needs them beside 'prompt', "
+                                  f"'chosen' and 'rejected' (completions of the same prompt)")
     extras = [c for c in keep if c in dataset.column_names]
 
     before = len(dataset)
@@ -314,11 +335,23 @@ class PreferenceCollator:
     ref_logps and ref_kl_logps (B,) (KTO's precomputed reference).
     With kl_pairs: B more rows follow (KTO's KL estimate): prompt i followed by the row's
     `kl_completion_ids` where the dataset fixes them (precomputed reference), else completion i after
-    prompt (i+1) mod B.
+    prompt (i+1) mod B. Each of `extra_completions` (TPO's "reference") gives B rows of its own:
+    `<column>_input_ids`, `<column>_attention_mask`, `<column>_completion_mask` (B, T').
     """
 
-    def __init__(self, pad_token_id: int, paired: bool = True, kl_pairs: bool = False, max_length: int | None = None):
+    def __init__(self, pad_token_id: int, paired: bool = True, kl_pairs: bool = False, max_length: int | None = None,
+                 extra_completions: tuple[str, ...] = ()):
         self.pad_token_id, self.paired, self.kl_pairs, self.max_length = pad_token_id, paired, kl_pairs, max_length
+        self.extra_completions = extra_completions
+
+    def rows(self, prompts: list[list[int]], completions: list[list[int]], prefix: str = "") -> dict[str, Tensor]:
+        """[prompt | completion] rows right-padded: input_ids, attention_mask, completion_mask, each (N, T)."""
+        seqs = [p + c for p, c in zip(prompts, completions)]
+        return {
+            f"{prefix}input_ids": pad(seqs, self.pad_token_id),
+            f"{prefix}attention_mask": pad([[1] * len(s) for s in seqs], 0),
+            f"{prefix}completion_mask": pad([[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)], 0),
+        }
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         prompts = [list(r["prompt_ids"]) for r in rows]
@@ -335,12 +368,10 @@ class PreferenceCollator:
             room = [None if self.max_length is None else self.max_length - len(p) for p in kl_prompts]
             completions = completions + [c[:n] for c, n in zip(kl_completions, room)]
             prompts = prompts + kl_prompts
-        seqs = [p + c for p, c in zip(prompts, completions)]
-        batch = {
-            "input_ids": pad(seqs, self.pad_token_id),
-            "attention_mask": pad([[1] * len(s) for s in seqs], 0),
-            "completion_mask": pad([[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)], 0),
-        }
+        batch = self.rows(prompts, completions)
+        for column in self.extra_completions:  # e.g. TPO's reference: rows of their own, B of them
+            batch.update(self.rows([list(r["prompt_ids"]) for r in rows], [list(r[f"{column}_ids"]) for r in rows],
+                                   prefix=f"{column}_"))
         if not self.paired:
             batch["label"] = torch.tensor([bool(r["label"]) for r in rows])
         for key in ("margin", "ref_chosen_logps", "ref_rejected_logps", "udm_weight", "ref_logps", "ref_kl_logps"):
@@ -387,6 +418,7 @@ class PreferenceTrainer(BaseTrainer):
     paired = True  # pairs (reward, DPO) or unpaired rows (BCO, KTO)
     kl_pairs = False  # KTO: the collator appends mismatched rows for the KL reference point
     keep_columns: tuple[str, ...] = ()  # extra dataset columns the collator reads
+    extra_completions: tuple[str, ...] = ()  # more completions of each pair's prompt (TPO: "reference")
     uses_reward_mean = False  # BCO / bco_pair: keep the running reward mean δ
     # columns precompute_ref_log_probs adds: the reference log-probs of the collated rows, one block each
     reference_columns: tuple[str, ...] = ("ref_chosen_logps", "ref_rejected_logps")
@@ -409,11 +441,13 @@ class PreferenceTrainer(BaseTrainer):
         self._prepare = dict(tokenizer=tokenizer, paired=self.paired, max_length=args.max_length,
                              max_prompt_length=getattr(args, "max_prompt_length", None),
                              max_completion_length=getattr(args, "max_completion_length", None),
-                             keep=self.keep_columns, truncation_mode=getattr(args, "truncation_mode", "keep_start"))
+                             keep=self.keep_columns, truncation_mode=getattr(args, "truncation_mode", "keep_start"),
+                             extra_completions=self.extra_completions)
         self.ref_precomputed = False
         train_dataset = prepare_preference_dataset(train_dataset, **self._prepare)
         eval_dataset = map_datasets(self.prepare_eval_dataset, eval_dataset, name="eval")
-        collator = data_collator or PreferenceCollator(tokenizer.pad_token_id, self.paired, self.kl_pairs, args.max_length)
+        collator = data_collator or PreferenceCollator(tokenizer.pad_token_id, self.paired, self.kl_pairs, args.max_length,
+                                                       self.extra_completions)
         super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, data_collator=collator, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers, model_kind=model_kind,
@@ -523,6 +557,22 @@ class PreferenceTrainer(BaseTrainer):
             self._metrics[mode][name].append(value)
         return means
 
+    def record_pairs(self, chosen_rewards: Tensor, rejected_rewards: Tensor, logps: Tensor, mean_logits: Tensor,
+                     mode: str) -> None:
+        """rewards/{chosen,rejected,accuracies,margins}, logps/{chosen,rejected}, logits/{chosen,rejected} of B pairs:
+        rewards (B,) each; logps and mean_logits (2B,), chosen rows first."""
+        B = chosen_rewards.shape[0]
+        self.record({
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": logps[:B].detach().mean(),
+            "logps/rejected": logps[B:].detach().mean(),
+            "logits/chosen": mean_logits[:B].mean(),
+            "logits/rejected": mean_logits[B:].mean(),
+        }, mode)
+
     def record_unpaired(self, rewards: Tensor, logps: Tensor, labels: Tensor, mode: str) -> None:
         """rewards/chosen, rewards/rejected, rewards/margins, logps/chosen, logps/rejected of unpaired
         rows: desirable rows count as chosen, undesirable ones as rejected."""
@@ -590,3 +640,34 @@ class PreferenceTrainer(BaseTrainer):
 
             sample_eval_completions(self, dataloader.dataset, metric_key_prefix)
         return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+
+
+class ReferenceFreePairTrainer(PreferenceTrainer):
+    """PreferenceTrainer for pair losses of the policy's own log-probs (ORPO, CPO, TPO): no reference model.
+    Subclasses name their `config_class` and implement `compute_loss`; the constructor takes TRL's arguments
+    in TRL's order."""
+
+    config_class: type = PairDataConfig
+    paired = True
+
+    def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, model_init=None, callbacks=None, optimizers=(None, None),
+                 preprocess_logits_for_metrics=None, peft_config=None, compute_metrics=None, **kwargs):
+        name = type(self).__name__
+        # kwargs: TRL's older conventions (tokenizer=, config fields such as beta=), see classic_arguments
+        args, processing_class = classic_arguments(name, self.config_class, args, processing_class, kwargs)
+        if model_init is not None:
+            raise ValueError(f"{name}: model_init is not supported; pass the model (an object or a name) as model=")
+        if preprocess_logits_for_metrics is not None:
+            raise ValueError(f"{name}: preprocess_logits_for_metrics is not supported: evaluation passes the pairs' "
+                             "implicit rewards, not logits, to compute_metrics")
+        super().__init__(model, None, args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
+                         callbacks=callbacks, optimizers=optimizers, needs_reference=False,
+                         compute_metrics=compute_metrics)
+
+    def pair_logps(self, model, inputs) -> tuple[Tensor, Tensor, Tensor]:
+        """Summed completion log-probs, lengths and mean logits of the [chosen; rejected] rows, each (2B,)."""
+        ids, mask, cmask = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+        self.count_tokens(mask, self.mode())
+        return completion_logps(model, ids, mask, cmask, paired=True)

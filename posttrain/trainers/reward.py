@@ -20,7 +20,6 @@ batch instead. Ranked data (several responses per prompt) expands to every order
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from posttrain.accel import document_attention
 from posttrain.core.log_softmax import length_groups
 from posttrain.core.preference_losses import pairwise_reward_loss
 from posttrain.forward.logprobs import attention_kind, pack_pairs
-from posttrain.models.loading import is_peft_model
+from posttrain.models.loading import is_peft_model, peft_for_task
 from posttrain.trainers.base import BaseConfig, classic_arguments
 from posttrain.trainers.preference_base import PreferenceTrainer
 
@@ -54,16 +53,6 @@ class RewardConfig(BaseConfig):
             raise ValueError(f"center_rewards_coefficient must be >= 0, got {self.center_rewards_coefficient}")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length must be at least 2, got {self.max_length}")
-
-
-def _seq_cls_peft(peft_config):
-    """A LoRA-style config must have task_type SEQ_CLS, which makes the fresh score head trainable."""
-    if peft_config is None or getattr(peft_config, "task_type", "SEQ_CLS") == "SEQ_CLS":
-        return peft_config
-    if getattr(peft_config, "task_type", None) is None:
-        return dataclasses.replace(peft_config, task_type="SEQ_CLS")
-    raise ValueError(f"a reward model is a sequence classifier: peft_config.task_type must be 'SEQ_CLS' "
-                     f"(so the score head is trained), got {peft_config.task_type!r}")
 
 
 _SCORE_HEADS = weakref.WeakKeyDictionary()  # model -> (its score head, that head if plain else None)
@@ -173,7 +162,8 @@ class RewardTrainer(PreferenceTrainer):
                           stacklevel=2)
         super().__init__(model, None, args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
-                         peft_config=_seq_cls_peft(peft_config), callbacks=callbacks, optimizers=optimizers,
+                         peft_config=peft_for_task(peft_config, "SEQ_CLS", "a reward model is a sequence classifier"),
+                         callbacks=callbacks, optimizers=optimizers,
                          needs_reference=False, model_kind="seq-cls", compute_metrics=compute_metrics)
         # each batch's pairs as one padding-free row, each pair attending within itself (see pair_rewards)
         document_attention.enable(self.accelerator.unwrap_model(self.model))

@@ -1,0 +1,111 @@
+"""Contrastive Preference Optimization (Xu et al. 2024, "Contrastive Preference Optimization: Pushing the
+Boundaries of LLM Performance in Machine Translation") and its reference-free relatives.
+
+CPO drops DPO's reference model: the loss is a pair loss of the policy's own log-probs,
+-log σ(β (log π(y_w|x) - log π(y_l|x))), plus `cpo_alpha` x the chosen completions' NLL (the
+behaviour-cloning regulariser). `loss_type` picks the pair loss from `core.contrastive_losses.MARGIN_LOSSES`:
+sigmoid and hinge on summed log-probs, ipo and simpo (SimPO, Meng et al. 2024: target margin
+`simpo_gamma`) on per-token means. `alpha` != 0 reshapes each reward log p into AlphaPO's
+(1 - p^(-α)) / α (Gupta et al. 2025); `loss_type="alphapo"` is shorthand for simpo with cpo_alpha = 0.
+SimPO with cpo_alpha > 0 is CPO-SimPO.
+
+Departures: none in the loss. As in DPO, chosen and rejected go through the model in one forward that
+asks for the completion logits only (`preference_base.completion_logps`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.core.contrastive_losses import MARGIN_LOSSES, alphapo_rewards, margin_loss, token_mean_nll
+from posttrain.trainers.preference_base import TRUNCATION_MODES, PairDataConfig, ReferenceFreePairTrainer
+
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+@dataclass
+class CPOConfig(PairDataConfig):
+    """Configuration of `CPOTrainer`, on top of `transformers.TrainingArguments`."""
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (AdamW)."})
+    beta: float = field(default=0.1, metadata={
+        "help": "Inverse temperature β of the pair loss; for 'ipo' the paper's regularisation τ."})
+    label_smoothing: float = field(default=0.0, metadata={
+        "help": "Probability ε in [0, 0.5] that a preference label is flipped (conservative loss); only 'sigmoid' "
+                "and 'simpo' have a smoothed form."})
+    loss_type: str = field(default="sigmoid", metadata={
+        "help": "Pair loss: 'sigmoid' (CPO), 'hinge' (SLiC), 'ipo', 'simpo' (SimPO, target margin simpo_gamma), or "
+                "'alphapo' (shorthand: loss_type='simpo' and cpo_alpha=0; set alpha too). See "
+                "core/contrastive_losses.py.",
+        "choices": [*CPO_LOSS_TYPES, "alphapo"]})
+    cpo_alpha: float = field(default=1.0, metadata={
+        "help": "Weight of the behaviour-cloning term, the chosen completions' NLL per token (0: pure SimPO)."})
+    simpo_gamma: float = field(default=0.5, metadata={
+        "help": "SimPO's target reward margin γ, used only with loss_type='simpo'."})
+    alpha: float = field(default=0.0, metadata={
+        "help": "AlphaPO's reward shape: each reward log p becomes (1 - p^(-alpha)) / alpha, for every loss type "
+                "(0: the plain log-probability)."})
+    truncation_mode: str = field(default="keep_end", metadata={
+        "help": "What survives when prompt + completion exceed max_length: 'keep_end' cuts the prompt's start "
+                "first, 'keep_start' keeps the whole prompt and cuts the completion's end (see PairDataConfig).",
+        "choices": list(TRUNCATION_MODES)})
+    generate_during_eval: bool = field(default=False, metadata={
+        "help": "At each evaluation, sample completions of a few eval prompts from the policy and log them "
+                "as a table (the logging integrations' table, else the console)."})
+
+    def __post_init__(self):
+        if self.loss_type == "alphapo":  # TRL's shorthand, resolved before the checks
+            self.loss_type, self.cpo_alpha = "simpo", 0.0
+        super().__post_init__()
+
+    def _check(self):
+        super()._check()
+        if self.loss_type not in CPO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {[*CPO_LOSS_TYPES, 'alphapo']}, got {self.loss_type!r}")
+        if not 0 <= self.label_smoothing <= 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5], got {self.label_smoothing}")
+        if self.label_smoothing and not MARGIN_LOSSES[self.loss_type].smoothable:
+            raise ValueError(f"loss_type {self.loss_type!r} has no label-smoothed form; set label_smoothing=0 "
+                             "or use 'sigmoid' or 'simpo'")
+        if self.cpo_alpha < 0:
+            raise ValueError(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
+
+
+class CPOTrainer(ReferenceFreePairTrainer):
+    """Preference pairs -> a policy, by a reference-free pair loss plus behaviour cloning on the chosen."""
+
+    _tag = "cpo"
+    _name = "CPO"
+    _citation = """@inproceedings{xu2024contrastive,
+    title     = {{Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in Machine
+                 Translation}},
+    author    = {Haoran Xu and Amr Sharaf and Yunmo Chen and Weiting Tan and Lingfeng Shen and Benjamin Van Durme
+                 and Kenton Murray and Young Jin Kim},
+    booktitle = {Forty-first International Conference on Machine Learning (ICML 2024)},
+    year      = 2024,
+    eprint    = {arXiv:2401.08417}
+}"""
+    config_class = CPOConfig
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args, mode = self.args, self.mode()
+        spec = MARGIN_LOSSES[args.loss_type]
+        logps, lengths, mean_logits = self.pair_logps(model, inputs)  # (2B,) each
+        B = logps.shape[0] // 2
+        scored = logps / lengths.clamp(min=1) if spec.length_normalised else logps
+        rewards = alphapo_rewards(scored, args.alpha)  # (2B,)
+        losses = margin_loss(args.loss_type, rewards[:B] - rewards[B:], beta=args.beta,
+                             label_smoothing=args.label_smoothing, gamma=args.simpo_gamma)
+        loss = losses.mean()
+        if args.cpo_alpha:  # the NLL forward costs nothing extra: it reads the chosen rows' log-probs
+            nll = token_mean_nll(logps[:B], lengths[:B])
+            loss = loss + args.cpo_alpha * nll
+        else:
+            nll = logps.new_zeros(())
+
+        chosen_rewards, rejected_rewards = (args.beta * rewards[:B]).detach(), (args.beta * rewards[B:]).detach()
+        self.record_pairs(chosen_rewards, rejected_rewards, scored, mean_logits, mode)
+        self.record({"nll_loss": nll.detach()}, mode)
+        if return_outputs:
+            return loss, {"rewards_chosen": chosen_rewards, "rewards_rejected": rejected_rewards}
+        return loss
