@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 import os
 import re
 import shutil
@@ -84,9 +85,11 @@ class BaseConfig(TrainingArguments):
                           "False: the plain transformers modules (an earlier trainer's patch is undone)."})
 
     def __post_init__(self):
+        check_training_numbers(self)  # before transformers derives anything from them
         super().__post_init__()
         # transformers turns "none" into an empty list; keep that behaviour
         self._check()
+        check_finite_fields(self)  # after `_check`, whose messages are more specific where it has one
 
     def _check(self):
         """Subclasses raise ValueError here for invalid combinations of fields."""
@@ -96,6 +99,69 @@ class BaseConfig(TrainingArguments):
         copy of the config with other fields (a config field given to a trainer) derives it again."""
         setattr(self, name, value)
         self.__dict__.setdefault("_derived_fields", {})[name] = value
+
+
+# transformers' numeric fields that a run reads: name -> (lowest, highest, lowest allowed, highest allowed).
+# NaN passes every comparison, so each rule is written as "inside the range" and NaN falls outside it.
+TRAINING_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "learning_rate": (0, None, True, False), "weight_decay": (0, None, True, False),
+    "adam_epsilon": (0, None, False, False), "adam_beta1": (0, 1, True, False), "adam_beta2": (0, 1, True, False),
+    "max_grad_norm": (0, None, True, False), "num_train_epochs": (0, None, True, False),
+    "warmup_steps": (0, None, True, False), "warmup_ratio": (0, 1, True, True),
+    "per_device_train_batch_size": (1, None, True, False), "per_device_eval_batch_size": (1, None, True, False),
+    "gradient_accumulation_steps": (1, None, True, False), "logging_steps": (0, None, False, False),
+    "save_steps": (0, None, False, False), "eval_steps": (0, None, False, False), "eval_delay": (0, None, True, False),
+    "label_smoothing_factor": (0, 1, True, False), "neftune_noise_alpha": (0, None, True, False),
+    "dataloader_num_workers": (0, None, True, False), "seed": (0, 2**32 - 1, True, True),
+    "data_seed": (0, 2**32 - 1, True, True), "save_total_limit": (0, None, True, False),
+}
+
+
+def _range_text(low, high, low_in: bool, high_in: bool) -> str:
+    if high is None:
+        return f"{'>=' if low_in else '>'} {low}"
+    return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def _in_range(value, low, high, low_in: bool, high_in: bool) -> bool:
+    above = value >= low if low_in else value > low
+    below = high is None or (value <= high if high_in else value < high)
+    return bool(above and below)
+
+
+def check_training_numbers(config) -> None:
+    """Refuse a transformers numeric field outside its range (NaN and infinities included), an output_dir
+    that is a file, and a run that would train nothing; naming the field, before anything loads."""
+    for name, (low, high, low_in, high_in) in TRAINING_RANGES.items():
+        value = getattr(config, name, None)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value) or not _in_range(value, low, high, low_in, high_in):
+            raise ValueError(f"{name} must be a finite number {_range_text(low, high, low_in, high_in)}, "
+                             f"got {value!r}")
+    if config.max_steps <= 0 and config.num_train_epochs <= 0:
+        raise ValueError(f"max_steps={config.max_steps} and num_train_epochs={config.num_train_epochs}: the run "
+                         "would train nothing and save the untrained model; set max_steps >= 1 or "
+                         "num_train_epochs > 0")
+    if config.output_dir is not None and os.path.isfile(config.output_dir):
+        raise ValueError(f"output_dir {config.output_dir!r} is a file; give a folder (it is created if missing)")
+
+
+def _non_finite(value) -> bool:
+    """Whether a float, or any float of a list/tuple, is NaN or infinite."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, (list, tuple)) and any(_non_finite(v) for v in value)
+
+
+def check_finite_fields(config) -> None:
+    """Refuse NaN or infinity in any numeric field of any config (one that means "no limit" takes None)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name, None)
+        if f.init and _non_finite(value):
+            what = "every entry of " if isinstance(value, (list, tuple)) else ""
+            none = " (or None)" if f.default is None else ""
+            raise ValueError(f"{what}{f.name} must be a finite number{none}, got {value!r}")
 
 
 def seed_run(args: TrainingArguments) -> None:
