@@ -818,22 +818,25 @@ def run(argv: list[str]):
     trainer = COMMANDS[name](script_args, config)
     if trainer is None:
         return None
-    trainer.train(resume_from_checkpoint=_resume_arg(config.resume_from_checkpoint))
-    trainer.save_model(config.output_dir)
-    if trainer.eval_dataset is not None:
-        trainer.evaluate()
+    with trainer.output_dir_lock():  # the final model is the run's too: no other run writes it meanwhile
+        trainer.train(resume_from_checkpoint=_resume_arg(config.resume_from_checkpoint))
+        trainer.save_model(config.output_dir)
+        if trainer.eval_dataset is not None:
+            trainer.evaluate()
     return trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `posttrain` console script: 0 on success. Failures exit non-zero: 2 for a
-    usage error; 1 for a dataset or model that cannot be loaded (one line that says why) or any
+    usage error; 1 for a dataset or model that cannot be loaded, an output_dir in use by another run or
+    a run stopped by NaN or infinite gradients or weights (one line that says why) or any
     other exception (with its traceback)."""
     from posttrain.models.loading import ModelLoadError
+    from posttrain.trainers.base import NonFiniteError, OutputDirInUseError
 
     try:
         run(sys.argv[1:] if argv is None else argv)
-    except (DatasetError, ModelLoadError) as err:
+    except (DatasetError, ModelLoadError, NonFiniteError, OutputDirInUseError) as err:
         print(f"posttrain: error: {err}", file=sys.stderr)
         return 1
     finally:

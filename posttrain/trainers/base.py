@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import contextlib
 import logging
 import math
 import os
 import re
 import shutil
+import socket
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, enable_full_determinism, rotate_checkpoints,
                                         set_seed)
 
@@ -37,10 +40,17 @@ from posttrain.callbacks import SyncRefModelCallback
 from posttrain.memory import keep_freed_memory, make_adam_state, own_file_backed
 from posttrain.models import lean, loading, products
 
+try:
+    import fcntl
+except ImportError:  # Windows: output_dir is not locked
+    fcntl = None
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "posttrain_state.pt"  # the `checkpointed` attributes; posttrain_state_<rank>.pt with several processes
 REF_MODEL_FILE = "ref_model.safetensors"  # a reference that training moves (sync_ref_model)
+LOCK_FILE = "_posttrain.lock"  # held (flock) by the run writing into output_dir; "_": never pushed to the hub
+SECRET_FIELDS = {"hub_token", "push_to_hub_token"}  # config fields never written to disk
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N/checkpoint-N: a checkpoint being written
 TRAINER_STATE = "trainer_state.json"  # written last by transformers: a checkpoint without it is incomplete
 
@@ -93,6 +103,27 @@ class BaseConfig(TrainingArguments):
 
     def _check(self):
         """Subclasses raise ValueError here for invalid combinations of fields."""
+
+    def __getstate__(self):
+        """Pickled (transformers' `training_args.bin` in every checkpoint and output_dir) without the hub
+        token: whoever receives the folder must not receive the token. Copies keep it (`__copy__`)."""
+        state = dict(self.__dict__)
+        for name in SECRET_FIELDS & state.keys():
+            state[name] = None
+        return state
+
+    def __copy__(self):
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return twin
 
     def derive(self, name: str, value) -> None:
         """Set field `name`, left None by the user, to a value derived from other fields, and remember it: a
@@ -363,6 +394,112 @@ def latest_checkpoint(folder: str) -> str | None:
     return latest
 
 
+class OutputDirInUseError(RuntimeError):
+    """Another live run holds the output_dir's lock."""
+
+
+_held_locks: dict[str, list] = {}  # real path of an output_dir -> [lock file, depth]: re-entrant in a process
+
+
+@contextlib.contextmanager
+def output_dir_lock(folder: str):
+    """Hold an exclusive lock on `folder` (flock on `LOCK_FILE` in it) for the block; another run into the same
+    folder is refused, naming the holder. The kernel lets go of a lock when its process dies, so the lock of
+    a killed run is never stale. Re-entrant within one process; without fcntl (Windows) no lock is taken."""
+    key = os.path.realpath(folder)
+    if fcntl is None or key in _held_locks:
+        if key in _held_locks:
+            _held_locks[key][1] += 1
+        try:
+            yield
+        finally:
+            if key in _held_locks:
+                _held_locks[key][1] -= 1
+        return
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LOCK_FILE)
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "a process"
+            handle.close()
+            raise OutputDirInUseError(
+                f"output_dir {folder} is in use by another run ({holder}): two runs writing into one folder replace "
+                "each other's checkpoints and model. Wait for that run to end, stop it, or choose another "
+                "output_dir") from None
+        try:  # the file we locked may have been removed by the holder letting go meanwhile: lock the new one
+            if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        handle.close()
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _held_locks[key] = [handle, 1]
+    try:
+        yield
+    finally:
+        _held_locks[key][1] -= 1
+        if _held_locks[key][1] == 0:
+            del _held_locks[key]
+            with contextlib.suppress(OSError):
+                os.remove(path)  # before letting go: a run waiting on this file then retries on a new one
+            handle.close()
+
+
+class NonFiniteError(RuntimeError):
+    """Gradients or weights became NaN or infinite: the run stopped instead of training on or saving them."""
+
+
+def first_non_finite(named) -> str | None:
+    """The name of the first tensor of (name, tensor) pairs holding a NaN or an infinity; None if all are finite.
+    One pass: the largest magnitude of each tensor (NaN propagates, and unlike a 2-norm it cannot overflow)."""
+    named = [(n, t) for n, t in named if t is not None and t.numel() > 0]
+    if not named:
+        return None
+    peaks = torch._foreach_norm([t.detach() for _, t in named], float("inf"))
+    if bool(torch.stack([p.float().to(peaks[0].device) for p in peaks]).isfinite().all()):
+        return None
+    return next(name for (name, _), peak in zip(named, peaks) if not torch.isfinite(peak))
+
+
+class FiniteGuard(TrainerCallback):
+    """Stop a run whose gradients (before the optimizer step) or weights (after it) are NaN or infinite,
+    with an error naming the parameter, the step and the newest checkpoint: transformers would log
+    `grad_norm: nan`, go on and save a model whose every weight is NaN."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def _trained(self):
+        return [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+
+    def _newest(self, args) -> str:
+        complete = [path for _, path, ok in checkpoint_folders(args.output_dir) if ok]
+        return (f"The newest checkpoint, {complete[-1]}, holds weights from before it." if complete
+                else "No checkpoint was saved.")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if name := first_non_finite((n, p.grad) for n, p in self._trained()):
+            raise NonFiniteError(
+                f"step {state.global_step + 1}: the gradient of {name} is NaN or infinite (the loss or a reward "
+                "was?): stopped before the optimizer step, so the weights stay finite and nothing of this step is "
+                f"saved. {self._newest(args)} Check the data and rewards for extreme values, lower learning_rate, "
+                "or train in float32")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if name := first_non_finite(self._trained()):
+            raise NonFiniteError(
+                f"step {state.global_step + 1}: after the optimizer step, {name} holds NaN or infinite values (the "
+                "update overflowed: learning rate or optimizer settings too large?): stopped, and the weights are "
+                f"not saved. {self._newest(args)} Lower learning_rate or check the optimizer's settings")
+
+
 class BaseTrainer(Trainer):
     """transformers.Trainer plus model-from-string loading, PEFT, reference models and a metric buffer."""
 
@@ -411,6 +548,7 @@ class BaseTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
+        self.add_callback(FiniteGuard(self))
 
     def tag_model(self, model) -> None:
         """Tag the model `posttrain` and the trainer's own tag (`dpo`, `sft`, ...), as TRL tags its models, so that
@@ -427,8 +565,17 @@ class BaseTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints and resuming
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """transformers' train, plus: `True` resumes from the newest *complete* checkpoint; a fresh run refuses
-        (or with overwrite_output_dir clears) an earlier run's checkpoints; posttrain's own state is restored."""
+        """transformers' train, plus: output_dir is locked for the run (`output_dir_lock`); `True` resumes from
+        the newest *complete* checkpoint; a fresh run refuses (or with overwrite_output_dir clears) an earlier
+        run's checkpoints; posttrain's own state is restored."""
+        with self.output_dir_lock():
+            return self._train(resume_from_checkpoint, *args, **kwargs)
+
+    def output_dir_lock(self):
+        """`output_dir_lock(output_dir)` on the process that saves; nothing on the others."""
+        return output_dir_lock(self.args.output_dir) if self.args.should_save else contextlib.nullcontext()
+
+    def _train(self, resume_from_checkpoint=None, *args, **kwargs):
         folder = self.args.output_dir
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_checkpoint(folder)
