@@ -829,12 +829,39 @@ class OnlineTrainer(BaseTrainer):
         sampling time so far (for `eps`). Between generation batches, nothing of the batch is kept."""
         pending = self._next_micro < len(self._buffer)
         return {"buffer": self._buffer if pending else [], "next_micro": self._next_micro if pending else 0,
-                "samples": self._samples if pending else None,
+                "samples": self._samples if pending else None, "plan": self._generation_plan(),
                 "elapsed": None if self._start_time is None else time.time() - self._start_time,
                 "metrics": {mode: dict(values) for mode, values in self._metrics.items()}}
 
+    def _generation_plan(self) -> dict[str, int]:
+        """The settings that cut a generation batch into micro-batches and optimizer steps."""
+        names = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+                 "num_iterations", "num_generations")
+        return {**{n: getattr(self.args, n) for n in names}, "processes": self.accelerator.num_processes}
+
+    def _check_generation_plan(self, state: dict):
+        """Refuse to finish a stored generation batch under settings that cut it otherwise (its micro-batches
+        would not match the steps left: transformers' loop would index past them)."""
+        plan, now = state.get("plan"), self._generation_plan()
+        if plan is None:  # written before plans were stored: the batch's length tells
+            expected = self.args.steps_per_generation * self.args.num_iterations
+            plan, now = {"micro-batches per generation batch": len(state["buffer"])}, \
+                {"micro-batches per generation batch": expected}
+        changed = {k: (v, now.get(k)) for k, v in plan.items() if now.get(k) != v}
+        if changed:
+            was = ", ".join(f"{k}={old}" for k, (old, _) in changed.items())
+            raise ValueError(
+                f"the checkpoint was taken inside a generation batch (micro-batch {state['next_micro']} of "
+                f"{len(state['buffer'])}) planned with {was}; this run has "
+                f"{', '.join(f'{k}={new}' for k, (_, new) in changed.items())}. Resume with the checkpoint's "
+                f"{was} to finish the stored batch (change it later from a checkpoint taken between generation "
+                "batches, i.e. save_steps a multiple of the optimizer steps per generation batch), or resume from "
+                "an earlier checkpoint taken between generation batches")
+
     @_generation_in_progress.setter
     def _generation_in_progress(self, state: dict):
+        if state["buffer"]:
+            self._check_generation_plan(state)
         self._buffer, self._next_micro, self._samples = state["buffer"], state["next_micro"], state["samples"]
         self._replay = None  # kept only within one optimizer step (old == current), never across a checkpoint
         self._start_time = None if state["elapsed"] is None else time.time() - state["elapsed"]
