@@ -23,8 +23,6 @@ import math
 import os
 import re
 import shutil
-import socket
-import time
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
@@ -49,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "posttrain_state.pt"  # the `checkpointed` attributes; posttrain_state_<rank>.pt with several processes
 REF_MODEL_FILE = "ref_model.safetensors"  # a reference that training moves (sync_ref_model)
-LOCK_FILE = "_posttrain.lock"  # held (flock) by the run writing into output_dir; "_": never pushed to the hub
 SECRET_FIELDS = {"hub_token", "push_to_hub_token"}  # config fields never written to disk
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N/checkpoint-N: a checkpoint being written
 TRAINER_STATE = "trainer_state.json"  # written last by transformers: a checkpoint without it is incomplete
@@ -401,11 +398,25 @@ class OutputDirInUseError(RuntimeError):
 _held_locks: dict[str, list] = {}  # real path of an output_dir -> [lock file, depth]: re-entrant in a process
 
 
+def _lock_holder(fd: int) -> str:
+    """'pid N' of the process holding a flock on the file of `fd`, from /proc/locks (Linux); else 'a process'."""
+    st = os.fstat(fd)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError):
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if "FLOCK" in parts and device in parts:
+                    return f"pid {parts[parts.index(device) - 1]}"
+    return "a process"
+
+
 @contextlib.contextmanager
 def output_dir_lock(folder: str):
-    """Hold an exclusive lock on `folder` (flock on `LOCK_FILE` in it) for the block; another run into the same
-    folder is refused, naming the holder. The kernel lets go of a lock when its process dies, so the lock of
-    a killed run is never stale. Re-entrant within one process; without fcntl (Windows) no lock is taken."""
+    """Hold an exclusive lock on the folder `folder` itself (flock on its directory: no file is written) for the
+    block; another run into the same folder is refused, naming the holder. The kernel lets go of a lock when
+    its process dies, so a killed run's lock is never stale. Re-entrant within one process; without fcntl
+    (Windows) no lock is taken."""
     key = os.path.realpath(folder)
     if fcntl is None or key in _held_locks:
         if key in _held_locks:
@@ -417,39 +428,24 @@ def output_dir_lock(folder: str):
                 _held_locks[key][1] -= 1
         return
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, LOCK_FILE)
-    while True:
-        handle = open(path, "a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "a process"
-            handle.close()
-            raise OutputDirInUseError(
-                f"output_dir {folder} is in use by another run ({holder}): two runs writing into one folder replace "
-                "each other's checkpoints and model. Wait for that run to end, stop it, or choose another "
-                "output_dir") from None
-        try:  # the file we locked may have been removed by the holder letting go meanwhile: lock the new one
-            if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        handle.close()
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    handle.flush()
-    _held_locks[key] = [handle, 1]
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        raise OutputDirInUseError(
+            f"output_dir {folder} is in use by another run ({holder}): two runs writing into one folder replace "
+            "each other's checkpoints and model. Wait for that run to end, stop it, or choose another "
+            "output_dir") from None
+    _held_locks[key] = [fd, 1]
     try:
         yield
     finally:
         _held_locks[key][1] -= 1
         if _held_locks[key][1] == 0:
             del _held_locks[key]
-            with contextlib.suppress(OSError):
-                os.remove(path)  # before letting go: a run waiting on this file then retries on a new one
-            handle.close()
+            os.close(fd)  # lets go of the lock
 
 
 class NonFiniteError(RuntimeError):

@@ -15,7 +15,7 @@ from tests.helpers.preference import TINY, config_kwargs
 
 from posttrain import cli
 from posttrain.data.builtin import zen
-from posttrain.trainers.base import LOCK_FILE, NonFiniteError, OutputDirInUseError, output_dir_lock
+from posttrain.trainers.base import NonFiniteError, OutputDirInUseError, output_dir_lock
 from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -71,20 +71,28 @@ def test_weights_that_overflow_in_the_optimizer_step_stop_the_run_unsaved(tmp_pa
 
 # ------------------------------------------------------------------ the output_dir lock
 
+def lock_from_another_process(folder) -> str:
+    """What another process trying to lock `folder` reports: "locked", or the refusal."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from posttrain.trainers.base import output_dir_lock, OutputDirInUseError
+        try:
+            with output_dir_lock({str(folder)!r}):
+                print("locked")
+        except OutputDirInUseError as err:
+            print(err)
+        """)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    return done.stdout.strip()
+
+
 def test_a_second_run_into_a_locked_output_dir_is_refused(tmp_path):
     first = sft(tmp_path, max_steps=1)
     with output_dir_lock(str(tmp_path)):  # what the first run holds while it trains
-        holder = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-            from posttrain.trainers.base import output_dir_lock, OutputDirInUseError
-            try:
-                with output_dir_lock({str(tmp_path)!r}):
-                    print("locked")
-            except OutputDirInUseError as err:
-                print(err)
-            """)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-        assert "is in use by another run (pid " in holder.stdout and f"pid {os.getpid()}" in holder.stdout
+        refused = lock_from_another_process(tmp_path)
+        assert "is in use by another run (pid " in refused and f"pid {os.getpid()})" in refused
         first.train()  # the same process may nest (the CLI holds the lock around train and save_model)
-    assert not os.path.exists(tmp_path / LOCK_FILE)  # let go, and the file removed, when the run ends
+        assert "is in use by another run" in lock_from_another_process(tmp_path)
+    assert lock_from_another_process(tmp_path) == "locked"  # let go when the run ends
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]  # no lock file: the lock is on the folder itself
 
 
 def test_the_lock_of_a_killed_run_is_not_stale(tmp_path):
@@ -96,11 +104,11 @@ def test_the_lock_of_a_killed_run_is_not_stale(tmp_path):
             time.sleep(600)
         """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert holder.stdout.readline().strip() == "locked"
-    with pytest.raises(OutputDirInUseError, match=f"pid {holder.pid} on"):
+    with pytest.raises(OutputDirInUseError, match=rf"\(pid {holder.pid}\)"):
         sft(tmp_path, max_steps=1).train()
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    assert os.path.exists(tmp_path / LOCK_FILE)  # the dead run's file is left, its lock is not
+    assert os.listdir(tmp_path) == []  # nothing written: the lock is on the folder itself
     sft(tmp_path, max_steps=1, overwrite_output_dir=True).train()
 
 
