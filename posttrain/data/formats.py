@@ -437,8 +437,9 @@ def _iter_rows(data: Data, columns: tuple[str, ...], max_rows: int | None) -> It
             yield dict(zip(columns, values))
 
 
-def validate(data: Data, info: FormatInfo | None = None, max_rows: int | None = None) -> FormatInfo:
+def validate(data: Data, info: FormatInfo | None = None, max_rows: int | None = None, start: int = 0) -> FormatInfo:
     """Check every row (or the first ``max_rows``) against the format; return its FormatInfo.
+    ``start``: the number of the first row in messages (rows of a stream read part by part).
 
     Raises FormatError naming the row, the column and the expected form of the first malformed
     value, or the first row that is standard where earlier ones are conversational (or the
@@ -454,7 +455,7 @@ def validate(data: Data, info: FormatInfo | None = None, max_rows: int | None = 
     else:  # rows may differ in their keys: each row's extras are read from the row itself
         extras = tuple(c for c in _EXTRA_CHECKS if c not in info.columns)
     first: tuple[int, str, str] | None = None  # (row, column, kind) that fixed the dataset's kind
-    for i, row in enumerate(_iter_rows(data, info.columns + extras, max_rows)):
+    for i, row in enumerate(_iter_rows(data, info.columns + extras, max_rows), start):
         for column in extras:
             if column in row:
                 try:

@@ -61,7 +61,8 @@ from posttrain.core.masked import (AGGREGATIONS, aggregate_loss, count_tokens, m
                                    top_quantile_mask)
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus, truncated_importance_weights
 from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewards
-from posttrain.data.tokenize import check_prompts, encode_prompt
+from posttrain.data import formats
+from posttrain.data.tokenize import TokenizeError, check_prompts, encode_prompt
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
@@ -163,6 +164,11 @@ class _PromptStream(torch.utils.data.IterableDataset):
                 self.dataset.set_epoch(pos["passes"])
             rows, batches = itertools.islice(iter(self.dataset), pos["prompts"], None), 0
             while len(batch := list(itertools.islice(rows, size))) == size:
+                if "prompt" in batch[0]:  # named by its place in the stream, before it is tokenised
+                    try:
+                        formats.validate(batch, PROMPT_ONLY, start=pos["prompts"])
+                    except formats.FormatError as err:
+                        raise TokenizeError(f"streamed train_dataset (pass {pos['passes']}): {err}") from None
                 mine = batch[self.rank::self.num_processes]
                 for micro in range(pos["micro"], self.repeat):
                     last = micro == self.repeat - 1  # the position after this item: the next batch's start
@@ -175,6 +181,9 @@ class _PromptStream(torch.utils.data.IterableDataset):
                                  f"batch needs ({size}); add prompts or lower per_device_train_batch_size / "
                                  "steps_per_generation")
             pos.update(passes=pos["passes"] + 1, prompts=0, micro=0)
+
+
+PROMPT_ONLY = formats.FormatInfo("prompt_only", False, ("prompt",))
 
 
 def _collate_streamed(collate, item: tuple[list[dict], int] | None) -> dict | None:
