@@ -48,6 +48,13 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "posttrain_state.pt"  # the `checkpointed` attributes; posttrain_state_<rank>.pt with several processes
 REF_MODEL_FILE = "ref_model.safetensors"  # a reference that training moves (sync_ref_model)
 SECRET_FIELDS = {"hub_token", "push_to_hub_token"}  # config fields never written to disk
+MANIFEST_FILE = "posttrain_manifest.json"  # every file's size and sha256, and the run's settings: written last
+# settings that change what a resumed run computes; a resume that changes one says so (max_steps and
+# num_train_epochs may change: a resumed run is often made longer)
+RUN_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type",
+                "weight_decay", "max_grad_norm", "seed", "beta", "loss_type", "label_smoothing", "num_generations",
+                "max_completion_length", "max_prompt_length", "max_length", "steps_per_generation", "num_iterations",
+                "temperature", "epsilon", "packing", "completion_only_loss", "advantage_estimator", "scale_rewards")
 STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N/checkpoint-N: a checkpoint being written
 TRAINER_STATE = "trainer_state.json"  # written last by transformers: a checkpoint without it is incomplete
 
@@ -391,6 +398,94 @@ def latest_checkpoint(folder: str) -> str | None:
     return latest
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from: damaged, incomplete or another model's."""
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: str, run: dict) -> None:
+    """Write `MANIFEST_FILE` into a checkpoint folder whose every other file is written: each file's size and
+    sha256, and `run` (the model and the settings, see `BaseTrainer.run_identity`). Written to a temporary
+    name and renamed, so a manifest is whole or absent."""
+    import json
+
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel != MANIFEST_FILE:
+                files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    staging = os.path.join(folder, MANIFEST_FILE + ".tmp")
+    with open(staging, "w") as f:
+        json.dump({"files": files, "run": run}, f, indent=1, sort_keys=True)
+    os.replace(staging, os.path.join(folder, MANIFEST_FILE))
+
+
+def read_manifest(folder: str) -> dict | None:
+    import json
+
+    path = os.path.join(folder, MANIFEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError:
+        return {"files": {MANIFEST_FILE: {"size": -1, "sha256": ""}}, "run": {}}  # reported as damaged
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """What is wrong with a checkpoint folder, or None: no trainer_state.json, or a file its manifest lists that
+    is missing, of another size (truncated) or with other bytes (checksum)."""
+    if not os.path.isfile(os.path.join(folder, TRAINER_STATE)):
+        return f"{TRAINER_STATE} is missing (the run was stopped while saving it?)"
+    manifest = read_manifest(folder)
+    for rel, want in (manifest or {"files": {}})["files"].items():
+        path = os.path.join(folder, rel)
+        if rel == MANIFEST_FILE:
+            return f"{MANIFEST_FILE} cannot be read"
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            return f"{rel} has {size} bytes where {want['size']} were written (truncated or overwritten)"
+        if _sha256(path) != want["sha256"]:
+            return f"{rel} differs from what was written (its sha256 does not match the manifest: damaged bytes)"
+    return None
+
+
+def check_checkpoint(folder: str) -> None:
+    """Raise CheckpointError naming the bad file of `folder` and the newest intact checkpoint beside it. A
+    checkpoint without a manifest (an older posttrain's) is only checked for its optimizer and posttrain state."""
+    if read_manifest(folder) is None:
+        names = os.listdir(folder)
+        for stem in ("optimizer", STATE_FILE.removesuffix(".pt")):
+            if not any(n.startswith(stem) or n.startswith("global_step") for n in names):
+                logger.warning(f"{folder} has no {stem}*.pt (nor a {MANIFEST_FILE} to check it by): the resumed run "
+                               "will not continue the interrupted one exactly")
+    problem = checkpoint_problem(folder)
+    if problem is None:
+        return
+    match = re.search(r"-(\d+)$", os.path.normpath(folder))
+    step = int(match.group(1)) if match else None
+    older = [path for s, path, ok in reversed(checkpoint_folders(os.path.dirname(os.path.normpath(folder))))
+             if ok and (step is None or s < step)]
+    good = next((path for path in older if checkpoint_problem(path) is None), None)
+    offer = (f"The newest intact checkpoint is {good}: resume from it (resume_from_checkpoint={good!r})"
+             if good else "No intact checkpoint is left beside it: start afresh (overwrite_output_dir=True)")
+    raise CheckpointError(f"cannot resume from {folder}: {problem}. {offer}")
+
+
 class OutputDirInUseError(RuntimeError):
     """Another live run holds the output_dir's lock."""
 
@@ -581,6 +676,7 @@ class BaseTrainer(Trainer):
             if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE)):
                 raise ValueError(f"cannot resume from {resume_from_checkpoint}: it has no {TRAINER_STATE}, so it is "
                                  "not a complete checkpoint (the run was stopped while saving it?)")
+            self.check_resume(resume_from_checkpoint)
             self.load_checkpoint_extras(resume_from_checkpoint)
         else:
             self._clear_earlier_run(folder)
@@ -635,6 +731,7 @@ class BaseTrainer(Trainer):
             if self.state.best_model_checkpoint == written:  # this step is the best: name its final place
                 self.state.best_model_checkpoint = final
                 self.state.save_to_json(os.path.join(written, TRAINER_STATE))
+            write_manifest(written, self.run_identity())  # the last file: what resuming checks the others by
             replaced = staging + "-old"  # a tmp- name too: never resumed from, cleared by the next fresh run
             if os.path.exists(final):  # e.g. resumed from an earlier checkpoint of this run
                 os.rename(final, replaced)
@@ -643,6 +740,68 @@ class BaseTrainer(Trainer):
             shutil.rmtree(replaced, ignore_errors=True)
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
         self.accelerator.wait_for_everyone()
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # transformers' private hook, overridden because no public one sees the loaded keys: a weight tied to
+        # another (lm_head.weight to the embeddings) is not saved, so it is "missing" on every resume, and
+        # loaded all the same through its partner. Only other missing keys are worth a warning.
+        tied: dict[int, list[str]] = defaultdict(list)
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            tied[id(param)].append(name)
+        aliases = [name for names in tied.values() if len(names) > 1 for name in names]
+        missing = [k for k in load_result.missing_keys
+                   if not any(a == k or a.endswith("." + k) or k.endswith("." + a) for a in aliases)]
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
+    def run_identity(self) -> dict:
+        """The model (its name, and a digest of its trained parameters' names and shapes) and the `RUN_SETTINGS`
+        (with the train_dataset's length and the number of processes) a checkpoint's manifest records."""
+        import hashlib
+
+        model = self.accelerator.unwrap_model(self.model)
+        shapes = [f"{n}:{tuple(getattr(p, 'ds_shape', p.shape))}" for n, p in model.named_parameters() if p.requires_grad]
+        settings = {n: getattr(self.args, n) for n in RUN_SETTINGS if hasattr(self.args, n)}
+        settings = {n: v if isinstance(v, (int, float, str, bool, type(None))) else str(getattr(v, "value", v))
+                    for n, v in settings.items()}
+        settings["processes"] = self.accelerator.num_processes
+        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
+            settings["train_dataset rows"] = len(self.train_dataset)
+        return {"model": {"name": self.model_name, "class": type(model).__name__, "trained_parameters": len(shapes),
+                          "shapes": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]},
+                "settings": settings}
+
+    def check_resume(self, folder: str) -> None:
+        """Before anything is loaded from checkpoint `folder`: its files against its manifest (`check_checkpoint`,
+        on the main process; every process gets the verdict), then its model (another model's checkpoint is
+        refused) and its settings (a change is said, setting by setting)."""
+        problem = None
+        if self.accelerator.is_main_process:
+            try:
+                check_checkpoint(folder)
+            except CheckpointError as err:
+                problem = str(err)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            problem = broadcast_object_list([problem])[0]
+        if problem:
+            raise CheckpointError(problem)
+        run = (read_manifest(folder) or {}).get("run") or {}
+        if not run:
+            return
+        now, then = self.run_identity(), run
+        if then.get("model", {}).get("shapes") != now["model"]["shapes"]:
+            was, new = then.get("model", {}), now["model"]
+            raise CheckpointError(
+                f"cannot resume from {folder}: it belongs to another model ({was.get('name')}, {was.get('class')}, "
+                f"{was.get('trained_parameters')} trained tensors) than this run's ({new['name']}, {new['class']}, "
+                f"{new['trained_parameters']} trained tensors; their names or shapes differ). Resume with the "
+                "checkpoint's model, or start afresh")
+        changed = [f"{n}: {then['settings'][n]!r} -> {v!r}" for n, v in now["settings"].items()
+                   if n in then.get("settings", {}) and then["settings"][n] != v]
+        if changed:
+            logger.warning(f"resuming from {folder} with settings that differ from the run that wrote it ("
+                           f"{'; '.join(changed)}): the resumed run is not the one that was interrupted")
 
     def _sync_callback(self) -> SyncRefModelCallback | None:
         return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, SyncRefModelCallback)), None)
