@@ -829,14 +829,15 @@ def run(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `posttrain` console script: 0 on success. Failures exit non-zero: 2 for a
     usage error; 1 for a dataset or model that cannot be loaded, an output_dir in use by another run, a damaged
-    checkpoint or a run stopped by NaN or infinite gradients or weights (one line that says why) or any
+    checkpoint, a full disk or a run stopped by NaN or infinite gradients or weights (one line that says why) or any
     other exception (with its traceback)."""
     from posttrain.models.loading import ModelLoadError
-    from posttrain.trainers.base import CheckpointError, NonFiniteError, OutputDirInUseError
+    from posttrain.trainers.base import CheckpointError, NonFiniteError, OutputDirInUseError, SaveError
 
     try:
         run(sys.argv[1:] if argv is None else argv)
-    except (DatasetError, ModelLoadError, CheckpointError, NonFiniteError, OutputDirInUseError) as err:
+    except (DatasetError, ModelLoadError, CheckpointError, NonFiniteError, OutputDirInUseError,
+            SaveError) as err:
         print(f"posttrain: error: {err}", file=sys.stderr)
         return 1
     finally:

@@ -486,6 +486,36 @@ def check_checkpoint(folder: str) -> None:
     raise CheckpointError(f"cannot resume from {folder}: {problem}. {offer}")
 
 
+class SaveError(OSError):
+    """Writing a checkpoint or the model failed (the disk full, most often): says which file and how much room."""
+
+
+_WRITE_FAILURES = ("iostream error", "file write failed", "No space left", "Disk quota exceeded")
+
+
+@contextlib.contextmanager
+def explained_write_errors(folder: str):
+    """Turn a failed write into `folder` (torch.save's C++ `basic_ios::clear: iostream error`, an OSError) into
+    a SaveError saying whether the disk is full, which file was being written and how much room is left."""
+    import errno
+
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        codes = (errno.ENOSPC, errno.EDQUOT)
+        if isinstance(err, SaveError) or not (getattr(err, "errno", None) in codes
+                                              or any(s in str(err) for s in _WRITE_FAILURES)):
+            raise
+        files = [os.path.join(root, n) for root, _, names in os.walk(folder) for n in names]
+        newest = max(files, key=os.path.getmtime, default=folder)
+        free = shutil.disk_usage(folder if os.path.exists(folder) else os.path.dirname(folder) or ".").free
+        full = getattr(err, "errno", None) in codes or free < 64 * 2**20
+        what = "the disk is full" if full else f"writing failed ({err})"
+        raise SaveError(errno.ENOSPC if full else errno.EIO,
+                        f"{what} while writing {newest} ({free / 2**20:.0f} MiB free on that disk). Earlier "
+                        "checkpoints are kept; make room (or lower save_total_limit) and resume") from err
+
+
 class OutputDirInUseError(RuntimeError):
     """Another live run holds the output_dir's lock."""
 
@@ -722,10 +752,11 @@ class BaseTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self._staging_dir = staging
         try:
-            super()._save_checkpoint(model, trial)
+            with explained_write_errors(staging):
+                super()._save_checkpoint(model, trial)
+                self.save_checkpoint_extras(written)
         finally:
             self._staging_dir = None
-        self.save_checkpoint_extras(written)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             if self.state.best_model_checkpoint == written:  # this step is the best: name its final place
@@ -914,7 +945,8 @@ class BaseTrainer(Trainer):
     # ------------------------------------------------------------------ saving: model card
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """transformers' save_model, plus a model card (README.md) beside the weights, as TRL writes one."""
-        super().save_model(output_dir, _internal_call)
+        with explained_write_errors(output_dir or self.args.output_dir):
+            super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             folder = output_dir or self.args.output_dir
             os.makedirs(folder, exist_ok=True)

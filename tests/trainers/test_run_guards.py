@@ -148,3 +148,31 @@ def test_the_hub_token_is_never_written_to_disk(tmp_path):
     assert trainer.args.hub_token == secret  # the live config keeps it, for push_to_hub
     assert copy.deepcopy(trainer.args).hub_token == secret and copy.copy(trainer.args).hub_token == secret
     assert pickle.loads(pickle.dumps(trainer.args)).hub_token is None
+
+
+# ------------------------------------------------------------------ a full disk
+
+def test_a_full_disk_while_writing_the_optimizer_is_said_with_the_path(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    import transformers.trainer
+
+    from posttrain.trainers import base
+
+    real_save = torch.save
+
+    def full_disk_save(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt"):
+            with open(path, "wb") as f:  # what a write that ran out of room leaves
+                f.write(b"\0" * 100)
+            raise RuntimeError("basic_ios::clear: iostream error")
+        return real_save(obj, path, *args, **kwargs)
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(transformers.trainer.torch, "save", full_disk_save)
+    monkeypatch.setattr(base.shutil, "disk_usage", lambda path: usage(10 * 2**30, 10 * 2**30 - 2**20, 2**20))
+    trainer = sft(tmp_path, max_steps=1)
+    with pytest.raises(base.SaveError, match=r"the disk is full while writing .*tmp-checkpoint-1/checkpoint-1/"
+                                             r"optimizer.pt \(1 MiB free on that disk\)"):
+        trainer.train()
+    assert not os.path.exists(tmp_path / "checkpoint-1")
