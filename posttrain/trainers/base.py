@@ -273,6 +273,24 @@ def map_datasets(fn, data, name: str | None = None):
     return fn(data) if name is None else fn(data, name)
 
 
+EVAL_SET = "evaluation set (eval_dataset)"
+
+
+@contextlib.contextmanager
+def errors_named(what: str):
+    """Prefix the row errors (FormatError, TokenizeError) raised in the block with `what`, e.g. `EVAL_SET`, so a
+    bad row of the evaluation data is not taken for one of the training data."""
+    from posttrain.data.formats import FormatError
+    from posttrain.data.tokenize import TokenizeError
+
+    try:
+        yield
+    except (FormatError, TokenizeError) as err:
+        if str(err).startswith(what):
+            raise
+        raise type(err)(f"{what}: {err}") from None
+
+
 def as_dataset(data, name: str = "train_dataset"):
     """A plain Python list of row dicts -> `datasets.Dataset` (a dict of them for a dict of lists); other
     data is returned as it is.
@@ -281,6 +299,8 @@ def as_dataset(data, name: str = "train_dataset"):
     failing inside pyarrow. Columns are the union of every row's keys (absent values are None).
     """
     from datasets import Dataset
+
+    from posttrain.data import formats
 
     if isinstance(data, Mapping) and any(isinstance(v, (list, tuple)) and v and isinstance(v[0], Mapping)
                                          for v in data.values()):
@@ -295,6 +315,10 @@ def as_dataset(data, name: str = "train_dataset"):
         for column, value in row.items():
             if value is None:
                 continue
+            try:
+                formats.check_encodable(value)
+            except ValueError as err:  # pyarrow would fail on it naming no row
+                raise formats.FormatError(f"{name}: row {i}, column {column!r}: {err}") from None
             kind = _value_kind(value)
             first = seen.setdefault(column, (i, kind))
             if first[1] != kind and "list" not in (first[1], kind):  # "list": empty, type unknown
@@ -936,10 +960,12 @@ class BaseTrainer(Trainer):
             if isinstance(eval_dataset, Mapping):  # as transformers does, but each dataset is prepared once
                 metrics = {}
                 for name, data in eval_dataset.items():
-                    metrics.update(super().evaluate(self.prepare_eval_dataset(data, f"eval[{name}]"), ignore_keys,
-                                                    f"{metric_key_prefix}_{name}"))
+                    with errors_named(f"{EVAL_SET}[{name!r}]"):
+                        data = self.prepare_eval_dataset(data, f"eval[{name}]")
+                    metrics.update(super().evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}"))
                 return metrics
-            eval_dataset = self.prepare_eval_dataset(eval_dataset)
+            with errors_named(EVAL_SET):
+                eval_dataset = self.prepare_eval_dataset(eval_dataset)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     # ------------------------------------------------------------------ saving: model card

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 import os
 import time
@@ -72,6 +73,8 @@ from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
 from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options, loss_types
+
+logger = logging.getLogger(__name__)
 
 
 class _PromptOrder(torch.utils.data.Sampler):
@@ -270,6 +273,11 @@ class OnlineTrainer(BaseTrainer):
         self.loss_is_scaled_for_ga = True  # our denominators already span the whole optimizer step
         self.tooling, self.rollout_func = tooling, rollout_func
         self.policy = policy
+        self._positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+        if self._positions and (args.max_prompt_length or 0) + args.max_completion_length > self._positions:
+            logger.warning(f"max_prompt_length={args.max_prompt_length} + max_completion_length="
+                           f"{args.max_completion_length} exceeds the model's max_position_embeddings="
+                           f"{self._positions}: sequences that long go past the positions it was trained on")
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
                                           tokenizer=processing_class, device=self.accelerator.device)
         self.reward_processing_classes = reward_processing_classes  # as TRL's trainer exposes them
@@ -352,6 +360,13 @@ class OnlineTrainer(BaseTrainer):
             prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
         if limit:
             prompt_ids = [ids[-limit:] for ids in prompt_ids]
+        positions, completion = getattr(self, "_positions", None), self.args.max_completion_length
+        longest = max(map(len, prompt_ids), default=0)
+        if positions and not limit and longest + completion > positions:
+            self._positions = None  # said once
+            logger.warning(f"a prompt of {longest} tokens + max_completion_length={completion} exceeds the model's "
+                           f"max_position_embeddings={positions}: max_prompt_length=None does not cut prompts, so "
+                           "training goes past the positions the model was trained on; set max_prompt_length")
         skip = ("prompt", "input_ids", "attention_mask")
         columns = {key: [row[key] for row in rows] for key in rows[0] if key not in skip}
         return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns}

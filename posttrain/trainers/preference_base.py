@@ -41,8 +41,8 @@ from posttrain.data.collate import pad
 from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout, eval_mode
-from posttrain.trainers.base import (BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
-                                     is_streamed, latest_checkpoint, map_datasets)
+from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset,
+                                     check_datasets, errors_named, is_streamed, latest_checkpoint, map_datasets)
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +274,7 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise formats.FormatError(f"{name} data, row {i}, column 'margin': expected a finite number, "
                                           f"got {value!r}")
+        warn_identical_pairs(name, tokenised["chosen_ids"], tokenised["rejected_ids"])
         fitted = [_fit(p, [c, r], *limits) for p, c, r in zip(*tokenised.values())]
         kept = [i for i, f in enumerate(fitted) if f is not None]
         if not kept:
@@ -291,6 +292,8 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
     before = len(dataset)
     dataset = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
                           desc=f"tokenising {name} data")
+    if paired and len(dataset):
+        warn_identical_pairs(name, dataset["chosen_ids"], dataset["rejected_ids"])
     dropped, truncated = before - len(dataset), sum(dataset["truncated"]) if len(dataset) else 0
     if dropped or truncated:
         unit = "pairs" if paired else "rows"
@@ -301,6 +304,16 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
         raise ValueError(f"no {name} rows are left after tokenisation: every prompt reaches max_length={max_length} "
                          f"(raise max_length, set max_prompt_length, or truncation_mode='keep_end' to cut prompts)")
     return dataset.remove_columns("truncated")
+
+
+def warn_identical_pairs(name: str, chosen: list, rejected: list) -> None:
+    """Warn when pairs have chosen == rejected (the same tokens): such a pair has no margin to learn from, and
+    data where every pair is one (a column copied into the other) trains nothing without a word."""
+    same = sum(c == r for c, r in zip(chosen, rejected))
+    if same:
+        every = "every pair has" if same == len(chosen) else f"{same} of {len(chosen)} pairs have"
+        logger.warning(f"{name} data: {every} chosen == rejected (the same tokens after truncation): such a pair "
+                       "gives the loss no margin to learn from; check the dataset's 'chosen' and 'rejected' columns")
 
 
 class PreferenceCollator:
@@ -458,7 +471,8 @@ class PreferenceTrainer(BaseTrainer):
                              keep=self.keep_columns, truncation_mode=getattr(args, "truncation_mode", "keep_start"))
         self.ref_precomputed = False
         train_dataset = prepare_preference_dataset(train_dataset, **self._prepare)
-        eval_dataset = map_datasets(self.prepare_eval_dataset, eval_dataset, name="eval")
+        with errors_named(EVAL_SET):
+            eval_dataset = map_datasets(self.prepare_eval_dataset, eval_dataset, name="eval")
         collator = data_collator or PreferenceCollator(tokenizer.pad_token_id, self.paired, self.kl_pairs, args.max_length)
         super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, data_collator=collator, peft_config=peft_config,
