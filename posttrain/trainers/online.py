@@ -279,7 +279,8 @@ class OnlineTrainer(BaseTrainer):
                            f"{args.max_completion_length} exceeds the model's max_position_embeddings="
                            f"{self._positions}: sequences that long go past the positions it was trained on")
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
-                                          tokenizer=processing_class, device=self.accelerator.device)
+                                          tokenizer=processing_class, device=self.accelerator.device,
+                                          timeout=args.reward_timeout)
         self.reward_processing_classes = reward_processing_classes  # as TRL's trainer exposes them
         if loading.shards_weights(self.accelerator):  # ZeRO-3 / FSDP2: reward models sharded like the policy
             self.reward_scorer.funcs = [loading.prepare_frozen(self.accelerator, f) if isinstance(f, torch.nn.Module)
