@@ -832,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint, a full disk or a run stopped by NaN or infinite gradients or weights (one line that says why) or any
     other exception (with its traceback)."""
     from posttrain.models.loading import ModelLoadError
-    from posttrain.trainers.base import CheckpointError, NonFiniteError, OutputDirInUseError, SaveError
+    from posttrain.trainers.guards import CheckpointError, NonFiniteError, OutputDirInUseError, SaveError
 
     try:
         run(sys.argv[1:] if argv is None else argv)

@@ -11,16 +11,17 @@ import pytest
 from tests.helpers.preference import TINY, config_kwargs
 
 from posttrain.data.builtin import zen
-from posttrain.trainers.base import MANIFEST_FILE, STATE_FILE, CheckpointError
+from posttrain.trainers.guards import MANIFEST_FILE, STATE_FILE, CheckpointError
 from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-def sft(output_dir, model=TINY, **overrides) -> SFTTrainer:
+def sft(output_dir, model=TINY, rows=None, **overrides) -> SFTTrainer:
     fields = config_kwargs(output_dir, per_device_train_batch_size=2, learning_rate=1e-3, save_strategy="steps",
                            save_steps=1, max_steps=2)
-    return SFTTrainer(model, args=SFTConfig(**{**fields, **overrides}), train_dataset=zen())
+    data = zen() if rows is None else zen().select(range(rows))
+    return SFTTrainer(model, args=SFTConfig(**{**fields, **overrides}), train_dataset=data)
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +78,11 @@ def test_another_models_checkpoint_is_refused_by_name(run):
 
 
 def test_changed_settings_are_said(run, caplog):
-    trainer = sft(run, max_steps=3, gradient_accumulation_steps=2, learning_rate=2e-3)
+    trainer = sft(run, max_steps=3, gradient_accumulation_steps=2, learning_rate=2e-3, rows=10)
     with caplog.at_level(logging.WARNING, logger="posttrain"):
         trainer.train(resume_from_checkpoint=True)
     assert "settings that differ" in caplog.text and "gradient_accumulation_steps: 1 -> 2" in caplog.text
+    assert f"train_dataset rows: {len(zen())} -> 10" in caplog.text
     assert "learning_rate: 0.001 -> 0.002" in caplog.text and "max_steps" not in caplog.text
     assert trainer.state.global_step == 3
 
