@@ -27,6 +27,8 @@ _EXPORTS = {
     "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
+    "NonFiniteError": "posttrain.trainers.guards", "CheckpointError": "posttrain.trainers.guards",
+    "OutputDirInUseError": "posttrain.trainers.guards", "SaveError": "posttrain.trainers.guards",
 }
 
 __all__ = sorted(_EXPORTS)
