@@ -28,7 +28,7 @@ from typing import Any
 
 from posttrain.data.chat import TOOL_CALL_END, TOOL_CALL_START
 
-__all__ = ["assistant_turn", "parse_tool_calls", "run_tool_call", "run_tool_calls", "tool_schemas",
+__all__ = ["assistant_turn", "parse_tool_calls", "run_tool_call", "run_tool_calls", "still_running", "tool_schemas",
            "tools_by_name", "was_truncated"]
 
 _TRUNCATED = re.compile(r"\n\[truncated: \d+ more characters\]\Z")  # the note `cap` ends a cut text with
@@ -241,3 +241,10 @@ def run_tool_calls(calls: Sequence[Mapping], tools: Mapping[str, Callable] | Seq
         thread.join(max(0.0, deadline - time.monotonic()))
         results.append(_finish(name, thread, box, timeout, max_result_chars))
     return results
+
+
+def still_running() -> list[str]:
+    """Names of the tool and reward-function threads given up on at their timeout that are still running
+    (`tool-<name>`, `reward-<name>`): Python cannot stop them; they end with the process."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t.daemon and t.is_alive() and t.name.startswith(("tool-", "reward-")))

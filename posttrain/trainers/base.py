@@ -323,6 +323,17 @@ def check_liger(args: TrainingArguments, model=None) -> None:
                          "use_liger_kernel, or install liger-kernel to have transformers patch the model's kernels")
 
 
+def warn_still_running() -> None:
+    """Say which tool calls or reward functions given up on at their timeout still run (daemon threads that
+    Python cannot stop), so that a CPU kept busy after `train()` returns is explained."""
+    from posttrain.rollout.tools import still_running
+
+    if names := still_running():
+        logger.warning(f"{len(names)} tool call(s) or reward function(s) given up on at their timeout are still "
+                       f"running ({', '.join(names)}): Python cannot stop a thread, so they run until they return "
+                       "or the process ends. Make such functions return in time (or async, which is cancelled)")
+
+
 class BaseTrainer(Trainer):
     """transformers.Trainer plus model-from-string loading, PEFT, reference models and a metric buffer."""
 
@@ -392,7 +403,10 @@ class BaseTrainer(Trainer):
         the newest *complete* checkpoint; a fresh run refuses (or with overwrite_output_dir clears) an earlier
         run's checkpoints; posttrain's own state is restored."""
         with self.output_dir_lock():
-            return self._train(resume_from_checkpoint, *args, **kwargs)
+            try:
+                return self._train(resume_from_checkpoint, *args, **kwargs)
+            finally:
+                warn_still_running()
 
     def output_dir_lock(self):
         """`output_dir_lock(output_dir)` on the process that saves; nothing on the others."""

@@ -86,3 +86,28 @@ def test_episodes_cap_calls_and_results_and_report_the_truncation_rate(tok):
     assert episodes.turns[2][1]["content"] == "5"
     metrics = episodes.metrics()
     assert metrics["tools/truncation_rate"] == pytest.approx(1 / 3) and metrics["tools/failure_rate"] == pytest.approx(1 / 3)
+
+
+def test_a_busy_looping_tool_is_said_to_be_still_running(caplog):
+    import threading
+
+    from posttrain.rollout.tools import still_running
+    from posttrain.trainers.base import warn_still_running
+
+    stop = threading.Event()
+
+    def spin() -> str:
+        """Loop until stopped."""
+        while not stop.is_set():
+            pass
+        return "done"
+
+    try:
+        message, error = run_tool_call({"name": "spin", "arguments": {}}, {"spin": spin}, timeout=0.2)
+        assert error == "Error: spin did not return within 0.2 s"
+        assert "tool-spin" in still_running()
+        with caplog.at_level("WARNING", logger="posttrain"):
+            warn_still_running()
+        assert "still running (tool-spin)" in caplog.text and "Python cannot stop a thread" in caplog.text
+    finally:
+        stop.set()
