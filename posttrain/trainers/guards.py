@@ -350,6 +350,8 @@ class FiniteGuard(TrainerCallback):
                 else "No checkpoint was saved.")
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if getattr(self.trainer.accelerator, "scaler", None) is not None:
+            return  # float16 loss scaling: an overflowing step is expected, and skipped by the scaler itself
         if name := first_non_finite((n, p.grad) for n, p in self._trained()):
             raise NonFiniteError(
                 f"step {state.global_step + 1}: the gradient of {name} is NaN or infinite (the loss or a reward "
