@@ -499,7 +499,9 @@ class BaseTrainer(Trainer):
         aliases = [name for names in tied.values() if len(names) > 1 for name in names]
         missing = [k for k in load_result.missing_keys
                    if not any(a == k or a.endswith("." + k) or k.endswith("." + a) for a in aliases)]
-        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+        if hasattr(load_result, "_replace"):  # torch's _IncompatibleKeys, a namedtuple
+            load_result = load_result._replace(missing_keys=missing)
+        super()._issue_warnings_after_load(load_result)
 
     def run_identity(self) -> dict:
         """The model (its name, and a digest of its trained parameters' names and shapes) and the `RUN_SETTINGS`
