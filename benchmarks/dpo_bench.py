@@ -66,7 +66,7 @@ def make_pairs(n: int, seed: int = 0):
     """Chat preference pairs of Zen-of-Python lines: a prompt of several lines, completions of a few."""
     from datasets import Dataset
 
-    from posttrain.data.builtin import zen_lines
+    from posttrain.tasks.builtin import zen_lines
 
     lines, rng = zen_lines(), random.Random(seed)
 

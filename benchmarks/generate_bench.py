@@ -6,7 +6,7 @@
 Both sample plain softmax at temperature 1 (no top-k/top-p) with EOS switched off, so every
 sample has exactly --new-tokens tokens and both do the same work. Prints the best of
 --repeats interleaved runs (after one warm-up each) as samples/s and new tokens/s. On CPU, ours
-decodes through the compiled lean step (`posttrain.rollout.decode`, built on first use, before the
+decodes through the compiled lean step (`posttrain.accel.decode`, built on first use, before the
 timing) for Llama/Qwen2-style models, and the few-rows product kernel for others.
 """
 

@@ -12,15 +12,15 @@ run of many steps is dominated by the steady state.
 
   ours-grpo    GRPOTrainer.training_step. Sampling (`rollout.generate`): one prefill per prompt, the KV
                cache expanded to the group (with room for every new token), all 8 rows decoded
-               together through the lean decoding step (`rollout/decode.py`) whose products run in
-               the few-rows kernel (`rollout/few_rows.py`, each weight streamed once per step), the
+               together through the lean decoding step (`accel/decode.py`) whose products run in
+               the few-rows kernel (`accel/few_rows.py`, each weight streamed once per step), the
                token log-probs kept. Training forward (`completion_logprobs`): each prompt and its 4
                completions form one sequence with a block attention mask, so the prompt is computed
                (and back-propagated) once per group and every weight once, logits only at the 32
                scoring positions of each completion, entropy from the same log-softmax pass; the
                policy has not moved since sampling, so every decoder layer's linear outputs are
                the sampler's, recorded while decoding, and only the backward multiplies
-               (`rollout/replay.py`). No old-log-prob pass (ratio = 1 from the detached current
+               (`accel/replay.py`). No old-log-prob pass (ratio = 1 from the detached current
                log-probs), no reference model (beta = 0)
   ours-rloo    RLOOTrainer.training_step, the same with the KL penalty in the reward: one extra
                no-grad reference forward (beta = 0.05), also one sequence per prompt group

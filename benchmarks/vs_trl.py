@@ -38,7 +38,7 @@ VmHWM (/proc/self/status; getrusage's ru_maxrss would carry this script's own pe
 2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs.
 
 --allocator-off-too adds a third column to every round: posttrain again with
-POSTTRAIN_KEEP_FREED_MEMORY=0 (glibc's malloc left as it is; see posttrain/memory.py), printed as a
+POSTTRAIN_KEEP_FREED_MEMORY=0 (glibc's malloc left as it is; see posttrain/accel/memory.py), printed as a
 second row per workload against the same TRL runs, so the allocator setting's payoff is measured on
 and off in one alternating run. --memory-profile runs every worker under torch's memory profiler
 (slow: its times are not results) and prints what the tensors held at their peak, by category.
@@ -148,7 +148,7 @@ def documents(tokenizer, n: int, low: int, high: int, cut: int) -> list[list[int
 
 def pairs(n: int) -> list[dict]:
     """Chat preference pairs of Zen-of-Python lines: a prompt of 4-7 lines, completions of 2-4."""
-    from posttrain.data.builtin import zen_lines
+    from posttrain.tasks.builtin import zen_lines
 
     lines, rng = zen_lines(), random.Random(SEED)
 

@@ -302,7 +302,7 @@ def main():
         "memory_breakdown": breakdown,
         "time_profile": timed.table if timed is not None else None,
         "op_times": op_times.table if op_times is not None else None,
-        # posttrain: whether its trainer tuned glibc's malloc (posttrain/memory.py; POSTTRAIN_KEEP_FREED_MEMORY=0 stops it)
+        # posttrain: whether its trainer tuned glibc's malloc (posttrain/accel/memory.py; POSTTRAIN_KEEP_FREED_MEMORY=0 stops it)
         **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
         "dtype": str(next(trainer.model.parameters()).dtype),

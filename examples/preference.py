@@ -21,7 +21,7 @@ held-out prompts. Each runs in well under a minute on a laptop CPU. The same run
 import argparse
 
 import posttrain
-from posttrain.data.builtin import task_preference_dataset
+from posttrain.tasks.builtin import task_preference_dataset
 from posttrain.trainers.preference_base import preference_accuracy
 
 DEFAULTS = {"dpo": (15, 3e-3), "bco": (30, 5e-3), "kto": (40, 5e-3)}  # steps, learning rate

@@ -14,7 +14,7 @@ the command line:
 import argparse
 
 from posttrain import RewardConfig, RewardTrainer
-from posttrain.data.builtin import task_preference_dataset
+from posttrain.tasks.builtin import task_preference_dataset
 
 
 def main():

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import importlib
 
+from posttrain import _moved
+
 __version__ = "0.1.0"
+
+_moved.install()  # old import paths of moved modules (e.g. posttrain.data.builtin) keep working
 
 _EXPORTS = {
     "SFTConfig": "posttrain.trainers.sft", "SFTTrainer": "posttrain.trainers.sft",
@@ -23,7 +27,7 @@ _EXPORTS = {
     "PairwiseJudge": "posttrain.judges", "RewardModelJudge": "posttrain.judges",
     "OpenAIPairwiseJudge": "posttrain.judges", "WinRateCallback": "posttrain.callbacks", "win_rate": "posttrain.judges",
     "PlotCallback": "posttrain.callbacks", "generation_accuracy": "posttrain.eval",
-    "load_builtin": "posttrain.data.builtin", "task_dataset": "posttrain.data.builtin", "zen": "posttrain.data.builtin",
+    "load_builtin": "posttrain.tasks.builtin", "task_dataset": "posttrain.tasks.builtin", "zen": "posttrain.tasks.builtin",
     "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",

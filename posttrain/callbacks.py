@@ -3,7 +3,8 @@
 Each part stands alone in its own section: the completions table of the online trainers, the
 reference-model sync, the training-curve plot and the win-rate evaluation. The modules they call
 (`plotting`, `judges`, `eval`, `core.running`) are imported when a callback runs, so importing
-this module stays light and those modules can import their callbacks from here.
+this module stays light. Those modules never import this one (their old names `plotting.PlotCallback`
+and `judges.WinRateCallback` come through `posttrain`'s lazy public names).
 """
 
 from __future__ import annotations

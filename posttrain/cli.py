@@ -158,7 +158,7 @@ def load_dataset_arg(name: str, split: str = "train", config: str | None = None)
 
     Nothing is fetched from the hub: anything else raises a DatasetError that says what is accepted.
     """
-    from posttrain.data.builtin import builtin_names, load_builtin
+    from posttrain.tasks.builtin import builtin_names, load_builtin
 
     try:
         return load_builtin(name, split)
@@ -717,8 +717,8 @@ def _reward_spec_problem(spec: str) -> str | None:
     built in would otherwise be tried as a hub model id and reported as a failed download."""
     import difflib
 
-    from posttrain.data.builtin import REWARD_FUNCTIONS
     from posttrain.models.loading import BUILTIN_PREFIX
+    from posttrain.tasks.builtin import REWARD_FUNCTIONS
 
     module, sep, attr = spec.partition(":")
     if (spec in REWARD_FUNCTIONS or (sep and module and attr) or spec.startswith(BUILTIN_PREFIX)

@@ -95,9 +95,9 @@ def _console():
 
 
 def _accuracy(model_or_path, tokenizer, test, plan: DemoPlan) -> float:
-    from posttrain.data.builtin import TASK_CHECKERS
     from posttrain.eval import generation_accuracy
     from posttrain.models.loading import load_causal_lm
+    from posttrain.tasks.builtin import TASK_CHECKERS
 
     model = load_causal_lm(model_or_path)
     return generation_accuracy(model, tokenizer, test, max_new_tokens=plan.max_new_tokens,
@@ -174,7 +174,7 @@ def run_reward(plan, tokenizer, train, test, start):
 
 def _online(plan, name, tokenizer, train, test, start, sft_acc):
     import posttrain
-    from posttrain.data.builtin import digit_match_reward, final_answer_reward
+    from posttrain.tasks.builtin import digit_match_reward, final_answer_reward
 
     config_cls = getattr(posttrain, {"grpo": "GRPOConfig", "rloo": "RLOOConfig", "ppo": "PPOConfig",
                                      "reinforce_pp": "ReinforcePPConfig"}[name])
@@ -200,10 +200,10 @@ def _self_play_pairs(plan, tokenizer, train, start, k: int = 4, limit: int = 512
     import torch
     from datasets import Dataset
 
-    from posttrain.data.builtin import check
     from posttrain.data.tokenize import encode_prompt
     from posttrain.models.loading import load_causal_lm
     from posttrain.rollout.generate import SamplingConfig, generate
+    from posttrain.tasks.builtin import check
 
     model = load_causal_lm(start).eval()
     rows = train.select(range(min(limit, len(train))))
@@ -280,8 +280,7 @@ def run_calculator(plan: DemoPlan) -> tuple[tuple, float, list[dict]]:
     import functools
 
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-    from posttrain.rollout.environments import (CalculatorEnv, calculator_dataset, calculator_reward,
-                                                calculator_traces)
+    from posttrain.tasks.environments import CalculatorEnv, calculator_dataset, calculator_reward, calculator_traces
 
     cfg, out, common = CALCULATOR, Path(plan.output_dir), _tools_common(plan)
     model = plan.model
@@ -322,7 +321,7 @@ def run_guess_number(plan: DemoPlan) -> tuple[tuple, list[dict]]:
     ("held-out reward", before, after) metric (before and after GRPO, the mean `get_reward` of 4 sampled
     episodes per held-out row) and one held-out episode as messages."""
     from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-    from posttrain.rollout.environments import GuessNumberEnv, guess_number_dataset, guess_number_traces
+    from posttrain.tasks.environments import GuessNumberEnv, guess_number_dataset, guess_number_traces
 
     cfg, out, common = GUESS_NUMBER, Path(plan.output_dir), _tools_common(plan)
     high = cfg["high"]
@@ -361,8 +360,8 @@ def run(plan: DemoPlan) -> list[dict]:
     from rich.progress import Progress
     from transformers import set_seed
 
-    from posttrain.data.builtin import task_dataset
     from posttrain.models.loading import load_tokenizer
+    from posttrain.tasks.builtin import task_dataset
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     console = _console()

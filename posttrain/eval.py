@@ -6,8 +6,8 @@ from typing import Any, Sequence
 
 import torch
 
-from posttrain.data.builtin import check
 from posttrain.models.modes import eval_mode
+from posttrain.tasks.builtin import check
 
 
 @torch.no_grad()
@@ -43,7 +43,7 @@ def generate_completions(model, tokenizer, prompts: Sequence[Any], max_new_token
 def generation_accuracy(model, tokenizer, dataset, max_new_tokens: int = 8, batch_size: int = 64,
                         checker=None) -> float:
     """Fraction of rows whose greedy completion passes `checker(completion, row["answer"])`
-    (default: exact match, `posttrain.data.builtin.check`).
+    (default: exact match, `posttrain.tasks.builtin.check`).
 
     `dataset` has `prompt` (a string or messages) and `answer` columns, as the built-in tasks do.
     """

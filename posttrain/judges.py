@@ -9,8 +9,9 @@ item never raises; misuse (lists of different lengths, a pair that is not a pair
   installed (its retries honour Retry-After; Azure OpenAI), else a small standard-library client.
 * `win_rate(judge, prompts, completions, reference_completions)`: fraction of decided
   comparisons that the completions win.
-* `WinRateCallback` (in `posttrain.callbacks`, importable from here): logs `eval_win_rate` of the
-  model being trained at every evaluation.
+* `WinRateCallback` (in `posttrain.callbacks`, also `posttrain.WinRateCallback`; the old path
+  `posttrain.judges.WinRateCallback` still works): logs `eval_win_rate` of the model being trained at
+  every evaluation.
 
 Position bias: LLM judges tend to prefer whichever answer comes first (or second). With
 `shuffle_order=True` (the default) each pair is swapped with probability 1/2 before judging and
@@ -38,12 +39,21 @@ from typing import Any, Sequence
 
 import torch
 
-from posttrain.callbacks import WinRateCallback  # noqa: F401  (its home is posttrain.callbacks)
 from posttrain.eval import generate_completions
 from posttrain.models.modes import eval_mode
 
 __all__ = ["PairwiseJudge", "BasePairwiseJudge", "RewardModelJudge", "OpenAIPairwiseJudge", "JudgeError", "win_rate",
            "WinRateCallback", "generate_completions"]
+
+
+def __getattr__(name: str):
+    # The old path `posttrain.judges.WinRateCallback`: callbacks.py imports this module, so the callback comes
+    # through the package's lazy public names instead of an import here (which would make a cycle).
+    if name == "WinRateCallback":
+        import posttrain
+
+        return posttrain.WinRateCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class JudgeError(RuntimeError):

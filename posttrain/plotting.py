@@ -11,9 +11,18 @@ import math
 import os
 from typing import Sequence
 
-from posttrain.callbacks import PlotCallback  # noqa: F401  (its home is posttrain.callbacks)
-
 __all__ = ["plot_log_history", "default_plot_keys", "PlotCallback", "DEFAULT_PLOT_KEYS"]
+
+
+def __getattr__(name: str):
+    # The old path `posttrain.plotting.PlotCallback`: callbacks.py imports this module, so the callback comes
+    # through the package's lazy public names instead of an import here (which would make a cycle).
+    if name == "PlotCallback":
+        import posttrain
+
+        return posttrain.PlotCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # What to show when no keys are given, in this order, for whichever appear in the log history:
 # the loss and reward curves of every trainer, then the health signals of online RL.

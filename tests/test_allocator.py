@@ -12,7 +12,7 @@ import torch
 SCRIPT = """
 import resource, sys, torch
 if sys.argv[1] in ("keep", "switched off"):
-    from posttrain.memory import keep_freed_memory
+    from posttrain.accel.memory import keep_freed_memory
     assert keep_freed_memory() == (sys.argv[1] == "keep")
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -66,7 +66,7 @@ def _step(model, optimizer, seed):
     lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
 ])
 def test_adam_state_made_up_front_changes_nothing(kind):
-    from posttrain.memory import make_adam_state
+    from posttrain.accel.memory import make_adam_state
 
     lazy_model, eager_model = _model(), _model()
     lazy, eager = kind(lazy_model.parameters()), kind(eager_model.parameters())
@@ -89,7 +89,7 @@ def test_adam_state_made_up_front_changes_nothing(kind):
 
 
 def test_adam_state_is_left_alone_elsewhere():
-    from posttrain.memory import make_adam_state
+    from posttrain.accel.memory import make_adam_state
 
     model = _model()
     assert not make_adam_state(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -131,7 +131,7 @@ def _in_file_mappings(tensors) -> list[bool]:
 def test_file_backed_parameters_are_copied_once_keeping_identity_values_and_ties():
     from transformers import AutoModelForCausalLM
 
-    from posttrain.memory import own_file_backed
+    from posttrain.accel.memory import own_file_backed
     from posttrain.models.tiny import tiny_model_path
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path("tiny-qwen2"))
@@ -169,7 +169,7 @@ def test_a_frozen_copy_takes_over_the_file_mapping():
     """frozen_copy: the reference keeps the checkpoint's pages, the trained model takes the deep copy's."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.memory import own_file_backed
+    from posttrain.accel.memory import own_file_backed
     from posttrain.models.loading import frozen_copy
     from posttrain.models.tiny import tiny_model_path
 

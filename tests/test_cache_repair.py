@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from posttrain import cache
-from posttrain.rollout import few_rows
+from posttrain.accel import few_rows
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def test_a_truncated_compiled_kernel_is_compiled_again(own_cache, monkeypatch):
     import sys
 
     monkeypatch.delenv("POSTTRAIN_NO_KERNELS", raising=False)
-    load = [sys.executable, "-c", "from posttrain.rollout import few_rows; print(few_rows.kernels() is not None)"]
+    load = [sys.executable, "-c", "from posttrain.accel import few_rows; print(few_rows.kernels() is not None)"]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}  # a fresh process: dlopen has not seen the library
     assert subprocess.run(load, capture_output=True, text=True, env=env).stdout.strip() == "True"
     (library,) = (own_cache / "kernels").glob("decode_kernels-*.so")

@@ -346,7 +346,7 @@ def test_generate_completions_left_pads(tiny_lm):
 
 def test_win_rate_callback_logs_eval_win_rate(tmp_path):
     from posttrain import SFTConfig, SFTTrainer
-    from posttrain.data.builtin import task_dataset
+    from posttrain.tasks.builtin import task_dataset
 
     prompts = ["reverse 1234 =", "reverse 987 ="]
     callback = WinRateCallback(_LongerWins(seed=0), prompts, max_new_tokens=8)

@@ -69,7 +69,7 @@ def test_missing_matplotlib_message(monkeypatch, tmp_path):
 
 def test_plot_callback_after_a_tiny_training_run(tmp_path):
     from posttrain import SFTConfig, SFTTrainer
-    from posttrain.data.builtin import task_dataset
+    from posttrain.tasks.builtin import task_dataset
 
     callback = PlotCallback(keys=["loss", "mean_token_accuracy", "learning_rate"], title="tiny run")
     args = SFTConfig(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=1,

@@ -16,7 +16,7 @@ def test_tensorboard_event_files_hold_finite_scalars(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from posttrain import SFTConfig, SFTTrainer
-    from posttrain.data.builtin import task_dataset
+    from posttrain.tasks.builtin import task_dataset
 
     logdir = tmp_path / "tb"
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.masked import masked_whiten
-from posttrain.core.registry import keyword_options
+from posttrain.core.registry import Registry
 
 GROUP_STD_EPS = 1e-4
 
@@ -74,7 +74,12 @@ class AdvantageEstimator:
     options: tuple[str, ...]  # fn's keyword-only parameters, each read from the config field of that name
 
 
-ADVANTAGES: dict[str, AdvantageEstimator] = {}
+ADVANTAGES = Registry("advantage estimator", AdvantageEstimator, positional=("inp",))
+# The options of the estimators below: each is the config field of its name (OnlineConfig).
+ADVANTAGES.option("normalize_advantage", False, "leave_one_out: whiten the advantages.")
+ADVANTAGES.option("gamma", 1.0, "Discount (gae, reinforce_pp).")
+ADVANTAGES.option("lam", 0.95, "GAE lambda.")
+ADVANTAGES.option("whiten_advantages", True, "gae: whiten the advantages.")
 
 
 def register_advantage(
@@ -89,14 +94,7 @@ def register_advantage(
         raise ValueError(f"register_advantage({name!r}): min_group must be an int >= 1 (completions per "
                          f"prompt the estimator needs), got {min_group!r}")
 
-    def decorate(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        options = keyword_options(fn, f"advantage estimator {name!r}", ("inp",))
-        ADVANTAGES[name] = AdvantageEstimator(fn, per_token, critic, min_group, options)
-        return fn
-
-    return decorate
+    return ADVANTAGES.register(name, per_token=per_token, critic=critic, min_group=min_group)
 
 
 def compute_advantages(name: str, inp: AdvantageInput, **options) -> tuple[Tensor, Tensor | None]:

@@ -17,10 +17,10 @@ Preferences" (Sec. 2.2).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor
+
+from posttrain.core.registry import Registry
 
 
 def _k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -40,12 +40,12 @@ def _abs(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return (logp - ref_logp).abs()
 
 
-KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+KL_ESTIMATORS = Registry("KL estimator", entries={  # fn(logp, ref_logp) -> (B, T)
     "k1": _k1,
     "k2": _k2,
     "k3": _k3,
     "abs": _abs,
-}
+})
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:

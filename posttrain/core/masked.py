@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from posttrain.core.registry import Registry
+
 WHITEN_EPS = 1e-8
 
 
@@ -77,7 +79,7 @@ class Aggregation:
     count: Callable[[Tensor, int | None], Tensor]  # count(mask, max_length): the denominator of `mask`'s rows
 
 
-AGGREGATIONS: dict[str, Aggregation] = {}
+AGGREGATIONS = Registry("loss aggregation", Aggregation)
 
 
 def register_aggregation(name: str, *, count: Callable[[Tensor, int | None], Tensor]):
@@ -87,13 +89,7 @@ def register_aggregation(name: str, *, count: Callable[[Tensor, int | None], Ten
         raise TypeError(f"register_aggregation({name!r}): count must be a function (mask, max_length) -> the "
                         f"denominator, got {count!r}")
 
-    def decorate(fn):
-        if name in AGGREGATIONS:
-            raise ValueError(f"loss aggregation {name!r} is already registered")
-        AGGREGATIONS[name] = Aggregation(fn, count)
-        return fn
-
-    return decorate
+    return AGGREGATIONS.register(name, count=count)
 
 
 def count_tokens(mask: Tensor, max_length: int | None = None) -> Tensor:

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.masked import AGGREGATIONS, masked_mean
-from posttrain.core.registry import keyword_options
+from posttrain.core.registry import Registry
 
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict]]
@@ -73,7 +73,20 @@ class PolicyLoss:
     options: tuple[str, ...]  # fn's keyword-only parameters, each read from the config field of that name
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES = Registry("policy loss", PolicyLoss, positional=("logp", "old_logp", "advantages", "mask"))
+# The options of the losses below: each is the config field of its name (OnlineConfig), checked against its bound.
+POLICY_LOSSES.option("epsilon", 0.2, "Clip range of the importance ratio (>= 0).", bound=(0, None),
+                     what="a clip range of the importance ratio")
+POLICY_LOSSES.option("epsilon_high", None, "Upper clip range (DAPO, >= 0); None: epsilon.", bound=(0, None),
+                     what="a clip range of the importance ratio")
+POLICY_LOSSES.option("sapo_temperature_pos", 1.0, "SAPO's gate temperature for positive advantages (loss_type 'sapo').")
+POLICY_LOSSES.option("sapo_temperature_neg", 1.05, "SAPO's gate temperature for other advantages (loss_type 'sapo').")
+# a negative VESPO rate would grow phi without bound as W grows
+POLICY_LOSSES.option("vespo_k_pos", 2.0, "VESPO's shape k of the kernel phi(W) = W^k exp(lambda (1 - W)) on the "
+                     "sequence ratio W, for advantages >= 0 (loss_type 'vespo').", bound=(0, None))
+POLICY_LOSSES.option("vespo_lambda_pos", 3.0, "VESPO's rate lambda for advantages >= 0.", bound=(0, None))
+POLICY_LOSSES.option("vespo_k_neg", 3.0, "VESPO's shape k for negative advantages.", bound=(0, None))
+POLICY_LOSSES.option("vespo_lambda_neg", 2.0, "VESPO's rate lambda for negative advantages.", bound=(0, None))
 
 
 def register_policy_loss(name: str, *, aggregation: str | None) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -82,14 +95,7 @@ def register_policy_loss(name: str, *, aggregation: str | None) -> Callable[[Pol
         raise ValueError(f"register_policy_loss({name!r}): aggregation={aggregation!r} is not a loss "
                          f"aggregation; choose from {sorted(AGGREGATIONS)} or None")
 
-    def decorate(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        options = keyword_options(fn, f"policy loss {name!r}", ("logp", "old_logp", "advantages", "mask"))
-        POLICY_LOSSES[name] = PolicyLoss(fn, aggregation, options)
-        return fn
-
-    return decorate
+    return POLICY_LOSSES.register(name, aggregation=aggregation)
 
 
 def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:

@@ -59,6 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posttrain.core.registry import Registry
+
 
 @dataclass
 class PreferenceInput:
@@ -87,12 +89,12 @@ def _smoothed_logistic(z: Tensor, label_smoothing: float) -> Tensor:
 
 # f'(u) of each f-divergence, u = π/π_ref, as a function of ρ = log u with additive constants dropped
 # (they cancel in the margin f'(u_w) - f'(u_l)); f-DPO, Wang et al. 2023, "Beyond Reverse KL".
-F_DIVERGENCES: dict[str, Callable[[Tensor, float], Tensor]] = {
+F_DIVERGENCES = Registry("f-divergence", entries={  # fn(rho, alpha) -> f'(u)
     "reverse_kl": lambda rho, alpha: rho,  # f(u) = u log u: plain DPO
     "forward_kl": lambda rho, alpha: -torch.exp(-rho),  # f(u) = -log u, f'(u) = -1/u
     "js_divergence": lambda rho, alpha: rho - F.softplus(rho),  # f'(u) = log(2u / (1 + u))
     "alpha_divergence": lambda rho, alpha: -torch.exp(-alpha * rho) / alpha,  # f'(u) = (1 - u^-α) / α
-}
+})
 
 
 def _margin(inp: PreferenceInput, f_divergence: str, f_alpha: float) -> Tensor:
@@ -123,15 +125,7 @@ class DPOLoss:
         return set(inspect.signature(self.fn).parameters) - {"inp", "beta", "label_smoothing"}
 
 
-DPO_LOSSES: dict[str, DPOLoss] = {}
-
-
-def _register(name: str, **facts):
-    def decorate(fn: DPOLossFn) -> DPOLossFn:
-        DPO_LOSSES[name] = DPOLoss(fn, **facts)
-        return fn
-
-    return decorate
+DPO_LOSSES = Registry("DPO loss", DPOLoss)
 
 
 def check_label_smoothing(loss_types: Sequence[str], label_smoothing: float) -> None:
@@ -153,23 +147,23 @@ def check_label_smoothing(loss_types: Sequence[str], label_smoothing: float) -> 
             raise ValueError(f"the {name!r} loss needs 0 <= label_smoothing {bound}, got {label_smoothing}")
 
 
-@_register("sigmoid", max_label_smoothing=0.5)
+@DPO_LOSSES.register("sigmoid", max_label_smoothing=0.5)
 def sigmoid_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0,
                  f_divergence: str = "reverse_kl", f_alpha: float = 1.0) -> Tensor:
     return _smoothed_logistic(beta * _margin(inp, f_divergence, f_alpha), label_smoothing)
 
 
-@_register("hinge")
+@DPO_LOSSES.register("hinge")
 def hinge_loss(inp: PreferenceInput, *, beta: float, f_divergence: str = "reverse_kl", f_alpha: float = 1.0) -> Tensor:
     return torch.relu(1 - beta * _margin(inp, f_divergence, f_alpha))
 
 
-@_register("ipo")
+@DPO_LOSSES.register("ipo")
 def ipo_loss(inp: PreferenceInput, *, beta: float, f_divergence: str = "reverse_kl", f_alpha: float = 1.0) -> Tensor:
     return (_margin(inp, f_divergence, f_alpha) - 1 / (2 * beta)) ** 2
 
 
-@_register("robust", max_label_smoothing=0.5, max_included=False)  # ε = 0.5 divides by 0
+@DPO_LOSSES.register("robust", max_label_smoothing=0.5, max_included=False)  # ε = 0.5 divides by 0
 def robust_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0,
                 f_divergence: str = "reverse_kl", f_alpha: float = 1.0) -> Tensor:
     z = beta * _margin(inp, f_divergence, f_alpha)
@@ -177,7 +171,7 @@ def robust_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0
     return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
 
 
-@_register("exo_pair", max_label_smoothing=0.5)
+@DPO_LOSSES.register("exo_pair", max_label_smoothing=0.5)
 def exo_pair_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0,
                   f_divergence: str = "reverse_kl", f_alpha: float = 1.0) -> Tensor:
     """KL(p_θ || p_label) from the model's pair distribution p_θ = (σ(βh), σ(-βh)) to the labels'
@@ -188,7 +182,7 @@ def exo_pair_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float =
     return p_w * (F.logsigmoid(z) - math.log(1 - eps)) + (1 - p_w) * (F.logsigmoid(-z) - math.log(eps))
 
 
-@_register("discopop")
+@DPO_LOSSES.register("discopop")
 def discopop_loss(inp: PreferenceInput, *, beta: float, discopop_tau: float = 0.05,
                   f_divergence: str = "reverse_kl", f_alpha: float = 1.0) -> Tensor:
     """Log-ratio modulated loss: the logistic loss for small z = βh, the exponential one for large z,
@@ -198,7 +192,7 @@ def discopop_loss(inp: PreferenceInput, *, beta: float, discopop_tau: float = 0.
     return (1 - mix) * -F.logsigmoid(z) + mix * torch.exp(-z)
 
 
-@_register("aot", max_label_smoothing=0.5, per_quantile=True)
+@DPO_LOSSES.register("aot", max_label_smoothing=0.5, per_quantile=True)
 def aot_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0) -> Tensor:
     """The policy's margins logp_w - logp_l should dominate the reference's in distribution over the
     batch: sort both and apply the (smoothed) logistic loss to the quantile differences. The (B,)
@@ -210,7 +204,7 @@ def aot_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0)
     return _smoothed_logistic(z, label_smoothing)
 
 
-@_register("aot_unpaired", max_label_smoothing=0.5, per_quantile=True)
+@DPO_LOSSES.register("aot_unpaired", max_label_smoothing=0.5, per_quantile=True)
 def aot_unpaired_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0) -> Tensor:
     """The chosen log-ratios should dominate the rejected ones in distribution, whatever the pairing:
     sort each over the batch and apply the (smoothed) logistic loss to the quantile differences."""
@@ -218,33 +212,33 @@ def aot_unpaired_loss(inp: PreferenceInput, *, beta: float, label_smoothing: flo
     return _smoothed_logistic(beta * (rho_w.sort().values - rho_l.sort().values), label_smoothing)
 
 
-@_register("bco_pair")
+@DPO_LOSSES.register("bco_pair")
 def bco_pair_loss(inp: PreferenceInput, *, beta: float, delta: float | Tensor = 0.0) -> Tensor:
     rho_w, rho_l = _log_ratios(inp)
     return -F.logsigmoid(beta * rho_w - delta) - F.logsigmoid(-(beta * rho_l - delta))
 
 
-@_register("sppo_hard")
+@DPO_LOSSES.register("sppo_hard")
 def sppo_hard_loss(inp: PreferenceInput, *, beta: float) -> Tensor:
     rho_w, rho_l = _log_ratios(inp)
     return (rho_w - 1 / (2 * beta)) ** 2 + (rho_l + 1 / (2 * beta)) ** 2
 
 
-@_register("nca_pair")
+@DPO_LOSSES.register("nca_pair")
 def nca_pair_loss(inp: PreferenceInput, *, beta: float) -> Tensor:
     rho_w, rho_l = _log_ratios(inp)
     r_w, r_l = beta * rho_w, beta * rho_l
     return -F.logsigmoid(r_w) - 0.5 * F.logsigmoid(-r_w) - 0.5 * F.logsigmoid(-r_l)
 
 
-@_register("apo_zero")
+@DPO_LOSSES.register("apo_zero")
 def apo_zero_loss(inp: PreferenceInput, *, beta: float) -> Tensor:
     # for data whose chosen answers beat the model: push chosen up, rejected down
     rho_w, rho_l = _log_ratios(inp)
     return 1 - torch.sigmoid(beta * rho_w) + torch.sigmoid(beta * rho_l)
 
 
-@_register("apo_down")
+@DPO_LOSSES.register("apo_down")
 def apo_down_loss(inp: PreferenceInput, *, beta: float) -> Tensor:
     # for data whose chosen answers are worse than the model's: push both down, rejected more
     rho_w, rho_l = _log_ratios(inp)
@@ -257,7 +251,7 @@ def _per_token(logps: Tensor, lengths: Tensor | None, what: str) -> Tensor:
     return logps / lengths.clamp(min=1)
 
 
-@_register("sigmoid_norm", max_label_smoothing=0.5)
+@DPO_LOSSES.register("sigmoid_norm", max_label_smoothing=0.5)
 def sigmoid_norm_loss(inp: PreferenceInput, *, beta: float, label_smoothing: float = 0.0) -> Tensor:
     """DPO on per-token log-ratios (length-normalised DPO, as in Tülu 3)."""
     rho_w, rho_l = _log_ratios(inp)
@@ -265,7 +259,7 @@ def sigmoid_norm_loss(inp: PreferenceInput, *, beta: float, label_smoothing: flo
     return _smoothed_logistic(beta * h, label_smoothing)
 
 
-@_register("simpo", reference_free=True, max_label_smoothing=0.5)
+@DPO_LOSSES.register("simpo", reference_free=True, max_label_smoothing=0.5)
 def simpo_loss(
     inp: PreferenceInput,
     *,
@@ -281,7 +275,7 @@ def simpo_loss(
     return _smoothed_logistic(beta * (avg_w - avg_l) - gamma, label_smoothing)
 
 
-@_register("sft", reference_free=True)
+@DPO_LOSSES.register("sft", reference_free=True)
 def sft_loss(inp: PreferenceInput, *, beta: float) -> Tensor:
     """The chosen completion's negative log-likelihood per token (β unused), e.g. MPO's third term."""
     return -_per_token(inp.chosen_logps, inp.chosen_lengths, "sft")
@@ -406,10 +400,9 @@ class UnpairedLoss:
     uses_kl: bool
 
 
-UNPAIRED_LOSSES: dict[str, UnpairedLoss] = {
-    "kto": UnpairedLoss(kto_loss, uses_kl=True),
-    "apo_zero_unpaired": UnpairedLoss(apo_zero_unpaired_loss, uses_kl=False),
-}
+UNPAIRED_LOSSES = Registry("unpaired loss", UnpairedLoss)
+UNPAIRED_LOSSES.add("kto", kto_loss, uses_kl=True)
+UNPAIRED_LOSSES.add("apo_zero_unpaired", apo_zero_unpaired_loss, uses_kl=False)
 
 
 def ld_token_weights(mask: Tensor, ld_alpha: float) -> Tensor:

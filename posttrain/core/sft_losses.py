@@ -11,11 +11,9 @@ depend on how a batch is split).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from posttrain.core.registry import Registry
 
-from torch import Tensor
-
-SFT_LOSSES: dict[str, Callable[[Tensor], Tensor]] = {
+SFT_LOSSES = Registry("SFT loss", entries={  # fn(token log-probs) -> per-token loss
     "nll": lambda logps: -logps,
     "dft": lambda logps: -logps * logps.detach().exp(),
-}
+})

@@ -1,1 +1,1 @@
-"""Dataset formats, chat templates, tokenisation, collation and packing."""
+"""Dataset formats, chat templates, tokenisation, collation, packing and tool schemas."""

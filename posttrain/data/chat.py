@@ -157,3 +157,11 @@ def load_chat_template(tokenizer, path: str, model=None):
             model.resize_token_embeddings(len(tokenizer))
     tokenizer.chat_template = template
     return tokenizer
+
+
+def require_chat_template(tokenizer, what: str = "conversational data"):
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{what} needs a tokenizer with a chat template, and this one has none; set "
+            "tokenizer.chat_template (posttrain.data.chat.CHATML_TEMPLATE is a ready ChatML template) "
+            "or convert the data to plain text first")

@@ -18,8 +18,7 @@ live in one place:
 from __future__ import annotations
 
 from posttrain.data import formats
-from posttrain.data.chat import template_inputs, template_variables
-from posttrain.models.loading import require_chat_template
+from posttrain.data.chat import require_chat_template, template_inputs, template_variables
 
 
 class TokenizeError(ValueError):

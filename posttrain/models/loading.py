@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from posttrain.accel.memory import hand_over_file_backed
 from posttrain.cache import build_in, cache_dir
-from posttrain.memory import hand_over_file_backed
 from posttrain.models import tiny
 
 BUILTIN_PREFIX = "posttrain/"
@@ -253,14 +253,6 @@ def ensure_pad_token(tokenizer):
                 "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's embeddings")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def require_chat_template(tokenizer, what: str = "conversational data"):
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"{what} needs a tokenizer with a chat template, and this one has none; set "
-            "tokenizer.chat_template (posttrain.data.chat.CHATML_TEMPLATE is a ready ChatML template) "
-            "or convert the data to plain text first")
 
 
 def zero3_partitioned(model) -> bool:

@@ -1,4 +1,5 @@
-"""A model's train/eval behaviour: evaluation mode for a block of code, dropout switched off for good."""
+"""A model's train/eval behaviour: evaluation mode for a block of code, dropout switched off for good, and the
+module under a data-parallel wrapper."""
 
 from __future__ import annotations
 
@@ -24,3 +25,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+
+
+def unwrap(model):
+    # DDP's forward may broadcast buffers (a collective): ranks that stop decoding at different
+    # steps would hang, so sample with the wrapped module. PEFT and FSDP wrappers are kept.
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return model

@@ -12,8 +12,8 @@ turns fed tokens into logits. The loop calls it in this order (docs/sampler.md):
         backend.select(keep)                            6. rows that finished leave the batch
 
 Built in: `ModelForward` (here), the model's own forward over a transformers KV cache: the
-generic path, the only one off the CPU; `decode.CPUDecoder`, the same on CPU with the few-rows
-kernels, the lean compiled step and its optional record of linear outputs (`replay.py`).
+generic path, the only one off the CPU; `cpu_backend.CPUDecoder`, the same on CPU with the few-rows
+kernels, the lean compiled step and its optional record of linear outputs (`accel/replay.py`).
 A third backend (an inference server, vLLM) subclasses `SamplerBackend`; the loop does not change.
 """
 
@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from posttrain.models.modes import unwrap
+
 if TYPE_CHECKING:
-    from posttrain.rollout.replay import LinearRecord
+    from posttrain.accel.replay import LinearRecord
 
 
 class SamplerBackend(abc.ABC):
@@ -38,7 +40,7 @@ class SamplerBackend(abc.ABC):
     device: torch.device = torch.device("cpu")  # where the loop keeps its ids, masks and the logits it reads
     lockstep: bool = False  # every process must call `step` as often as the others (sharded weights)
     input_vocab_size: int | None = None  # ids `step` can take (padding is written with one); None: any
-    linear_outputs: LinearRecord | None = None  # what the backend recorded for `replay.py`; read after the loop
+    linear_outputs: LinearRecord | None = None  # what the backend recorded for `accel/replay.py`; read after the loop
 
     def __enter__(self) -> SamplerBackend:
         return self
@@ -107,14 +109,6 @@ class ModelForward(SamplerBackend):
 
     def select(self, keep: Tensor) -> None:
         self.cache = select_cache(self.cache, keep)
-
-
-def unwrap(model):
-    # DDP's forward may broadcast buffers (a collective): ranks that stop decoding at different
-    # steps would hang, so sample with the wrapped module. PEFT and FSDP wrappers are kept.
-    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        return model.module
-    return model
 
 
 def model_device(model) -> torch.device:

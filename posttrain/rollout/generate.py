@@ -14,9 +14,9 @@
 The backend computes logits and holds the model's state; the loop owns the rest, so a sampling or
 stopping rule is read and changed in one place whatever computes the logits. `default_backend` picks
 the built-in one: off the CPU (and for any model) `backends.ModelForward`, the model's own forward with
-`logits_to_keep=1`; on CPU `decode.CPUDecoder`, the same forward with the few-rows kernels, or for
+`logits_to_keep=1`; on CPU `cpu_backend.CPUDecoder`, the same forward with the few-rows kernels, or for
 Llama- and Qwen2-style models a lean compiled step, optionally recording every linear output for
-the training forward to replay (`record_linears`, `replay.py`). A third backend (an inference server,
+the training forward to replay (`record_linears`, `accel/replay.py`). A third backend (an inference server,
 vLLM) is passed in place of the model.
 
 We do not call `model.generate`: the trainer needs the log-prob of every sampled token under the
@@ -25,32 +25,34 @@ depends only on the seed and the row. With sharded weights (FSDP, ZeRO-3) every 
 collective, so the processes decode in lock-step until all have stopped (`backends.decodes_in_lockstep`,
 `_keep_pace`); a rollout is the same as without it.
 
-`completion_logprobs` is the teacher-forced counterpart the trainers use: the log-probs of given
-completions, computing each distinct prompt once per forward (with gradients under autograd).
-With `generate(..., record_linears=True)` the sampler also keeps every decoder layer's linear
+`forward.completions.completion_logprobs` is the teacher-forced counterpart the trainers use: the
+log-probs of given completions, computing each distinct prompt once per forward (with gradients under
+autograd). With `generate(..., record_linears=True)` the sampler also keeps every decoder layer's linear
 outputs (prefill and decoding steps), and `completion_logprobs(..., replay=...)` takes them instead of
-multiplying again, for a policy that has not moved since sampling (`replay.py`).
+multiplying again, for a policy that has not moved since sampling (`accel/replay.py`).
 
 Log-probs are those of softmax(logits / temperature) *before* top-k / top-p / min-p filtering,
-i.e. the same quantity `core.logprobs.token_logprobs(..., temperature=T)` recomputes; a trainer
+i.e. the same quantity `forward.logprobs.token_logprobs(..., temperature=T)` recomputes; a trainer
 can therefore use them as the "old policy" log-probs when the policy has not moved.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from posttrain.core.logprobs import (attention_kind, pack_groups, packed_logps, plain_lm_head, selective_log_softmax,
-                                     token_logprobs)
+from posttrain.core.log_softmax import selective_log_softmax
 from posttrain.data.collate import pad
-from posttrain.rollout.backends import ModelForward, SamplerBackend, decodes_in_lockstep, model_device, unwrap
-from posttrain.rollout.decode import CPUDecoder, lean_decoder
-from posttrain.rollout.replay import LinearRecord, replaying
+from posttrain.models.modes import unwrap
+from posttrain.rollout.backends import ModelForward, SamplerBackend, model_device
+from posttrain.rollout.cpu_backend import cpu_backend
+
+if TYPE_CHECKING:
+    from posttrain.accel.replay import LinearRecord
 
 
 @dataclass
@@ -97,7 +99,7 @@ class Rollout:
     completion_mask: Tensor   # (N, C) 1 up to AND including the stop token (EOS / stop token / last token of a stop string)
     logprobs: Tensor          # (N, C) float32 log-prob of each sampled token under softmax(logits / temperature), before filtering; 0 on padding
     is_truncated: Tensor      # (N,) bool: no stop was produced within max_new_tokens
-    linear_outputs: LinearRecord | None = None  # with record_linears, where the lean step ran (`replay.py`)
+    linear_outputs: LinearRecord | None = None  # with record_linears, where the lean step ran (`accel/replay.py`)
     # with continue_turn: (N, C) 1 on tokens fed rather than sampled (tool results, the template between
     # turns); they are context (completion_mask 1) with log-prob 0, never trained on
     tool_mask: Tensor | None = None
@@ -154,20 +156,15 @@ def _stop_string_hits(tokenizer, rows: list[list[int]], stop_strings: tuple[str,
 
 
 def default_backend(model, record: tuple[int, int, int, int] | None = None) -> SamplerBackend:
-    """The built-in backend for `model`: on CPU `decode.CPUDecoder`, with the lean step where `lean_decoder`
-    allows it and the processes need not decode in lock-step (the lean step calls no forward, so it cannot
-    keep pace with processes whose forwards gather weights); elsewhere `backends.ModelForward`.
+    """The built-in backend for `model`: on CPU `cpu_backend.CPUDecoder` (`cpu_backend.cpu_backend`);
+    elsewhere `backends.ModelForward`.
 
     record: (prompts, prompt width, num_generations, max_new_tokens) of a call whose linear outputs the lean
-    step should record (`replay.LinearRecord`), or None."""
+    step should record (`accel.replay.LinearRecord`), or None."""
     net = unwrap(model)
     if model_device(net).type != "cpu":
         return ModelForward(net)
-    lean = None if decodes_in_lockstep(net) else lean_decoder(net)
-    if lean is None or record is None:
-        return CPUDecoder(net, lean)
-    B, P, G, T = record
-    return CPUDecoder(net, lean, LinearRecord(lean.linears, B, P, B * G, T, G))
+    return cpu_backend(net, record)
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -210,13 +207,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     are fed one per step, as if sampled, so they go into the row's own KV cache after its earlier
     tokens (nothing is prefilled again) while the other rows go on decoding; `tool_mask` marks them.
     """
-    if not prompt_ids:
-        raise ValueError("generate() got no prompts")
-    for i, ids in enumerate(prompt_ids):
-        if len(ids) == 0:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-    if sampling.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need the tokenizer: pass tokenizer= to generate()")
+    _check_inputs(prompt_ids, sampling, tokenizer)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     G, max_new = sampling.num_generations, sampling.max_new_tokens
     B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
@@ -225,17 +216,8 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         model, (B, P, G, max_new) if record_linears else None)
     device = backend.device
     pad_token_id = _embeddable_pad(backend.input_vocab_size, pad_token_id, eos)
-
-    # Prompt batch, left-padded; the mask comes from the lengths (pad may equal EOS or occur in prompts).
-    lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
-    prompts = pad(prompt_ids, pad_token_id, side="left").to(device)
-    prompt_mask = (torch.arange(P, device=device) >= (P - lengths)[:, None]).long()
-    # The full attention mask is allocated once; the step that feeds token t sees its first P + t + 1 columns.
-    attention = torch.ones(N, P + max_new, dtype=prompt_mask.dtype, device=device)
-    attention[:, :P] = prompt_mask.repeat_interleave(G, dim=0)
-    next_position = lengths.repeat_interleave(G)[:, None]  # (N, 1) position of the first new token
+    prompts, prompt_mask, attention, next_position = _prompt_batch(prompt_ids, pad_token_id, G, max_new, device)
     stop_ids = torch.tensor(eos + list(sampling.stop_token_ids), dtype=torch.long, device=device)
-    window = 4 * max((len(s) for s in sampling.stop_strings), default=0) + 4
     gen_device = generator.device if generator is not None else device
 
     rows = torch.arange(N, device=device)  # (A,) output row of each decoded row; A shrinks as rows are dropped
@@ -249,31 +231,17 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         # 2. expand: each prompt's state becomes its G rows', with room for the whole completion
         backend.expand(G, P + max_new)
         logits = logits.repeat_interleave(G, dim=0)  # (A, V)
-        seen = None  # (N, V) bool: tokens in each row's prompt or completion so far, for repetition_penalty
-        if sampling.repetition_penalty != 1.0:
-            V = logits.shape[-1]  # padding is sent to an extra column, dropped after
-            ids = torch.where(attention[:, :P].bool(), prompts.repeat_interleave(G, dim=0), V)
-            seen = torch.zeros(N, V + 1, dtype=torch.bool, device=device).scatter_(1, ids, True)[:, :V]
+        seen = None if sampling.repetition_penalty == 1.0 else _prompt_tokens_seen(
+            prompts.repeat_interleave(G, dim=0), attention[:, :P], logits.shape[-1])
         for t in range(max_new):
             if t:  # 3. step: feed each decoded row its last token (t - 1), for the logits of token t
                 logits = backend.step(tokens[-1][rows], t - 1, attention[:, : P + t], next_position + (t - 1))
 
             # 4. sample: from the penalised, filtered distribution; the log-prob is under softmax(logits / T)
-            scaled = logits.float()
-            if sampling.temperature != 1.0:
-                scaled = scaled / sampling.temperature
             # one uniform per row, decoded or not: a row's draws depend only on the seed
             u = torch.rand(N, generator=generator, device=gen_device).to(device)[rows] if sampling.do_sample else None
-            picked = _pick(scaled, sampling, None if seen is None else seen[rows], u)
             alive = ~finished
-            token = torch.full((N,), pad_token_id, dtype=torch.long, device=device).index_copy_(0, rows, picked)
-            token = torch.where(alive, token, pad_token_id)
-            logp = torch.zeros(N, device=device).index_copy_(0, rows, selective_log_softmax(scaled, picked))
-            fed = torch.zeros(N, dtype=torch.bool, device=device)
-            for i in list(pending):  # rows inside a tool result take its next id instead of their sample
-                token[i], fed[i] = pending[i].pop(0), True
-                if not pending[i]:
-                    del pending[i]
+            token, logp, fed = _sample_step(logits, sampling, seen, u, rows, alive, pad_token_id, pending)
             if seen is not None:
                 seen[rows, token[rows]] = True
             tokens.append(token)
@@ -283,22 +251,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
 
             # 5. stop: EOS, a stop token or a stop string; a fed EOS closes a tool turn, not the completion, and
             # a row whose turn ended goes on when continue_turn gives it ids to feed
-            stopped = torch.isin(token, stop_ids) if len(stop_ids) else torch.zeros_like(finished)
-            if sampling.stop_strings or continue_turn is not None:
-                for row, tok in zip(history, token.tolist()):
-                    row.append(tok)
-            if sampling.stop_strings:
-                live = alive.nonzero().flatten().tolist()
-                hits = _stop_string_hits(tokenizer, [history[i] for i in live], sampling.stop_strings, window)
-                hit_rows = [i for i, hit in zip(live, hits) if hit]
-                if hit_rows:
-                    stopped[hit_rows] = True
-            stopped &= ~fed
-            if continue_turn is not None and bool((stopped & alive).any()):
-                ended = (stopped & alive).nonzero().flatten().tolist()
-                for i, ids in zip(ended, continue_turn(ended, [history[i][:t + 1] for i in ended])):
-                    if ids:
-                        stopped[i], pending[i] = False, list(ids)
+            stopped = _stopped(token, alive, fed, stop_ids, history, t, sampling, tokenizer, continue_turn, pending)
             finished = finished | (stopped & alive)
             num_finished = int(finished.sum())  # the loop's one host sync per step
             if t == max_new - 1 or not (_any_rank(num_finished < N, device) if backend.lockstep else num_finished < N):
@@ -327,6 +280,80 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     )
 
 
+def _prompt_batch(prompt_ids: list[list[int]], pad_token_id: int, G: int, max_new: int, device: torch.device):
+    """The prompts (B, P) left-padded and their mask (B, P), from the lengths (pad may equal EOS or occur in
+    prompts); the attention mask (B * G, P + max_new) of the rows, allocated once (the step that feeds token t
+    sees its first P + t + 1 columns); and (B * G, 1) the position of each row's first new token."""
+    lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
+    prompts = pad(prompt_ids, pad_token_id, side="left").to(device)
+    P = prompts.shape[1]
+    prompt_mask = (torch.arange(P, device=device) >= (P - lengths)[:, None]).long()
+    attention = torch.ones(len(prompt_ids) * G, P + max_new, dtype=prompt_mask.dtype, device=device)
+    attention[:, :P] = prompt_mask.repeat_interleave(G, dim=0)
+    return prompts, prompt_mask, attention, lengths.repeat_interleave(G)[:, None]
+
+
+def _check_inputs(prompt_ids: list[list[int]], sampling: SamplingConfig, tokenizer) -> None:
+    if not prompt_ids:
+        raise ValueError("generate() got no prompts")
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    if sampling.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer: pass tokenizer= to generate()")
+
+
+def _prompt_tokens_seen(prompt_rows: Tensor, prompt_mask: Tensor, V: int) -> Tensor:
+    """(N, V) bool: the tokens of each row's prompt, the start of `repetition_penalty`'s record of seen tokens."""
+    ids = torch.where(prompt_mask.bool(), prompt_rows, V)  # padding is sent to an extra column, dropped after
+    return torch.zeros(len(ids), V + 1, dtype=torch.bool, device=ids.device).scatter_(1, ids, True)[:, :V]
+
+
+def _sample_step(logits: Tensor, sampling: SamplingConfig, seen: Tensor | None, u: Tensor | None, rows: Tensor,
+                 alive: Tensor, pad_token_id: int, pending: dict[int, list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+    """Phase 4 of `generate`: (N,) token of every row (pad where finished; the next fed id where `pending` has
+    one), its log-prob under softmax(logits / T) (the decoded rows' `logits` (A, V)), and which rows were fed."""
+    N, device = len(alive), logits.device
+    scaled = logits.float()
+    if sampling.temperature != 1.0:
+        scaled = scaled / sampling.temperature
+    picked = _pick(scaled, sampling, None if seen is None else seen[rows], u)
+    token = torch.full((N,), pad_token_id, dtype=torch.long, device=device).index_copy_(0, rows, picked)
+    token = torch.where(alive, token, pad_token_id)
+    logp = torch.zeros(N, device=device).index_copy_(0, rows, selective_log_softmax(scaled, picked))
+    fed = torch.zeros(N, dtype=torch.bool, device=device)
+    for i in list(pending):  # rows inside a tool result take its next id instead of their sample
+        token[i], fed[i] = pending[i].pop(0), True
+        if not pending[i]:
+            del pending[i]
+    return token, logp, fed
+
+
+def _stopped(token: Tensor, alive: Tensor, fed: Tensor, stop_ids: Tensor, history: list[list[int]], t: int,
+             sampling: SamplingConfig, tokenizer, continue_turn, pending: dict[int, list[int]]) -> Tensor:
+    """Phase 5 of `generate`: (N,) rows whose completion ends at step t (EOS, a stop token, a stop string; not
+    a fed token). Appends each row's token to `history` where that is kept; a row whose turn ended and that
+    `continue_turn` gives ids to feed goes on, its ids put in `pending`."""
+    stopped = torch.isin(token, stop_ids) if len(stop_ids) else torch.zeros_like(alive)
+    if sampling.stop_strings or continue_turn is not None:
+        for row, tok in zip(history, token.tolist()):
+            row.append(tok)
+    if sampling.stop_strings:
+        window = 4 * max(len(s) for s in sampling.stop_strings) + 4
+        live = alive.nonzero().flatten().tolist()
+        hits = _stop_string_hits(tokenizer, [history[i] for i in live], sampling.stop_strings, window)
+        hit_rows = [i for i, hit in zip(live, hits) if hit]
+        if hit_rows:
+            stopped[hit_rows] = True
+    stopped &= ~fed
+    if continue_turn is not None and bool((stopped & alive).any()):
+        ended = (stopped & alive).nonzero().flatten().tolist()
+        for i, ids in zip(ended, continue_turn(ended, [history[i][:t + 1] for i in ended])):
+            if ids:
+                stopped[i], pending[i] = False, list(ids)
+    return stopped
+
+
 def _embeddable_pad(input_vocab_size: int | None, pad_token_id: int | None, eos: list[int]) -> int:
     """The id padding is written with: the tokenizer's pad id, unless the backend cannot take it (a `[PAD]`
     added past the embedding matrix), then the first EOS (or 0). Masks mark padding, so its id is never read."""
@@ -349,80 +376,3 @@ def _penalise(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
     """transformers' repetition penalty: (A, V) logits of seen tokens divided by `penalty` where positive,
     multiplied where negative (sampling only; log-probs stay the policy's own)."""
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-
-
-def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                        completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                        replay: tuple[LinearRecord, Tensor] | tuple[LinearRecord, Tensor, bool] | None = None):
-    """Log-probs (R, C) of the completion tokens under softmax(logits / temperature), and their
-    entropies (R, C) or None, computing each distinct prompt once.
-
-    prompt_ids / prompt_mask (R, P) left-padded, completion_ids / completion_mask (R, C) right-padded.
-    The k rows that share a prompt become one sequence [prompt, completion_1, ..., completion_k]
-    (`core.logprobs.pack_groups`) with a block attention mask: each completion sees the prompt and its own earlier tokens, at the
-    positions it has in its own row (a block holds its completion's first C - 1 tokens: the last
-    one would only give the logits of a token after the completion). One forward then computes the
-    prompt once per group (its gradient collects what all k completions send it), each weight is
-    used once (no per-use weight gradients to add up), and the logits are computed only at the
-    scoring positions. Results and
-    gradients equal those of the plain (R, P + C) forward up to float rounding. Falls back to the
-    plain forward (`core.logprobs.token_logprobs`) when that is estimated cheaper (few repeated
-    prompts, or blocks so long that the dense-mask attention outweighs the saved prompt tokens) or
-    the attention implementation cannot take a custom mask (only "sdpa" and "eager" can).
-
-    replay: (record, rows) to take the decoder layers' linear outputs from the sampler's record
-    (`replay.py`) instead of computing them; rows (R,) are the rollout rows of these completions, and
-    the record must come from the current weights. (record, rows, True): this forward is the record's
-    last use, and each layer's part of it is let go as soon as the forward has read it.
-    """
-    R, C = completion_ids.shape
-    P = prompt_ids.shape[1]
-    first: dict[tuple, int] = {}  # prompt -> index of its sequence, by first appearance
-    owner, block, taken = [], [], {}  # per row: its sequence and its completion block within it
-    for key in map(tuple, torch.cat([prompt_ids, prompt_mask], 1).tolist()):
-        u = first.setdefault(key, len(first))
-        taken[u] = taken.get(u, -1) + 1
-        owner.append(u)
-        block.append(taken[u])
-    config = getattr(unwrap(model), "config", None)
-    attn, hidden = attention_kind(model), getattr(config, "hidden_size", None) or 1024
-    U, k = len(first), max(block) + 1
-
-    def cost(rows: int, length: int) -> float:  # in token-forwards; a dense-mask attention pair costs ~1 / (6 hidden)
-        return rows * length * (1 + length / (6 * hidden))
-
-    B = C - 1  # a block's input tokens: a completion's last token scores nothing (its logits would score the next)
-    if attn not in ("sdpa", "eager") or k == 1 or cost(U, P + k * B) >= cost(R, P + C):  # little or no sharing
-        ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-        head = plain_lm_head(unwrap(model), ids)  # fused into the log-softmax where plain: no (R, C, V) logits
-        with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
-            logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
-                                              with_entropy=with_entropy, exact_positions=True, head=head)
-        return logp, entropy
-    device = completion_ids.device
-    rows = torch.tensor(owner, device=device) * k + torch.tensor(block, device=device)  # (R,) slot of each row
-    lead = torch.zeros(U, dtype=torch.long, device=device)
-    lead[torch.tensor(owner, device=device)] = torch.arange(R, device=device)  # a row of each sequence
-    slot_ids = torch.zeros(U * k, C, dtype=completion_ids.dtype, device=device)  # empty slots: id 0, masked
-    slot_ids[rows] = completion_ids
-    slot_mask = torch.zeros(U * k, C, dtype=torch.bool, device=device)
-    slot_mask[rows] = completion_mask.bool()
-    packed = pack_groups(prompt_ids[lead], prompt_mask[lead], slot_ids.view(U, k, C), slot_mask.view(U, k, C), block=B)
-    head = plain_lm_head(unwrap(model), packed.input_ids)  # on the bare module; the forward keeps any DDP wrapper
-
-    def known(record, rollout_rows):  # the rollout row in each slot, -1 in empty ones
-        slots = torch.full((U * k,), -1, dtype=torch.long)
-        slots[rows.cpu()] = rollout_rows
-        return record.layout(slots.view(U, k), P, B)
-
-    with _replayed(replay, known):
-        logps, entropy, _ = packed_logps(model, packed, head, temperature=temperature, with_entropy=with_entropy)
-    return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
-
-
-def _replayed(replay, layout):
-    """`replay.replaying` with the record laid out by `layout(record, rollout_rows)`; nothing without a replay."""
-    if replay is None:
-        return contextlib.nullcontext()
-    record, rollout_rows, *last = replay
-    return replaying(record, layout(record, rollout_rows.cpu()), bool(last and last[0]))

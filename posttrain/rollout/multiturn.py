@@ -28,10 +28,9 @@ import torch
 
 from posttrain.data.collate import pad
 from posttrain.data.tokenize import continuation_ids, encode_prompt
-from posttrain.rollout.environments import environment_tools
+from posttrain.data.tools import environment_tools, tool_schemas
 from posttrain.rollout.generate import Rollout
-from posttrain.rollout.tools import (assistant_turn, parse_tool_calls, run_tool_calls, tool_schemas, tools_by_name,
-                                     was_truncated)
+from posttrain.rollout.tools import assistant_turn, parse_tool_calls, run_tool_calls, tools_by_name, was_truncated
 
 __all__ = ["Episodes", "Tooling", "rollout_from_func"]
 

@@ -8,7 +8,7 @@
   with the completions only (`lambda texts: ...`);
 * a sequence-classification model object with one output (num_labels=1; others are refused),
   scored on prompt + completion text with its own tokenizer;
-* a string: a built-in reward name (`posttrain.data.builtin.REWARD_FUNCTIONS`), a
+* a string: a built-in reward name (`posttrain.tasks.builtin.REWARD_FUNCTIONS`), a
   "module:function" path, or else a model name/path loaded as a sequence classifier.
 
 Each function returns one value per completion; `None` means "this function abstains on this
@@ -109,7 +109,7 @@ def resolve_reward_func(spec):
         if _is_model(spec):
             check_num_labels(spec, 1)
         return spec
-    from posttrain.data.builtin import REWARD_FUNCTIONS
+    from posttrain.tasks.builtin import REWARD_FUNCTIONS
 
     if spec in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[spec]

@@ -27,21 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from posttrain.data.chat import TOOL_CALL_END, TOOL_CALL_START
+from posttrain.data.tools import tool_schemas  # noqa: F401  (its home is data.tools; public here as before)
 
 __all__ = ["assistant_turn", "parse_tool_calls", "run_tool_call", "run_tool_calls", "still_running", "tool_schemas",
            "tools_by_name", "was_truncated"]
 
 _TRUNCATED = re.compile(r"\n\[truncated: \d+ more characters\]\Z")  # the note `cap` ends a cut text with
 _BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
-
-
-def tool_schemas(tools: Sequence[Callable | Mapping]) -> list[dict]:
-    """The JSON schema of each tool, in order: functions (sync or async, bound methods too) through
-    `transformers.utils.get_json_schema`, which needs type hints and a docstring describing every
-    argument; schemas (dicts) pass through unchanged."""
-    from transformers.utils import get_json_schema
-
-    return [dict(t) if isinstance(t, Mapping) else get_json_schema(t) for t in tools]
 
 
 def tools_by_name(tools: Sequence[Callable]) -> dict[str, Callable]:

@@ -35,9 +35,10 @@ from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, enable_full_determinism, rotate_checkpoints,
                                         set_seed)
 
+from posttrain.accel import lean, products
+from posttrain.accel.memory import keep_freed_memory, make_adam_state, own_file_backed
 from posttrain.callbacks import SyncRefModelCallback
-from posttrain.memory import keep_freed_memory, make_adam_state, own_file_backed
-from posttrain.models import lean, loading, products
+from posttrain.models import loading
 from posttrain.trainers.guards import (MANIFEST_FILE, RUN_SETTINGS, STAGING_PREFIX, STATE_FILE,  # noqa: F401
                                        TRAINER_STATE, CheckpointError, FiniteGuard, NonFiniteError,
                                        OutputDirInUseError, SaveError, check_checkpoint, check_finite_fields,
@@ -85,7 +86,7 @@ class BaseConfig(TrainingArguments):
                           "... as transformers writes them) with autograd functions that keep only the norm's input "
                           "and the gate's and up projection's outputs for the backward, recomputing the rest there: "
                           "about a quarter less activation memory, with the same values and gradients bit for bit. "
-                          "The model object is patched in place (posttrain.models.lean.make_lean); "
+                          "The model object is patched in place (posttrain.accel.lean.make_lean); "
                           "other architectures are left as they are, and so is everything under torch_compile. "
                           "False: the plain transformers modules (an earlier trainer's patch is undone)."})
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from posttrain.core.preference_losses import bco_loss
+from posttrain.forward.completions import completion_logps
 from posttrain.models.embedding import DensityRatioClassifier, embed_texts
 from posttrain.trainers.base import BaseConfig, classic_arguments, is_streamed, map_datasets
-from posttrain.trainers.preference_base import PreferenceTrainer, check_beta_and_lengths, completion_logps
+from posttrain.trainers.preference_base import PreferenceTrainer, check_beta_and_lengths
 
 
 @dataclass

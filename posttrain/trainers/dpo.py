@@ -33,9 +33,9 @@ import torch
 
 from posttrain.core.preference_losses import (DPO_LOSSES, F_DIVERGENCES, PreferenceInput, check_label_smoothing,
                                                dpo_loss, dpo_rewards, ld_token_weights, wpo_weights)
+from posttrain.forward.completions import completion_logps, completion_token_logps
 from posttrain.trainers.base import classic_arguments
-from posttrain.trainers.preference_base import (PreferenceConfig, PreferenceTrainer, completion_logps,
-                                                  completion_token_logps)
+from posttrain.trainers.preference_base import PreferenceConfig, PreferenceTrainer
 
 
 @dataclass

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.core.preference_losses import UNPAIRED_LOSSES
+from posttrain.forward.completions import completion_logps
 from posttrain.trainers.base import classic_arguments
-from posttrain.trainers.preference_base import PreferenceConfig, PreferenceTrainer, completion_logps
+from posttrain.trainers.preference_base import PreferenceConfig, PreferenceTrainer
 
 
 @dataclass

@@ -16,9 +16,9 @@
      [policy_loss]`) + beta * KL (KL in the loss, GRPO) + vf_coef * value loss (with a critic).
      With `kl_in_reward`, -beta * KL goes into the reward instead (PPO, RLOO, REINFORCE++).
      Policy and reference log-probs come from one forward that computes each prompt once per group
-     (`rollout.generate.completion_logprobs`: block attention mask, logits at scoring positions only).
+     (`forward.completions.completion_logprobs`: block attention mask, logits at scoring positions only).
      When old == current, the policy's forward takes every decoder layer's linear outputs from the
-     sampler's record instead of recomputing them (`rollout/replay.py`, `replay_linear_outputs`).
+     sampler's record instead of recomputing them (`accel/replay.py`, `replay_linear_outputs`).
 
 The configuration, `OnlineConfig`, lives in `online_config.py` (imported here).
 
@@ -39,7 +39,8 @@ is a function of (seed, epoch), so transformers skips the micro-batches already 
 checkpoint also holds, per process, the sampler's and the shuffle's generators, the episode count and
 the generation batch's micro-batches not yet trained on (`checkpointed`); with a critic, the critic
 is saved next to the policy and read back by `load_critic`. A streamed train_dataset (IterableDataset)
-is read in order (`_PromptStream`), and its place in the stream is checkpointed too.
+is read in order (`prompts._PromptStream`), and its place in the stream is checkpointed too. Prompt
+batching and streaming live in `prompts.py`.
 """
 
 from __future__ import annotations
@@ -57,140 +58,89 @@ from torch import Tensor
 
 from posttrain.core.advantages import ADVANTAGES, AdvantageInput, compute_advantages
 from posttrain.core.kl import kl_penalty
-from posttrain.core.logprobs import token_logprobs
 from posttrain.core.masked import (AGGREGATIONS, aggregate_loss, count_tokens, masked_mean, masked_sum, masked_var,
                                    top_quantile_mask)
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus, truncated_importance_weights
 from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewards
-from posttrain.data import formats
-from posttrain.data.tokenize import TokenizeError, check_prompts, encode_prompt
+from posttrain.data.tokenize import check_prompts, encode_prompt
+from posttrain.forward.completions import completion_logprobs
+from posttrain.forward.logprobs import token_logprobs
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
-from posttrain.rollout.generate import Rollout, SamplingConfig, completion_logprobs, generate
+from posttrain.rollout.generate import Rollout, SamplingConfig, generate
 from posttrain.rollout.multiturn import Tooling, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
 from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options, loss_types
+from posttrain.trainers.prompts import PromptBatches, _collate_streamed, _PromptStream, new_stream_position
 
 logger = logging.getLogger(__name__)
 
 
-class _PromptOrder(torch.utils.data.Sampler):
-    """The batch sampler of `PromptBatches`: for each global batch of prompts, this process's dataset indices,
-    once per micro-batch they feed, as (index, micro_index) pairs. A pure function of (seed, epoch), so that
-    transformers can skip the batches a resumed run already trained on (`skip_first_batches`)."""
-
-    def __init__(self, n: int, per_process: int, num_processes: int, rank: int, repeat: int, shuffle: bool,
-                 seed: int):
-        self.n, self.per_process, self.num_processes, self.rank = n, per_process, num_processes, rank
-        self.repeat, self.shuffle, self.seed, self.epoch = repeat, shuffle, seed, 0
-
-    def set_epoch(self, epoch: int):
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.n // (self.per_process * self.num_processes) * self.repeat
-
-    def __iter__(self):
-        n, size = self.n, self.per_process * self.num_processes
-        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-                 if self.shuffle else list(range(n)))
-        for start in range(0, n - size + 1, size):
-            mine = order[start + self.rank * self.per_process: start + (self.rank + 1) * self.per_process]
-            for r in range(self.repeat):
-                yield [(i, r) for i in mine]
+def _prepare_policy(policy, args: OnlineConfig, peft_config, value_model, init_kwargs: dict):
+    """The loaded policy made ready to train (dropout off, the output layer in float32 if asked, the PEFT adapter)
+    and the module the trainer trains: the policy, or the policy with its critic for critic estimators."""
+    if args.disable_dropout:
+        disable_dropout(policy)
+    if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
+        policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
+    policy = loading.apply_peft(policy, peft_config)
+    if ADVANTAGES[args.advantage_estimator].critic:  # the critic trains with the policy, in one module
+        critic = value_model if value_model is None else loading.load_sequence_classifier(
+            value_model, convert_causal_lm=True, **init_kwargs)  # a causal LM: a fresh score head, with a warning
+        return policy, CausalLMWithValueHead(policy) if critic is None else PolicyWithCritic(policy, critic)
+    if value_model is not None:
+        raise ValueError(f"value_model is only used by critic estimators "
+                         f"{sorted(name for name, e in ADVANTAGES.items() if e.critic)}, "
+                         f"not advantage_estimator={args.advantage_estimator!r}")
+    return policy, policy
 
 
-class _Tagged(torch.utils.data.Dataset):
-    """The dataset read at (index, micro_index) keys: each row comes with the micro-batch it feeds."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key):
-        index, micro_index = key
-        return self.dataset[index], micro_index
-
-
-class PromptBatches(torch.utils.data.DataLoader):
-    """The training dataloader: this process's share of each global batch of prompts, yielded once for
-    every micro-batch it feeds (`repeat`), tagged with `micro_index`. Incomplete global batches are dropped.
-    A plain DataLoader over a batch sampler, so that a resumed run skips what it trained on as any other."""
-
-    def __init__(self, dataset, collate, prompts_per_process: int, num_processes: int, process_index: int,
-                 repeat: int, shuffle: bool, seed: int):
-        order = _PromptOrder(len(dataset), prompts_per_process, num_processes, process_index, repeat, shuffle, seed)
-        super().__init__(_Tagged(dataset), batch_sampler=order, collate_fn=functools.partial(_collate_tagged, collate))
-
-    def set_epoch(self, epoch: int):
-        self.batch_sampler.set_epoch(epoch)
+def _tooling(args: OnlineConfig, tools, environment_factory, reward_funcs, train_dataset):
+    """tools= / environment_factory=: multi-turn rollouts (rollout/multiturn.py) -> (the `Tooling` or None, the
+    reward functions, the train dataset). An environment's get_reward() is one more reward function, named after
+    its class; without a train_dataset, the environments' reset() supplies the prompts."""
+    if not tools and environment_factory is None:
+        return None, reward_funcs, train_dataset
+    tooling = Tooling(tools, environment_factory, max_iterations=args.max_tool_calling_iterations
+                      if args.max_tool_calling_iterations is not None else 2 ** 31,
+                      timeout=args.tool_call_timeout, max_call_chars=args.max_tool_call_chars,
+                      max_result_chars=args.max_tool_result_chars)
+    env_rewards = tooling.environment_rewards()
+    if env_rewards:
+        given = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
+            else [reward_funcs]
+        reward_funcs = given + env_rewards
+    if train_dataset is None and environment_factory is not None:  # reset() supplies the prompts
+        train_dataset = tooling.reset_dataset(args)
+    return tooling, reward_funcs, train_dataset
 
 
-def _collate_tagged(collate, items: list[tuple[dict, int]]) -> dict:
-    return {**collate([row for row, _ in items]), "micro_index": items[0][1]}
+def _sampling_config(args: OnlineConfig) -> SamplingConfig:
+    """The sampler's settings from the config, `generation_kwargs` over the fields."""
+    sampling = SamplingConfig(
+        max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, num_generations=args.num_generations,
+        stop_token_ids=tuple(args.stop_token_ids or ()), stop_strings=tuple(args.stop_strings or ()),
+        repetition_penalty=args.repetition_penalty)
+    if args.generation_kwargs:  # keys checked by the config; tuples where SamplingConfig keeps tuples
+        sampling = dataclasses.replace(sampling, **{
+            key: tuple(v) if key in ("stop_strings", "stop_token_ids") else v
+            for key, v in args.generation_kwargs.items() if key in GENERATION_KWARGS})
+    return sampling
 
 
-def new_stream_position() -> dict:
-    """Where a `_PromptStream` stands: its pass over the stream, the prompts of that pass before the current
-    generation batch, the batch's next micro-batch, and the micro-batches handed out since training began."""
-    return {"passes": 0, "prompts": 0, "micro": 0, "yielded": 0}
-
-
-class _PromptStream(torch.utils.data.IterableDataset):
-    """The prompts of a streamed dataset (`datasets.IterableDataset`) in stream order. Each run of
-    `per_process * num_processes` consecutive prompts is one generation batch, of which this process takes
-    the prompts at positions rank, rank + num_processes, ...; each share is yielded once per micro-batch it
-    feeds (`repeat`), with its micro_index. At the end of the stream an incomplete batch is dropped and a new
-    pass begins (`set_epoch(pass)` reshuffles a shuffled stream), so the stream never ends: max_steps does.
-
-    `position` (see `new_stream_position`) is updated as items are handed out and saved with checkpoints.
-    A resumed run reads on from there, skipping the prompts already consumed without tokenising them; since
-    transformers then skips the micro-batches already trained on by iterating past them, `placeholders`
-    empty items (None) come first."""
-
-    def __init__(self, dataset, per_process: int, num_processes: int, rank: int, repeat: int, position: dict,
-                 placeholders: int = 0):
-        self.dataset, self.per_process, self.num_processes, self.rank = dataset, per_process, num_processes, rank
-        self.repeat, self.position, self.placeholders = repeat, position, placeholders
-
-    def __iter__(self):
-        pos, size = self.position, self.per_process * self.num_processes
-        yield from itertools.repeat(None, self.placeholders)
-        self.placeholders = 0
-        while True:
-            if hasattr(self.dataset, "set_epoch"):
-                self.dataset.set_epoch(pos["passes"])
-            rows, batches = itertools.islice(iter(self.dataset), pos["prompts"], None), 0
-            while len(batch := list(itertools.islice(rows, size))) == size:
-                if "prompt" in batch[0]:  # named by its place in the stream, before it is tokenised
-                    try:
-                        formats.validate(batch, PROMPT_ONLY, start=pos["prompts"])
-                    except formats.FormatError as err:
-                        raise TokenizeError(f"streamed train_dataset (pass {pos['passes']}): {err}") from None
-                mine = batch[self.rank::self.num_processes]
-                for micro in range(pos["micro"], self.repeat):
-                    last = micro == self.repeat - 1  # the position after this item: the next batch's start
-                    pos.update(micro=0 if last else micro + 1, prompts=pos["prompts"] + size * last,
-                               yielded=pos["yielded"] + 1)
-                    yield mine, micro
-                batches += 1
-            if batches == 0 and pos["prompts"] == 0:
-                raise ValueError(f"the streamed train_dataset holds {len(batch)} prompts, fewer than one generation "
-                                 f"batch needs ({size}); add prompts or lower per_device_train_batch_size / "
-                                 "steps_per_generation")
-            pos.update(passes=pos["passes"] + 1, prompts=0, micro=0)
-
-
-PROMPT_ONLY = formats.FormatInfo("prompt_only", False, ("prompt",))
-
-
-def _collate_streamed(collate, item: tuple[list[dict], int] | None) -> dict | None:
-    return None if item is None else {**collate(item[0]), "micro_index": item[1]}
+def _positions(policy, args: OnlineConfig) -> int | None:
+    """The model's max_position_embeddings (None if it has none), warning when the configured limits reach past
+    it; prompts that do when max_prompt_length is None are warned about once they are seen (`_collate`)."""
+    positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    if positions and (args.max_prompt_length or 0) + args.max_completion_length > positions:
+        logger.warning(f"max_prompt_length={args.max_prompt_length} + max_completion_length="
+                       f"{args.max_completion_length} exceeds the model's max_position_embeddings="
+                       f"{positions}: sequences that long go past the positions it was trained on")
+    return positions
 
 
 class OnlineTrainer(BaseTrainer):
@@ -212,38 +162,10 @@ class OnlineTrainer(BaseTrainer):
         init_kwargs = dict(args.model_init_kwargs or {})
         policy = loading.load_causal_lm(model, **init_kwargs)
         processing_class = loading.load_tokenizer(processing_class, model=model if isinstance(model, str) else policy)
-        if args.disable_dropout:
-            disable_dropout(policy)
-        if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
-            policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
-        policy = loading.apply_peft(policy, peft_config)
-        if ADVANTAGES[args.advantage_estimator].critic:  # the critic trains with the policy, in one module
-            critic = value_model if value_model is None else loading.load_sequence_classifier(
-                value_model, convert_causal_lm=True, **init_kwargs)  # a causal LM: a fresh score head, with a warning
-            wrapped = CausalLMWithValueHead(policy) if critic is None else PolicyWithCritic(policy, critic)
-        elif value_model is not None:
-            raise ValueError(f"value_model is only used by critic estimators "
-                             f"{sorted(name for name, e in ADVANTAGES.items() if e.critic)}, "
-                             f"not advantage_estimator={args.advantage_estimator!r}")
-        else:
-            wrapped = policy
+        policy, wrapped = _prepare_policy(policy, args, peft_config, value_model, init_kwargs)
         if reward_funcs is None and args.reward_model_path:
             reward_funcs = [args.reward_model_path]
-        # tools= / environment_factory=: multi-turn rollouts (rollout/multiturn.py); an environment's
-        # get_reward() is one more reward function, named after its class
-        tooling = None
-        if tools or environment_factory is not None:
-            tooling = Tooling(tools, environment_factory, max_iterations=args.max_tool_calling_iterations
-                              if args.max_tool_calling_iterations is not None else 2 ** 31,
-                              timeout=args.tool_call_timeout, max_call_chars=args.max_tool_call_chars,
-                              max_result_chars=args.max_tool_result_chars)
-            env_rewards = tooling.environment_rewards()
-            if env_rewards:
-                given = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
-                    else [reward_funcs]
-                reward_funcs = given + env_rewards
-            if train_dataset is None and environment_factory is not None:  # reset() supplies the prompts
-                train_dataset = tooling.reset_dataset(args)
+        tooling, reward_funcs, train_dataset = _tooling(args, tools, environment_factory, reward_funcs, train_dataset)
         if rollout_func is not None and tooling is not None:
             raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
                              "rollout_func or tools= / environment_factory=, not both")
@@ -273,11 +195,7 @@ class OnlineTrainer(BaseTrainer):
         self.loss_is_scaled_for_ga = True  # our denominators already span the whole optimizer step
         self.tooling, self.rollout_func = tooling, rollout_func
         self.policy = policy
-        self._positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-        if self._positions and (args.max_prompt_length or 0) + args.max_completion_length > self._positions:
-            logger.warning(f"max_prompt_length={args.max_prompt_length} + max_completion_length="
-                           f"{args.max_completion_length} exceeds the model's max_position_embeddings="
-                           f"{self._positions}: sequences that long go past the positions it was trained on")
+        self._positions = _positions(policy, args)
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
                                           tokenizer=processing_class, device=self.accelerator.device,
                                           timeout=args.reward_timeout)
@@ -285,24 +203,8 @@ class OnlineTrainer(BaseTrainer):
         if loading.shards_weights(self.accelerator):  # ZeRO-3 / FSDP2: reward models sharded like the policy
             self.reward_scorer.funcs = [loading.prepare_frozen(self.accelerator, f) if isinstance(f, torch.nn.Module)
                                         else f for f in self.reward_scorer.funcs]
-        needs_ref = args.beta > 0
-        if needs_ref and ref_model is None and not loading.is_peft_model(policy):
-            ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic
-        self.ref_model = self.make_reference(ref_model, needed=needs_ref)
-        if args.sync_ref_model:
-            if self.ref_model is None:
-                raise ValueError("sync_ref_model needs a separate reference model; with PEFT the reference is the "
-                                 "adapter-disabled policy, which cannot be synced")
-            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
-        self.sampling = SamplingConfig(
-            max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, num_generations=args.num_generations,
-            stop_token_ids=tuple(args.stop_token_ids or ()), stop_strings=tuple(args.stop_strings or ()),
-            repetition_penalty=args.repetition_penalty)
-        if args.generation_kwargs:  # keys checked by the config; tuples where SamplingConfig keeps tuples
-            self.sampling = dataclasses.replace(self.sampling, **{
-                key: tuple(v) if key in ("stop_strings", "stop_token_ids") else v
-                for key, v in args.generation_kwargs.items() if key in GENERATION_KWARGS})
+        self._set_reference(ref_model, policy, args)
+        self.sampling = _sampling_config(args)
         self.vllm, self._vllm_synced_step = None, None  # with use_vllm: the engine, and the step its weights are of
         if args.use_vllm:
             from posttrain.rollout.vllm_engine import make_engine
@@ -316,7 +218,7 @@ class OnlineTrainer(BaseTrainer):
         self.loss_mode, self.global_denominator = loss_types()[args.loss_type]
         # the policy can move between sampling and training only with several optimizer steps or passes
         self.old_is_current = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
-        # ... and then the sampler's linear outputs are the training forward's (rollout/replay.py)
+        # ... and then the sampler's linear outputs are the training forward's (accel/replay.py)
         self.replays = (args.replay_linear_outputs and self.old_is_current and not ADVANTAGES[
                         args.advantage_estimator].critic and not (args.bf16 or args.fp16 or args.torch_compile
                                                                   or args.gradient_checkpointing) and _no_dropout(policy))
@@ -334,6 +236,19 @@ class OnlineTrainer(BaseTrainer):
             raise ValueError(f"train_dataset has {len(train_dataset)} prompts, fewer than one generation batch needs "
                              f"({per_generation // args.num_generations}); add prompts or lower "
                              "per_device_train_batch_size / steps_per_generation")
+
+    def _set_reference(self, ref_model, policy, args: OnlineConfig):
+        """`self.ref_model`: only when beta > 0; a frozen copy of the policy unless one is given or the policy is a
+        PEFT model (whose reference is the adapter-disabled policy); synced to the policy with sync_ref_model."""
+        needs_ref = args.beta > 0
+        if needs_ref and ref_model is None and not loading.is_peft_model(policy):
+            ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic
+        self.ref_model = self.make_reference(ref_model, needed=needs_ref)
+        if args.sync_ref_model:
+            if self.ref_model is None:
+                raise ValueError("sync_ref_model needs a separate reference model; with PEFT the reference is the "
+                                 "adapter-disabled policy, which cannot be synced")
+            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
 
     # ------------------------------------------------------------------ data
     @staticmethod
@@ -623,7 +538,7 @@ class OnlineTrainer(BaseTrainer):
 
     @property
     def holds_replay_record(self) -> bool:
-        """Whether the sampler's recorded linear outputs (`replay.py`) are still kept for the micro-batches to come."""
+        """Whether the sampler's recorded linear outputs (`accel/replay.py`) are still kept for the micro-batches to come."""
         return self._replay is not None
 
     def training_step(self, model, inputs, num_items_in_batch=None):

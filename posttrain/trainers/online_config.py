@@ -178,12 +178,12 @@ class OnlineConfig(BaseConfig):
     advantage_estimator: str = field(default="group_norm", metadata={"help": estimator_help()})
     scale_rewards: str = field(default="group", metadata={"help": "group_norm divides by the 'group' (True) or "
                                "'batch' std, or by nothing: 'none' (False)."})
-    normalize_advantage: bool = field(default=False, metadata={"help": "leave_one_out: whiten the advantages."})
+    normalize_advantage: bool = ADVANTAGES.field("normalize_advantage")
     normalize_advantages: bool | None = field(default=None, metadata={"help": "TRL's RLOO spelling of "
                                               "normalize_advantage (copied into it; None: unset)."})
-    gamma: float = field(default=1.0, metadata={"help": "Discount (gae, reinforce_pp)."})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
-    whiten_advantages: bool = field(default=True, metadata={"help": "gae: whiten the advantages."})
+    gamma: float = ADVANTAGES.field("gamma")
+    lam: float = ADVANTAGES.field("lam")
+    whiten_advantages: bool = ADVANTAGES.field("whiten_advantages")
     # ---- policy update
     policy_loss: str = field(default="clipped", metadata={"help": "A core.policy_losses loss: "
                              f"{', '.join(POLICY_LOSSES)}."})
@@ -194,22 +194,18 @@ class OnlineConfig(BaseConfig):
                                f"{name}: {loss.aggregation}" for name, loss in POLICY_LOSSES.items()
                                if loss.aggregation) + ")."})
     num_iterations: int = field(default=1, metadata={"help": "Passes over each generation batch (PPO epochs)."})
-    epsilon: float = field(default=0.2, metadata={"help": "Clip range of the importance ratio (>= 0)."})
-    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO, >= 0); None: "
-                                       "epsilon."})
+    epsilon: float = POLICY_LOSSES.field("epsilon")
+    epsilon_high: float | None = POLICY_LOSSES.field("epsilon_high")
     importance_sampling_level: str = field(default="token", metadata={"help": "'token', or 'sequence' (GSPO)."})
     delta: float | None = field(default=None, metadata={"help": "INTELLECT-2's two-sided clip: the clipped loss's "
                                 "ratio is also capped at delta (> 1 + epsilon) where the advantage is negative "
                                 "(None: off)."})
-    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO's gate temperature for positive "
-                                        "advantages (loss_type 'sapo')."})
-    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO's gate temperature for other "
-                                        "advantages (loss_type 'sapo')."})
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO's shape k of the kernel phi(W) = W^k "
-                               "exp(lambda (1 - W)) on the sequence ratio W, for advantages >= 0 (loss_type 'vespo')."})
-    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO's rate lambda for advantages >= 0."})
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO's shape k for negative advantages."})
-    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO's rate lambda for negative advantages."})
+    sapo_temperature_pos: float = POLICY_LOSSES.field("sapo_temperature_pos")
+    sapo_temperature_neg: float = POLICY_LOSSES.field("sapo_temperature_neg")
+    vespo_k_pos: float = POLICY_LOSSES.field("vespo_k_pos")
+    vespo_lambda_pos: float = POLICY_LOSSES.field("vespo_lambda_pos")
+    vespo_k_neg: float = POLICY_LOSSES.field("vespo_k_neg")
+    vespo_lambda_neg: float = POLICY_LOSSES.field("vespo_lambda_neg")
     entropy_coef: float = field(default=0.0, metadata={"help": "Weight of an entropy bonus: loss -= entropy_coef * "
                                 "the aggregated token entropy (0: off)."})
     top_entropy_quantile: float = field(default=1.0, metadata={"help": "Train only on the top this share of "
@@ -230,7 +226,7 @@ class OnlineConfig(BaseConfig):
     replay_linear_outputs: bool = field(default=True, metadata={"help": "When the policy cannot have moved since "
                                         "sampling (num_iterations=1, one optimizer step per generation batch), the "
                                         "training forward takes every decoder layer's linear outputs from the sampler "
-                                        "instead of recomputing them (rollout/replay.py); the backward is unchanged. "
+                                        "instead of recomputing them (accel/replay.py); the backward is unchanged. "
                                         "Used where the lean CPU decoding step runs (Llama/Qwen2-style float32 "
                                         "models), without dropout, mixed precision, torch_compile or gradient "
                                         "checkpointing."})
@@ -265,6 +261,19 @@ class OnlineConfig(BaseConfig):
         return self.per_device_train_batch_size * self.steps_per_generation
 
     def _check(self):
+        self._check_batches()
+        if self.loss_type in POLICY_LOSSES and POLICY_LOSSES[self.loss_type].aggregation:
+            wanted = self.loss_type
+            default = type(self).__dataclass_fields__["policy_loss"].default
+            if self.policy_loss not in (default, wanted):
+                raise ValueError(f"loss_type={self.loss_type!r} uses policy_loss={wanted!r}; policy_loss="
+                                 f"{self.policy_loss!r} was also set: unset one of them")
+            self.policy_loss = wanted
+        self._check_generation()
+        self._check_algorithm()
+
+    def _check_batches(self):
+        """Generation and micro-batch sizes fit together (steps_per_generation derived where unset)."""
         bs, ga, k = self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_generations
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}")
@@ -295,13 +304,9 @@ class OnlineConfig(BaseConfig):
                 f"{self.steps_per_generation} = {self.per_process_generation} completions must be a multiple of "
                 f"num_generations={k}; set num_generations to a divisor of {self.per_process_generation}, or change "
                 f"per_device_train_batch_size / gradient_accumulation_steps / steps_per_generation")
-        if self.loss_type in POLICY_LOSSES and POLICY_LOSSES[self.loss_type].aggregation:
-            wanted = self.loss_type
-            default = type(self).__dataclass_fields__["policy_loss"].default
-            if self.policy_loss not in (default, wanted):
-                raise ValueError(f"loss_type={self.loss_type!r} uses policy_loss={wanted!r}; policy_loss="
-                                 f"{self.policy_loss!r} was also set: unset one of them")
-            self.policy_loss = wanted
+
+    def _check_generation(self):
+        """The sampler's settings: generation_kwargs, vLLM, repetition penalty, evaluation and padding sizes."""
         unknown = sorted(set(self.generation_kwargs or {}) - GENERATION_KWARGS)
         if unknown and not self.use_vllm:  # vLLM takes any SamplingParams keyword
             raise ValueError(f"generation_kwargs {unknown} cannot be honoured by posttrain's sampler; it takes "
@@ -319,23 +324,24 @@ class OnlineConfig(BaseConfig):
         if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
             raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; choose "
                              "'sum_then_normalize' or 'normalize_then_sum'")
-        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            if not getattr(self, name) >= 0:  # a negative rate would grow phi without bound as W grows
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 < self.top_entropy_quantile <= 1:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
-        if self.delta is not None and not self.delta > 1 + self.epsilon:
-            raise ValueError(f"delta={self.delta} must be > 1 + epsilon = {1 + self.epsilon} (it caps the ratio "
-                             "above the clip range)")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
         for name in ("num_generations_eval", "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
-        for name, value, known in [("advantage_estimator", self.advantage_estimator, ADVANTAGES),
-                                   ("policy_loss", self.policy_loss, POLICY_LOSSES),
-                                   ("loss_type", self.loss_type, loss_types()), ("kl_estimator", self.kl_estimator,
-                                                                                KL_ESTIMATORS),
+
+    def _check_algorithm(self):
+        """The registered estimator, loss, aggregation and KL estimator and their options; reference and update."""
+        k = self.num_generations
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
+        if self.delta is not None and not self.delta > 1 + self.epsilon:
+            raise ValueError(f"delta={self.delta} must be > 1 + epsilon = {1 + self.epsilon} (it caps the ratio "
+                             "above the clip range)")
+        ADVANTAGES.choose(self.advantage_estimator, "advantage_estimator")
+        POLICY_LOSSES.choose(self.policy_loss, "policy_loss")
+        for name, value, known in [("loss_type", self.loss_type, loss_types()),
+                                   ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
                                    ("scale_rewards", self.scale_rewards, ("group", "batch", "none")),
                                    ("importance_sampling_level", self.importance_sampling_level,
                                     ("token", "sequence"))]:
@@ -348,14 +354,12 @@ class OnlineConfig(BaseConfig):
         # options without a field would keep their defaults whatever the config says: refused here, before training
         config_options(self, "advantage_estimator", estimator)
         config_options(self, "policy_loss", POLICY_LOSSES[self.policy_loss])
+        ADVANTAGES.check_options(self)  # each option's bound (core.registry.Option)
+        POLICY_LOSSES.check_options(self)
         # 0 would read as "no limit" and a negative length would cut the prompt's start instead
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {self.max_prompt_length}; "
                              "set it to None for no limit")
-        for name in ("epsilon", "epsilon_high"):
-            value = getattr(self, name)
-            if value is not None and not value >= 0:  # NaN too
-                raise ValueError(f"{name} (a clip range of the importance ratio) must be >= 0, got {value}")
         if self.total_episodes is not None and self.total_episodes < 1:
             raise ValueError(f"total_episodes must be >= 1 completions, got {self.total_episodes}; set it to None "
                              "to train for max_steps / num_train_epochs instead")

@@ -7,10 +7,7 @@
 * `PreferenceCollator`: right-padded tensors. Pairs are stacked [chosen; rejected] as 2B rows,
   so that one forward pass scores both; with `kl_pairs` (KTO) B mismatched rows (completion i
   after prompt i+1) follow the B real ones.
-* `completion_logps`: summed completion log-probs from one forward that asks the model only for
-  the logits of the completion columns; where the output layer is a plain linear map
-  (`core.logprobs.plain_lm_head`) it is fused into the log-softmax, so no (N, K, V) logits,
-  softmax or logit gradient is ever built whole.
+* the forward that scores the rows is `forward.completions.completion_logps`.
 * `PreferenceTrainer`: BaseTrainer plus the above, the reference forward, its sync (TR-DPO) or
   precomputation, a prediction_step for evaluation (scores for `compute_metrics`), a cumulative
   token count, and (BCO, DPO's bco_pair) the running reward mean δ, folded in once per optimizer
@@ -33,12 +30,11 @@ import torch
 from torch import Tensor
 from transformers import TrainerCallback
 
-from posttrain.core.logprobs import (attention_kind, last_hidden_states, linear_selective_log_softmax,
-                                     paired_completion_logps, plain_lm_head, sequence_logprobs, token_logprobs)
 from posttrain.core.running import RunningMean
 from posttrain.data import formats
 from posttrain.data.collate import pad
 from posttrain.data.tokenize import encode_prompt_completion
+from posttrain.forward.completions import completion_logps
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout, eval_mode
 from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset,
@@ -267,22 +263,7 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
         return dataset.map(stream, batched=True, with_indices=True, remove_columns=columns)
     tokenised = pretokenised_pairs(dataset, name) if paired else None
     if tokenised is not None:
-        from datasets import Dataset
-
-        extras = [c for c in keep if c in dataset.column_names]
-        for i, value in enumerate(dataset["margin"] if "margin" in extras else ()):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise formats.FormatError(f"{name} data, row {i}, column 'margin': expected a finite number, "
-                                          f"got {value!r}")
-        warn_identical_pairs(name, tokenised["chosen_ids"], tokenised["rejected_ids"])
-        fitted = [_fit(p, [c, r], *limits) for p, c, r in zip(*tokenised.values())]
-        kept = [i for i, f in enumerate(fitted) if f is not None]
-        if not kept:
-            raise ValueError(f"no {name} rows are left: every prompt reaches max_length={max_length}")
-        return Dataset.from_dict({"prompt_ids": [fitted[i][0] for i in kept],
-                                  "chosen_ids": [fitted[i][1][0] for i in kept],
-                                  "rejected_ids": [fitted[i][1][1] for i in kept],
-                                  **{c: [dataset[c][i] for i in kept] for c in extras}})
+        return _fit_pretokenised(dataset, tokenised, keep, limits, name)
     if "responses" in dataset.column_names:
         dataset = dataset.map(lambda batch, indices: ranked_columns(batch, indices, name), batched=True,
                                   with_indices=True, remove_columns=dataset.column_names, desc="ranked rows")
@@ -314,6 +295,27 @@ def warn_identical_pairs(name: str, chosen: list, rejected: list) -> None:
         every = "every pair has" if same == len(chosen) else f"{same} of {len(chosen)} pairs have"
         logger.warning(f"{name} data: {every} chosen == rejected (the same tokens after truncation): such a pair "
                        "gives the loss no margin to learn from; check the dataset's 'chosen' and 'rejected' columns")
+
+
+def _fit_pretokenised(dataset, tokenised: dict[str, list], keep: tuple[str, ...], limits: tuple, name: str):
+    """`prepare_preference_dataset` for pairs given as token ids (`pretokenised_pairs`): fitted to the
+    limits (max_length, max_prompt_length, max_completion_length, truncation_mode), columns in `keep` kept."""
+    from datasets import Dataset
+
+    extras = [c for c in keep if c in dataset.column_names]
+    for i, value in enumerate(dataset["margin"] if "margin" in extras else ()):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise formats.FormatError(f"{name} data, row {i}, column 'margin': expected a finite number, "
+                                      f"got {value!r}")
+    warn_identical_pairs(name, tokenised["chosen_ids"], tokenised["rejected_ids"])
+    fitted = [_fit(p, [c, r], *limits) for p, c, r in zip(*tokenised.values())]
+    kept = [i for i, f in enumerate(fitted) if f is not None]
+    if not kept:
+        raise ValueError(f"no {name} rows are left: every prompt reaches max_length={limits[0]}")
+    return Dataset.from_dict({"prompt_ids": [fitted[i][0] for i in kept],
+                              "chosen_ids": [fitted[i][1][0] for i in kept],
+                              "rejected_ids": [fitted[i][1][1] for i in kept],
+                              **{c: [dataset[c][i] for i in kept] for c in extras}})
 
 
 class PreferenceCollator:
@@ -358,54 +360,6 @@ class PreferenceCollator:
             if key in rows[0] and rows[0][key] is not None:
                 batch[key] = torch.tensor([float(r[key]) for r in rows])
         return batch
-
-
-def _num_scored(completion_mask: Tensor) -> int:
-    """K: the columns from the batch's first completion token on (token 0 has no context to be scored from)."""
-    T = completion_mask.shape[1]
-    first = int(completion_mask.any(0).to(torch.int8).argmax())
-    return min(T - first, T - 1)
-
-
-def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
-                     paired: bool = False):
-    """Summed completion log-probs (N,), completion lengths (N,) and mean logits (N,), detached.
-
-    Only the columns from the first completion token on are scored (`num_scored`), so the model
-    computes no logits over the prompt columns shared by every row. With `paired` (rows i and
-    i + N/2 share a prompt, as the paired collator lays them out) each prompt goes through the
-    model once: see `core.logprobs.paired_completion_logps`.
-    """
-    T, K = input_ids.shape[1], _num_scored(completion_mask)
-    head = plain_lm_head(model, input_ids)
-    if paired and head is not None and attention_kind(model) in ("sdpa", "eager"):
-        return paired_completion_logps(model, head, input_ids, attention_mask, completion_mask)
-    if head is None:
-        logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
-        with torch.no_grad():
-            token_mean_logits = logits.mean(-1)  # (N, K)
-    else:  # the model stops at its hidden states; the output layer is fused into the log-softmax
-        hidden = last_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask)
-        hidden = hidden[:, T - K - 1:T - 1]  # (N, K, H): position t scores token t + 1
-        logps = linear_selective_log_softmax(hidden, head.weight, input_ids[:, T - K:])[0]
-        with torch.no_grad():  # mean over the vocabulary of hidden @ W.T
-            token_mean_logits = hidden @ head.weight.mean(0)
-    mask = completion_mask[:, T - K:]
-    lengths = mask.sum(-1)
-    with torch.no_grad():
-        mean_logits = (token_mean_logits * mask).sum(-1) / lengths.clamp(min=1)
-    return sequence_logprobs(logps, mask), lengths, mean_logits.float()
-
-
-def completion_token_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor):
-    """Per-token log-probs (N, K) of the last K columns (as `completion_logps` scores them), the
-    completion mask of those columns (N, K) and the logits that scored them (N, K, V).
-
-    For losses that weight tokens (LD-DPO) or read the whole next-token distribution (WPO); unlike
-    `completion_logps` it builds the (N, K, V) logits whole."""
-    T, K = input_ids.shape[1], _num_scored(completion_mask)
-    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
-    return logps, completion_mask[:, T - K:], logits
 
 
 @torch.no_grad()

@@ -8,10 +8,10 @@ negative log-likelihood, `core.preference_losses.pairwise_reward_loss`. Optional
 
 Departures: a pair's prompt goes through the model once: each pair is one sequence
 [prompt | chosen | rejected] whose block mask lets each completion see the prompt and itself only
-(`core.logprobs.pack_pairs`), and each completion's score is read at its last token, so the
+(`forward.logprobs.pack_pairs`), and each completion's score is read at its last token, so the
 model computes what the two [prompt | completion] rows would give, up to float rounding, on
 P + C_c + C_r tokens instead of 2 P + C_c + C_r. Under sdpa (document attention,
-`models.document_attention`) a batch's pairs go through the model as ONE padding-free row, each
+`accel.document_attention`) a batch's pairs go through the model as ONE padding-free row, each
 pair attending under its own block mask: one forward per batch, no padding. Models whose
 attention takes no block mask, or
 whose score head is not a plain map of the last hidden state, get the two rows stacked along the
@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from posttrain.core.logprobs import attention_kind, length_groups, pack_pairs
+from posttrain.accel import document_attention
+from posttrain.core.log_softmax import length_groups
 from posttrain.core.preference_losses import pairwise_reward_loss
-from posttrain.models import document_attention
+from posttrain.forward.logprobs import attention_kind, pack_pairs
 from posttrain.models.loading import is_peft_model
 from posttrain.trainers.base import BaseConfig, classic_arguments
 from posttrain.trainers.preference_base import PreferenceTrainer

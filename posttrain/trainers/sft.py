@@ -29,7 +29,7 @@ Departures from the usual recipe, all for speed and none changing the objective:
   Without flash attention a packed batch stays one bin per row; `padding_free=True` flattens it
   anyway;
 * under sdpa, rows that hold several sequences use document attention
-  (`models.document_attention`): each sequence attends causally to itself only, computed on its
+  (`accel.document_attention`): each sequence attends causally to itself only, computed on its
   own, so attention costs the sum of the sequences' squared lengths instead of a dense
   block-diagonal mask over the row (the model's config names it "posttrain_sdpa"; without
   sequence boundaries it is sdpa unchanged);
@@ -61,15 +61,16 @@ import torch
 from datasets import IterableDataset
 from transformers import TrainingArguments
 
-from posttrain.core.logprobs import (attention_kind, linear_selective_log_softmax, plain_lm_head,
-                                     selective_log_softmax_stats)
-from posttrain.data import formats
-from posttrain.data.chat import load_chat_template, template_variables
+from posttrain.accel import document_attention
+from posttrain.core.log_softmax import selective_log_softmax_stats
 from posttrain.core.sft_losses import SFT_LOSSES as LOSSES  # loss_type -> per-token loss
+from posttrain.data import formats
+from posttrain.data.chat import load_chat_template, require_chat_template, template_variables
 from posttrain.data.collate import IGNORE_INDEX, MASK_COLUMNS, LanguageModelingCollator, flatten_padded
 from posttrain.data.packing import STRATEGIES, pack_dataset, pack_rows
 from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
-from posttrain.models import document_attention, loading
+from posttrain.forward.logprobs import attention_kind, linear_selective_log_softmax, plain_lm_head
+from posttrain.models import loading
 from posttrain.models.modes import eval_mode
 from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, as_dataset, check_datasets,
                                      classic_arguments, errors_named, map_datasets, seed_run)
@@ -164,7 +165,7 @@ def flat_is_cheaper(lengths: list[int], width: int, hidden: int, documents: bool
     a token through the layers is 1, a (query, key) pair 1 / (4 hidden); padded rows pay B*T of the first and
     B*T^2 of the second. The flat row pays N of the first, and under attention with a dense mask N^2 of the
     second (its block-diagonal mask is dense to the kernel), under document attention (`documents`,
-    `models.document_attention`) only sum(length^2): then it is cheaper whenever it drops padding. The FLOPs
+    `accel.document_attention`) only sum(length^2): then it is cheaper whenever it drops padding. The FLOPs
     alone give 1 / (6 hidden) per pair; CPU sdpa's forward + backward on SmolLM2-135M measured 1 / (4.7 hidden).
     A batch without padding takes sdpa's mask-free causal path."""
     def cost(rows: int, length: int) -> float:
@@ -371,7 +372,7 @@ class SFTTrainer(BaseTrainer):
             elif info.name not in ("language_modeling", "prompt_completion"):
                 data, info = formats.to_canonical(data, target="prompt_completion")
             if info.conversational:
-                loading.require_chat_template(tokenizer)
+                require_chat_template(tokenizer)
             if assistant_only and not info.conversational:
                 raise formats.FormatError(
                     "assistant_only_loss=True needs conversational data (message lists), but the dataset is made "

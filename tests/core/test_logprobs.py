@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from posttrain.core.logprobs import entropy_from_logits, selective_log_softmax, sequence_logprobs, token_logprobs
+from posttrain.core.log_softmax import entropy_from_logits, selective_log_softmax, sequence_logprobs
+from posttrain.forward.logprobs import token_logprobs
 
 
 def reference_logprob(row, index):
@@ -118,7 +119,7 @@ def test_token_logprobs_exact_positions_matches_the_default(tiny_lm):
 def test_token_logprobs_with_the_fused_head_matches_the_model_logits(tiny_lm):
     """head=: log-probs, entropies and gradients of the left-padded rows equal those of the model's own logits
     (float64 copy of the model: the same numbers up to float64 rounding), and no logits are made."""
-    from posttrain.core.logprobs import plain_lm_head
+    from posttrain.forward.logprobs import plain_lm_head
 
     model, tok = tiny_lm
     model = copy.deepcopy(model).double()
@@ -148,7 +149,7 @@ def test_token_logprobs_with_the_fused_head_matches_the_model_logits(tiny_lm):
 def test_a_zero3_partitioned_head_is_never_plain(tiny_lm):
     """A DeepSpeed ZeRO-3 weight (marked by `ds_id`) is whole only inside its module's forward: even when a
     generation left it gathered, the fused head must not take it (its gradient would be the (0,) partition)."""
-    from posttrain.core.logprobs import plain_lm_head
+    from posttrain.forward.logprobs import plain_lm_head
 
     model, tok = tiny_lm
     model = copy.deepcopy(model)
@@ -160,7 +161,7 @@ def test_a_zero3_partitioned_head_is_never_plain(tiny_lm):
 
 
 def test_custom_gradient_and_stats_match_float64_reference():
-    from posttrain.core.logprobs import selective_log_softmax_stats
+    from posttrain.core.log_softmax import selective_log_softmax_stats
 
     torch.manual_seed(4)
     x = torch.randn(5, 3, 11, dtype=torch.float64, requires_grad=True)
@@ -183,7 +184,7 @@ def test_custom_gradient_and_stats_match_float64_reference():
 def test_fused_head_matches_plain_cross_entropy_and_its_gradients():
     """linear_selective_log_softmax == -cross_entropy(hidden @ W.T): values, stats, gradients to the
     hidden states and to a weight tied to an embedding (both gradients land in the one weight)."""
-    from posttrain.core.logprobs import linear_selective_log_softmax
+    from posttrain.forward.logprobs import linear_selective_log_softmax
 
     torch.manual_seed(5)
     N, H, V = 13, 6, 37  # a vocabulary block of 8 does not divide V
@@ -218,7 +219,7 @@ def test_fused_head_matches_plain_cross_entropy_and_its_gradients():
 
 
 def test_fused_head_under_bf16_autocast_matches_the_autocast_head():
-    from posttrain.core.logprobs import linear_selective_log_softmax
+    from posttrain.forward.logprobs import linear_selective_log_softmax
 
     torch.manual_seed(6)
     hidden0, weight0, index = torch.randn(9, 16), torch.randn(70, 16) * 0.3, torch.randint(0, 70, (9,))
@@ -239,7 +240,7 @@ def test_fused_head_under_bf16_autocast_matches_the_autocast_head():
 def test_one_row_inputs_put_the_groups_side_by_side_under_their_own_block_masks():
     """Two preference pairs of 2 + 1 + 2 and 3 + 2 + 1 tokens: one row of 11 tokens, the pairs' bounds
     (0, 5, 11), each diagonal block the pair's own mask over its real tokens, nothing across pairs."""
-    from posttrain.core.logprobs import pack_pairs
+    from posttrain.forward.logprobs import pack_pairs
 
     rows = [([5, 6], [7], [8, 9]), ([10, 11, 12], [13, 14], [15])]
     T = 6

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrain.core.logprobs import pack_groups, pack_pairs, packed_logps, plain_lm_head, token_logprobs
+from posttrain.forward.logprobs import pack_groups, pack_pairs, packed_logps, plain_lm_head, token_logprobs
 from posttrain.models.loading import load_causal_lm
 
 # two groups of two completions: a left-padded prompt with a 3-token and a 1-token completion; a

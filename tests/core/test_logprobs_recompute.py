@@ -4,8 +4,8 @@ backward and recomputes them there, with the same values and gradients as when i
 import pytest
 import torch
 
-from posttrain.core import logprobs
-from posttrain.core.logprobs import linear_selective_log_softmax
+from posttrain.forward import logprobs
+from posttrain.forward.logprobs import linear_selective_log_softmax
 
 
 def _run(dtype, autocast):

@@ -159,7 +159,7 @@ def test_each_mode_counts_its_own_denominator():
 def test_a_registered_aggregation_is_one_function_and_its_count(monkeypatch):
     from posttrain.core.masked import count_tokens, register_aggregation
 
-    monkeypatch.setattr("posttrain.core.masked.AGGREGATIONS", dict(AGGREGATIONS))  # registered for this test only
+    monkeypatch.setattr("posttrain.core.masked.AGGREGATIONS", AGGREGATIONS.copy())  # registered for this test only
     import posttrain.core.masked as masked
 
     @register_aggregation("token_sum_over_two", count=lambda mask, max_length: torch.tensor(2.0))

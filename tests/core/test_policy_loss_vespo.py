@@ -59,7 +59,7 @@ def test_loss_type_vespo_selects_the_loss_and_refuses_a_negative_rate(tmp_path):
 
 def test_grpo_trains_off_policy_with_vespo(tmp_path):
     # 4 micro-batches per generation batch and 2 per optimizer step: the second step trains off-policy (W != 1)
-    from posttrain.data.builtin import task_dataset
+    from posttrain.tasks.builtin import task_dataset
     from posttrain.trainers.grpo import GRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path), loss_type="vespo", num_generations=4, steps_per_generation=4,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from posttrain.data import builtin
 from posttrain.data.formats import detect_format, validate
+from posttrain.tasks import builtin
 
 
 @pytest.mark.parametrize("layout", builtin.ZEN_LAYOUTS)
@@ -56,7 +56,7 @@ def test_unknown_names_are_refused():
 
 
 def test_final_answer_reward_by_hand():
-    from posttrain.data.builtin import TASK_CHECKERS, final_answer_reward
+    from posttrain.tasks.builtin import TASK_CHECKERS, final_answer_reward
 
     completions = ["12", "The answer is 12.", "3 + 9 = 12", " 12 ", "I do not know", "To add 3 and 9,",
                    [{"role": "assistant", "content": "9 + 3 = 12"}], "120", "12 or 13"]

@@ -253,7 +253,7 @@ def test_sft_and_dpo_train_on_tool_traces(tmp_path):
 
     import torch
 
-    from posttrain.rollout.environments import calculator_traces
+    from posttrain.tasks.environments import calculator_traces
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
     common = dict(per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2, logging_steps=1, disable_tqdm=True,

@@ -36,7 +36,7 @@ def first_token_reward(completion_ids, **kwargs):
 
 
 def prompts(n: int = 32):
-    from posttrain.data.builtin import task_dataset
+    from posttrain.tasks.builtin import task_dataset
 
     return task_dataset("reverse", "train", size=n).remove_columns("completion")
 
@@ -102,8 +102,8 @@ def learning_args(tmp_path, **overrides) -> dict:
 def heldout_scores(trainer) -> tuple[float, float]:
     """On 100 held-out `reverse` prompts: greedy exact-match accuracy, and the mean digit_match reward
     of 4 sampled completions (T = 1) per prompt."""
-    from posttrain.data.builtin import digit_match_reward, task_dataset
     from posttrain.eval import generation_accuracy
+    from posttrain.tasks.builtin import digit_match_reward, task_dataset
 
     test = task_dataset("reverse", "test", size=100)
     model, tok = trainer.policy, trainer.processing_class
@@ -124,7 +124,7 @@ def assert_learns(trainer, name: str):
 def batch_loss_and_grads(trainer, model, rollout, scores) -> tuple[float, dict]:
     """Train one generation batch's micro-batches without an optimizer step: (the summed loss, each
     parameter's accumulated gradient). The rollout can be trained on again: the last micro-batch lets the
-    sampler's record go layer by layer (`replay.py`), so the batch is built on a copy of it."""
+    sampler's record go layer by layer (`accel/replay.py`), so the batch is built on a copy of it."""
     record = rollout.linear_outputs
     if record is not None:
         record = copy.copy(record)

@@ -13,7 +13,7 @@ TINY = "posttrain/tiny-qwen2"
 
 def task_pairs(split: str = "train", size: int = 200):
     """`reverse` pairs: chosen = the right answer, rejected = one digit replaced by a letter."""
-    from posttrain.data.builtin import task_preference_dataset
+    from posttrain.tasks.builtin import task_preference_dataset
 
     return task_preference_dataset("reverse", split, size).remove_columns("answer")
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from posttrain.core.logprobs import attention_kind
-from posttrain.models import document_attention
-from posttrain.models.document_attention import ATTENTION, boundaries, enable
+from posttrain.accel import document_attention
+from posttrain.accel.document_attention import ATTENTION, boundaries, enable
+from posttrain.forward.logprobs import attention_kind
 
 SHAPE = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)  # grouped-query attention: 2 query heads per key/value head
@@ -75,7 +75,7 @@ def test_several_packed_rows_with_trailing_padding():
 def test_the_sequences_gradients_are_joined_not_zero_filled_and_added():
     """Each sequence's query, key and value are split off their row (SplitBackward: one concatenation per row in
     the backward), not sliced (SliceBackward: a zero-filled full-size gradient per sequence, then summed)."""
-    from posttrain.models.document_attention import document_sdpa
+    from posttrain.accel.document_attention import document_sdpa
 
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True

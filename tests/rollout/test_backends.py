@@ -87,7 +87,7 @@ def test_a_backend_defined_here_gives_the_built_in_rollout(model, tok, options):
     sampling = SamplingConfig(max_new_tokens=14, num_generations=3, stop_token_ids=STOPS, **options)
     custom = CachedForward(model)
     mine = _run(custom, tok, sampling)
-    built_in = _run(model, tok, sampling)  # on CPU: decode.CPUDecoder, the lean step for this Qwen2 model
+    built_in = _run(model, tok, sampling)  # on CPU: cpu_backend.CPUDecoder, the lean step for this Qwen2 model
     generic = _run(ModelForward(model), tok, sampling)
     _same_rollout(mine, built_in)
     _same_rollout(mine, generic)

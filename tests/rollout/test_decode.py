@@ -5,10 +5,10 @@ import pytest
 import torch
 from tests.helpers.rollout import varied
 
+from posttrain.accel import few_rows
+from posttrain.accel.decode import lean_decoder
 from posttrain.models.loading import load_causal_lm, load_tokenizer
-from posttrain.rollout import few_rows
-from posttrain.rollout import generate as generate_module
-from posttrain.rollout.decode import lean_decoder
+from posttrain.rollout import cpu_backend
 from posttrain.rollout.generate import SamplingConfig, generate
 
 PROMPTS = ["reverse 1234 =", "Beautiful is better than ugly. Explicit is", "a"]
@@ -32,7 +32,7 @@ def both_ways(model, tok, monkeypatch, sampling, decoders=None):
             decoders.append(found)
             return found
 
-        monkeypatch.setattr(generate_module, "lean_decoder", probe)
+        monkeypatch.setattr(cpu_backend, "lean_decoder", probe)
         runs.append(generate(model, ids, sampling, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                              generator=torch.Generator().manual_seed(3)))
         assert seen == [lean]  # the lean step was (not) taken

@@ -6,11 +6,12 @@ import json
 import pytest
 
 from posttrain.data.tokenize import encode_text
+from posttrain.data.tools import environment_tools, tool_schemas
 from posttrain.models.loading import load_tokenizer
-from posttrain.rollout.environments import (ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, calculator_dataset,
-                                            calculator_reward, calculator_traces, environment_tools,
-                                            evaluate_arithmetic, guess_number_dataset, guess_number_traces)
-from posttrain.rollout.tools import parse_tool_calls, run_tool_call, tool_schemas, tools_by_name
+from posttrain.rollout.tools import parse_tool_calls, run_tool_call, tools_by_name
+from posttrain.tasks.environments import (ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, calculator_dataset,
+                                          calculator_reward, calculator_traces, evaluate_arithmetic,
+                                          guess_number_dataset, guess_number_traces)
 
 
 def test_arithmetic_values():

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
+from posttrain.accel import few_rows
+from posttrain.accel.few_rows import MAX_ROWS, few_rows_linear, few_rows_linears
 from posttrain.models.loading import load_causal_lm
-from posttrain.rollout import few_rows
-from posttrain.rollout.few_rows import MAX_ROWS, few_rows_linear, few_rows_linears
 
 can_build = shutil.which("cc") is not None and few_rows._cpu_has_avx2_fma()
 needs_kernel = pytest.mark.skipif(not can_build, reason="no C compiler or no AVX2/FMA CPU: decoding uses F.linear")

@@ -4,10 +4,11 @@ stop handling, filtering by hand numbers, the shared-prefill layout, PEFT."""
 import pytest
 import torch
 
-from posttrain.core.logprobs import token_logprobs
+from posttrain.forward import completions as completions_module
+from posttrain.forward.completions import completion_logprobs
+from posttrain.forward.logprobs import token_logprobs
 from posttrain.models.loading import load_causal_lm
-from posttrain.rollout import generate as generate_module
-from posttrain.rollout.generate import Rollout, SamplingConfig, _sample, completion_logprobs, filter_logits, generate
+from posttrain.rollout.generate import Rollout, SamplingConfig, _sample, filter_logits, generate
 
 PROMPTS = ["reverse 1234 =", "Beautiful is better than ugly. Explicit is", "a", "add 12 7 ="]
 
@@ -286,7 +287,7 @@ def test_completion_logprobs_equal_the_plain_forward_with_gradients(tok, prompt_
     def no_plain_forward(*args, **kwargs):
         raise AssertionError("completion_logprobs fell back to the plain forward")
 
-    monkeypatch.setattr(generate_module, "token_logprobs", no_plain_forward)
+    monkeypatch.setattr(completions_module, "token_logprobs", no_plain_forward)
     for model in models.values():
         shared = run(model, lambda mm: completion_logprobs(mm, pi, pm, ci, cm, temperature=0.7, with_entropy=True))
         torch.testing.assert_close(shared[0][real], reference[0][real], rtol=1e-6, atol=1e-6)
@@ -298,7 +299,7 @@ def test_completion_logprobs_equal_the_plain_forward_with_gradients(tok, prompt_
 
 def test_transposed_head_matches_the_plain_head_and_is_removed(model):
     """The decoding head computed as (W x^T)^T gives the plain logits; the head gets its own forward back."""
-    from posttrain.rollout.decode import transposed_head
+    from posttrain.accel.decode import transposed_head
 
     ids = torch.randint(0, 1000, (8, 3))
     head = model.get_output_embeddings()

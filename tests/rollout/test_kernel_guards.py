@@ -15,13 +15,12 @@ import pytest
 import torch
 from tests.helpers.rollout import varied
 
-from posttrain.models import products
+from posttrain.accel import few_rows, products
+from posttrain.accel.decode import lean_decoder
+from posttrain.accel.few_rows import few_rows_linear, whole
+from posttrain.accel.replay import LinearRecord, replaying
 from posttrain.models.loading import load_causal_lm, load_tokenizer
-from posttrain.rollout import few_rows
-from posttrain.rollout.decode import lean_decoder
-from posttrain.rollout.few_rows import few_rows_linear, whole
 from posttrain.rollout.generate import SamplingConfig, generate
-from posttrain.rollout.replay import LinearRecord, replaying
 
 can_build = shutil.which("cc") is not None and few_rows._cpu_has_avx2_fma()
 needs_kernel = pytest.mark.skipif(not can_build, reason="no C compiler or no AVX2/FMA CPU: no kernel to guard")

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from posttrain.core.advantages import AdvantageInput, compute_advantages
-from posttrain.core.logprobs import token_logprobs
 from posttrain.data.tokenize import continuation_ids
-from posttrain.rollout import generate as generate_module
-from posttrain.rollout.generate import SamplingConfig, completion_logprobs, generate
+from posttrain.data.tools import tool_schemas
+from posttrain.forward.completions import completion_logprobs
+from posttrain.forward.logprobs import token_logprobs
+from posttrain.rollout import cpu_backend
+from posttrain.rollout.generate import SamplingConfig, generate
 from posttrain.rollout.multiturn import Episodes, Tooling, rollout_from_func
-from posttrain.rollout.tools import tool_schemas
 
 FED = [5, 6, 7, 8, 9]  # what the scripted "tool" answers: any ids, fed after a row's first turn
 
@@ -67,7 +68,7 @@ def test_fed_turns_are_masked_token_by_token(model, tok):
 
 def test_kv_cache_is_continued_across_turns(model, tok, monkeypatch):
     """Only the prompt is prefilled: every later forward takes one token per row, fed tokens included."""
-    monkeypatch.setattr(generate_module, "lean_decoder", lambda net: None)  # count the model's own forwards
+    monkeypatch.setattr(cpu_backend, "lean_decoder", lambda net: None)  # count the model's own forwards
     widths = []
     original = type(model).forward
 
@@ -87,7 +88,7 @@ def test_kv_cache_is_continued_across_turns(model, tok, monkeypatch):
 
 def test_lean_decoder_takes_fed_tokens_too(model, tok, monkeypatch):
     _, lean = _rollout(model, tok, Script())
-    monkeypatch.setattr(generate_module, "lean_decoder", lambda net: None)
+    monkeypatch.setattr(cpu_backend, "lean_decoder", lambda net: None)
     _, plain = _rollout(model, tok, Script())
     assert torch.equal(lean.completion_ids, plain.completion_ids)
     assert torch.equal(lean.tool_mask, plain.tool_mask)

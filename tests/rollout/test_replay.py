@@ -1,16 +1,17 @@
-"""The sampler's record of linear outputs (rollout/replay.py): what it holds, how it is laid out, and that a
+"""The sampler's record of linear outputs (accel/replay.py): what it holds, how it is laid out, and that a
 training forward that replays it gives the log-probs and gradients of the ordinary forward."""
 
 import pytest
 import torch
 from tests.helpers.rollout import varied
 
+from posttrain.accel import decode, few_rows
+from posttrain.accel.decode import layer_linears
+from posttrain.accel.replay import LinearRecord, _KnownLinear, replaying
+from posttrain.forward import completions as completions_module
+from posttrain.forward.completions import completion_logprobs
 from posttrain.models.loading import load_causal_lm, load_tokenizer
-from posttrain.rollout import decode, few_rows
-from posttrain.rollout import generate as generate_module
-from posttrain.rollout.decode import layer_linears
-from posttrain.rollout.generate import SamplingConfig, completion_logprobs, generate
-from posttrain.rollout.replay import LinearRecord, _KnownLinear, replaying
+from posttrain.rollout.generate import SamplingConfig, generate
 
 PROMPTS = ["reverse 1234 =", "Beautiful is better than ugly. Explicit is", "a"]
 
@@ -120,8 +121,8 @@ def test_replayed_forward_gives_the_same_logprobs_and_gradients(name, rows, pack
     batch = _subset_like_a_micro_batch(out, rows)
     assert (batch[0].shape[1] < out.prompt_ids.shape[1]) == trimmed
     plain_calls = []
-    monkeypatch.setattr(generate_module, "token_logprobs",
-                        lambda *a, real=generate_module.token_logprobs, **k: plain_calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(completions_module, "token_logprobs",
+                        lambda *a, real=completions_module.token_logprobs, **k: plain_calls.append(1) or real(*a, **k))
     model.train()
     results = []
     for replay in (None, (out.linear_outputs, rows)):

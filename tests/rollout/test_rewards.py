@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from posttrain.data.builtin import digit_match_reward, exact_match_reward
 from posttrain.rollout.rewards import RewardError, RewardScorer, resolve_reward_func
+from posttrain.tasks.builtin import digit_match_reward, exact_match_reward
 
 PROMPTS = ["reverse 12 =", "reverse 345 =", "add 1 2 ="]
 COMPLETIONS = [" 21", " 543x", " 4"]
@@ -60,7 +60,7 @@ def test_arguments_follow_the_signature():
 
 
 def test_builtin_and_module_strings():
-    per, _ = score(["exact_match", "digit_match", "posttrain.data.builtin:exact_match_reward"])
+    per, _ = score(["exact_match", "digit_match", "posttrain.tasks.builtin:exact_match_reward"])
     assert per[:, 0].tolist() == exact_match_reward(COMPLETIONS, COLUMNS["answer"])
     assert per[:, 1].tolist() == pytest.approx(digit_match_reward(COMPLETIONS, COLUMNS["answer"]))
     assert per[:, 0].tolist() == per[:, 2].tolist() == [1.0, 0.0, 0.0]
@@ -68,7 +68,7 @@ def test_builtin_and_module_strings():
     assert RewardScorer(["exact_match", functools.partial(level_reward)]).names == ["exact_match_reward",
                                                                                     "level_reward"]
     with pytest.raises(ValueError, match="no attribute"):
-        resolve_reward_func("posttrain.data.builtin:nope")
+        resolve_reward_func("posttrain.tasks.builtin:nope")
 
 
 def test_weights_and_abstention():

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from posttrain.rollout.tools import (assistant_turn, parse_tool_calls, run_tool_call, run_tool_calls, tool_schemas,
-                                     tools_by_name)
+from posttrain.data.tools import tool_schemas
+from posttrain.rollout.tools import assistant_turn, parse_tool_calls, run_tool_call, run_tool_calls, tools_by_name
 
 
 def multiply(a: int, b: int) -> int:

@@ -13,10 +13,10 @@ def sft_reverse(steps: int = 150, batch_size: int = 32, lr: float = 3e-3, warmup
     """
     import torch
 
-    from posttrain.data.builtin import task_dataset
     from posttrain.data.collate import pad
     from posttrain.data.tokenize import encode_prompt_completion
     from posttrain.models.loading import load_causal_lm, load_tokenizer
+    from posttrain.tasks.builtin import task_dataset
 
     torch.manual_seed(seed)
     model = load_causal_lm("posttrain/tiny-qwen2")

@@ -16,8 +16,8 @@ import sys
 import torch
 
 from posttrain.cli import close_process_group, end_process
-from posttrain.data.builtin import task_dataset, task_preference_dataset
 from posttrain.models.loading import zero3_partitioned
+from posttrain.tasks.builtin import task_dataset, task_preference_dataset
 
 
 def _skip_shm_build():

@@ -13,11 +13,11 @@ import sys
 
 import torch
 
+from posttrain.accel.replay import LinearRecord
 from posttrain.cli import close_process_group
-from posttrain.data.builtin import task_dataset
 from posttrain.rollout import generate as generate_module
 from posttrain.rollout.generate import Rollout, generate
-from posttrain.rollout.replay import LinearRecord
+from posttrain.tasks.builtin import task_dataset
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 

@@ -9,8 +9,8 @@ import sys
 import torch
 
 from posttrain.cli import close_process_group
-from posttrain.data.builtin import task_preference_dataset
 from posttrain.models.loading import load_tokenizer
+from posttrain.tasks.builtin import task_preference_dataset
 
 
 def main(out_path: str, trainer_name: str):

@@ -19,8 +19,8 @@ from datasets import Dataset
 from posttrain.cli import close_process_group
 from posttrain.models.loading import load_causal_lm
 from posttrain.rollout import generate as generate_module
-from posttrain.rollout.environments import GuessNumberEnv
 from posttrain.rollout.generate import generate
+from posttrain.tasks.environments import GuessNumberEnv
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from distributed_grpo import join_rollouts
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from distributed_grpo import PerPromptSeededGRPO, first_token_reward
 from posttrain.cli import close_process_group, end_process
-from posttrain.data.builtin import task_dataset
+from posttrain.tasks.builtin import task_dataset
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer

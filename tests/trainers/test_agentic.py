@@ -8,9 +8,9 @@ import torch
 from tests.helpers.online import CRITIC_METRICS, batch_loss_and_grads, online_args, train_and_check
 
 from posttrain.data.tokenize import encode_prompt
+from posttrain.data.tools import environment_tools, tool_schemas
 from posttrain.models.loading import load_causal_lm, load_tokenizer
-from posttrain.rollout.environments import GuessNumberEnv, environment_tools
-from posttrain.rollout.tools import tool_schemas
+from posttrain.tasks.environments import GuessNumberEnv
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 from posttrain.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer

@@ -9,12 +9,13 @@ from tests.helpers.preference import (TINY, assert_all_changed, assert_finite_me
                                 config_kwargs, snapshot, task_pairs)
 
 from posttrain.core.preference_losses import bco_loss
-from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError
+from posttrain.forward.completions import completion_logps
 from posttrain.models.embedding import DensityRatioClassifier, minilm_path
 from posttrain.models.loading import load_causal_lm, load_tokenizer
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.bco import BCOConfig, BCOTrainer
-from posttrain.trainers.preference_base import RUNNING_FILE, completion_logps, preference_accuracy
+from posttrain.trainers.preference_base import RUNNING_FILE, preference_accuracy
 
 METRICS = ["loss", "delta", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "num_tokens"]

@@ -6,9 +6,9 @@ import json
 import torch
 from tests.helpers.preference import TINY, config_kwargs
 
-from posttrain.data.builtin import zen
 from posttrain.models.loading import load_causal_lm
 from posttrain.rollout.generate import SamplingConfig, generate
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.bco import BCOConfig, BCOTrainer
 from posttrain.trainers.eval_samples import EVAL_COMPLETIONS_FILE
 

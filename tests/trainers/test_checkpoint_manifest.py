@@ -10,7 +10,7 @@ import shutil
 import pytest
 from tests.helpers.preference import TINY, config_kwargs
 
-from posttrain.data.builtin import zen
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.guards import MANIFEST_FILE, STATE_FILE, CheckpointError
 from posttrain.trainers.sft import SFTConfig, SFTTrainer
 

@@ -12,8 +12,8 @@ from datasets import Dataset
 from tests.helpers.preference import TINY, config_kwargs
 from transformers import TrainerCallback
 
-from posttrain.data.builtin import zen
 from posttrain.models.tiny import tiny_model_path
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 from posttrain.trainers.reward import RewardConfig, RewardTrainer
 from posttrain.trainers.sft import SFTConfig, SFTTrainer

@@ -43,7 +43,7 @@ def test_each_process_scores_its_share_and_the_columns_match_one_process(tmp_pat
 
 @pytest.mark.parametrize("disable_tqdm", [False, True])
 def test_the_precompute_shows_a_progress_bar_unless_disable_tqdm(tmp_path, capsys, disable_tqdm):
-    from posttrain.data.builtin import task_preference_dataset
+    from posttrain.tasks.builtin import task_preference_dataset
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
     args = DPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, per_device_eval_batch_size=4,

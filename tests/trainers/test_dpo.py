@@ -5,13 +5,14 @@ import torch
 from tests.helpers.preference import (TINY, assert_all_changed, assert_finite_metrics, assert_split_invariant,
                                 config_kwargs, snapshot, task_pairs)
 
-from posttrain.core.logprobs import plain_lm_head
 from posttrain.core.preference_losses import DPO_LOSSES, PreferenceInput, dpo_loss
-from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError
+from posttrain.forward.completions import completion_logps
+from posttrain.forward.logprobs import plain_lm_head
 from posttrain.models.loading import frozen_copy, load_causal_lm
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
-from posttrain.trainers.preference_base import completion_logps, preference_accuracy
+from posttrain.trainers.preference_base import preference_accuracy
 
 METRICS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "logits/chosen", "logits/rejected", "num_tokens"]
@@ -225,8 +226,8 @@ def test_dpo_learns_to_prefer_held_out_correct_answers(tmp_path):
 
 
 def test_task_preference_dataset_corrupts_one_digit_keeping_the_token_count():
-    from posttrain.data.builtin import load_builtin, task_preference_dataset
     from posttrain.models.loading import load_tokenizer
+    from posttrain.tasks.builtin import load_builtin, task_preference_dataset
 
     tok = load_tokenizer(TINY)
     for corruption in ("letter", "digit"):
@@ -244,7 +245,7 @@ def test_paired_completion_logps_equal_the_two_row_forward_with_gradients(tmp_pa
     """Pairs scored as one [prompt | chosen | rejected] sequence give the two-row forward's log-probs,
     lengths and gradients (float64, pairs of uneven prompt and completion lengths), whether the
     pairs go through the model in one batch or in length groups."""
-    from posttrain.core.logprobs import paired_completion_logps, plain_lm_head
+    from posttrain.forward.logprobs import plain_lm_head
 
     model = load_causal_lm(TINY).double()
     model.config._attn_implementation = attn
@@ -255,8 +256,8 @@ def test_paired_completion_logps_equal_the_two_row_forward_with_gradients(tmp_pa
     ids, mask, cmask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
     head = plain_lm_head(model, ids)
     ways = {"two rows": lambda: completion_logps(model, ids, mask, cmask, paired=False),
-            "paired, one batch": lambda: paired_completion_logps(model, head, ids, mask, cmask, per_forward=10**9),
-            "paired, a pair per forward": lambda: paired_completion_logps(model, head, ids, mask, cmask, per_forward=0)}
+            "paired, one batch": lambda: completion_logps(model, ids, mask, cmask, paired=True, per_forward=10**9),
+            "paired, a pair per forward": lambda: completion_logps(model, ids, mask, cmask, paired=True, per_forward=0)}
     results, forwards = {}, {}
     for name, way in ways.items():
         model.zero_grad()
@@ -278,7 +279,7 @@ def test_paired_completion_logps_equal_the_two_row_forward_with_gradients(tmp_pa
 
 
 def test_length_groups_minimise_padding_plus_a_cost_per_forward():
-    from posttrain.core.logprobs import length_groups
+    from posttrain.core.log_softmax import length_groups
 
     lengths = [174, 143, 151, 157]
     # one group pads to 4 x 174 = 696; per row costs 625 + 4 x 16 = 689; {174} {157, 151, 143} 174 + 471 + 32 = 677

@@ -8,10 +8,11 @@ import torch
 from tests.helpers.preference import TINY, assert_all_changed, assert_finite_metrics, config_kwargs, snapshot
 
 from posttrain.core.preference_losses import PreferenceInput, dpo_loss
-from posttrain.data.builtin import zen
+from posttrain.forward.completions import completion_logps
 from posttrain.models.loading import load_tokenizer
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
-from posttrain.trainers.preference_base import completion_logps, prepare_preference_dataset
+from posttrain.trainers.preference_base import prepare_preference_dataset
 
 
 def batch_of(trainer, n=4):

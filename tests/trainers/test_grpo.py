@@ -50,7 +50,7 @@ def test_variants_run(tmp_path):
 @pytest.mark.slow
 def test_grpo_raises_heldout_reward(sft_reverse_path, tmp_path):
     """GRPO from the partially SFT-trained tiny model raises held-out greedy accuracy and sampled reward."""
-    from posttrain.data.builtin import digit_match_reward, task_dataset
+    from posttrain.tasks.builtin import digit_match_reward, task_dataset
 
     train = task_dataset("reverse", "train").remove_columns("completion")
     trainer = GRPOTrainer(sft_reverse_path, digit_match_reward, train_dataset=train,

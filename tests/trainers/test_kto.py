@@ -4,11 +4,12 @@ from tests.helpers.preference import (TINY, assert_all_changed, assert_finite_me
                                 config_kwargs, snapshot, task_pairs)
 
 from posttrain.core.preference_losses import kto_loss
-from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError
+from posttrain.forward.completions import completion_logps
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.bco import BCOConfig, BCOTrainer
 from posttrain.trainers.kto import KTOConfig, KTOTrainer
-from posttrain.trainers.preference_base import completion_logps, preference_accuracy
+from posttrain.trainers.preference_base import preference_accuracy
 
 METRICS = ["loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "num_tokens"]

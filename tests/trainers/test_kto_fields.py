@@ -6,7 +6,7 @@ import pytest
 import torch
 from tests.helpers.preference import TINY, config_kwargs
 
-from posttrain.data.builtin import zen
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.base import SyncRefModelCallback
 from posttrain.trainers.bco import BCOConfig, BCOTrainer
 from posttrain.trainers.kto import KTOConfig, KTOTrainer

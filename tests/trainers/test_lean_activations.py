@@ -4,9 +4,9 @@ False, or torch_compile, leaves transformers' modules."""
 import pytest
 from tests.helpers.online import first_token_reward, online_args, prompts
 
-from posttrain.data.builtin import zen
-from posttrain.models.lean import is_lean
+from posttrain.accel.lean import is_lean
 from posttrain.models.loading import load_causal_lm
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 from posttrain.trainers.sft import SFTConfig, SFTTrainer
 

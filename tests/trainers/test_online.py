@@ -4,7 +4,7 @@ import pytest
 import torch
 from tests.helpers.online import batch_loss_and_grads, first_token_reward, online_args, prompts
 
-from posttrain.core.logprobs import token_logprobs
+from posttrain.forward.logprobs import token_logprobs
 from posttrain.trainers import online
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.online import OnlineConfig, OnlineTrainer
@@ -103,7 +103,7 @@ def test_no_old_logprob_pass(tmp_path, monkeypatch, num_iterations):
     monkeypatch.setattr(online, "generate", tracked_generate)
     trainer = grpo(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                    num_iterations=num_iterations, max_steps=num_iterations)
-    from posttrain.core.logprobs import plain_lm_head
+    from posttrain.forward.logprobs import plain_lm_head
 
     plain_lm_head(trainer.model, torch.tensor([[1, 2, 3]]))  # the output layer's one-off probe (cached), not counted
     calls = []
@@ -119,12 +119,12 @@ def test_no_old_logprob_pass(tmp_path, monkeypatch, num_iterations):
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_loss_and_gradient_do_not_depend_on_the_split(tmp_path, loss_type, replay, monkeypatch):
     """Same rollouts: batch 8 x accumulation 1 == 4 x 2 == 2 x 4 (sum of micro-batch losses and gradients)."""
+    from posttrain.forward import completions as completions_module
     from posttrain.models.loading import load_causal_lm
-    from posttrain.rollout import generate as generate_module
 
     replayed = []
-    monkeypatch.setattr(generate_module, "replaying",
-                        lambda *a, real=generate_module.replaying: replayed.append(1) or real(*a))
+    monkeypatch.setattr(completions_module, "replaying",
+                        lambda *a, real=completions_module.replaying: replayed.append(1) or real(*a))
     model = load_causal_lm("posttrain/tiny-qwen2")
     results = []
     rollout = scores = None
@@ -149,11 +149,11 @@ def test_loss_and_gradient_do_not_depend_on_the_split(tmp_path, loss_type, repla
 def test_replayed_training_forward_gives_the_same_update(tmp_path, monkeypatch):
     """The same rollout trained with the sampler's linear outputs and without: same loss and gradients; the
     record is let go after the generation batch's last micro-batch."""
-    from posttrain.rollout import generate as generate_module
+    from posttrain.forward import completions as completions_module
 
     replayed = []
-    monkeypatch.setattr(generate_module, "replaying",
-                        lambda *a, real=generate_module.replaying: replayed.append(1) or real(*a))
+    monkeypatch.setattr(completions_module, "replaying",
+                        lambda *a, real=completions_module.replaying: replayed.append(1) or real(*a))
     results = []
     for replay in (True, False):
         trainer = grpo(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,

@@ -20,8 +20,8 @@ from posttrain.trainers.online_config import OnlineConfig, loss_types
 @pytest.fixture
 def scratch_registries(monkeypatch):
     """Registrations made in a test stay in that test."""
-    monkeypatch.setattr(advantages, "ADVANTAGES", dict(ADVANTAGES))
-    monkeypatch.setattr(policy_losses, "POLICY_LOSSES", dict(POLICY_LOSSES))
+    monkeypatch.setattr(advantages, "ADVANTAGES", ADVANTAGES.copy())
+    monkeypatch.setattr(policy_losses, "POLICY_LOSSES", POLICY_LOSSES.copy())
     monkeypatch.setattr("posttrain.trainers.online_config.ADVANTAGES", advantages.ADVANTAGES)
     monkeypatch.setattr("posttrain.trainers.online_config.POLICY_LOSSES", policy_losses.POLICY_LOSSES)
     monkeypatch.setattr("posttrain.trainers.online.ADVANTAGES", advantages.ADVANTAGES)

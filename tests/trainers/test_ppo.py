@@ -71,7 +71,7 @@ def test_classic_manual_loop(tmp_path):
 @pytest.mark.slow
 def test_ppo_raises_heldout_reward(sft_reverse_path, tmp_path):
     """PPO from the partially SFT-trained tiny model raises held-out greedy accuracy and sampled reward."""
-    from posttrain.data.builtin import digit_match_reward, task_dataset
+    from posttrain.tasks.builtin import digit_match_reward, task_dataset
 
     train = task_dataset("reverse", "train").remove_columns("completion")
     trainer = PPOTrainer(args=PPOConfig(**learning_args(tmp_path, num_ppo_epochs=1)), model=sft_reverse_path,

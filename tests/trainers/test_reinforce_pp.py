@@ -25,7 +25,7 @@ def test_baseline_variant_and_single_generation(tmp_path):
 def test_reinforce_pp_raises_heldout_reward(sft_reverse_path, tmp_path):
     """REINFORCE++ from the partially SFT-trained tiny model raises held-out greedy accuracy and sampled reward
     (150 rollouts: with 100, an AVX2-only CPU left its greedy gain exactly at the +0.15 margin)."""
-    from posttrain.data.builtin import digit_match_reward, task_dataset
+    from posttrain.tasks.builtin import digit_match_reward, task_dataset
 
     train = task_dataset("reverse", "train").remove_columns("completion")
     trainer = ReinforcePPTrainer(sft_reverse_path, digit_match_reward, train_dataset=train,

@@ -13,7 +13,7 @@ import torch
 from tests.helpers.preference import TINY, config_kwargs
 from tests.helpers.resume import assert_resumes_identically, logged_numbers, run_fields, trained_state
 
-from posttrain.data.builtin import zen
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.bco import BCOConfig, BCOTrainer
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 from posttrain.trainers.kto import KTOConfig, KTOTrainer
@@ -89,7 +89,7 @@ KILLED_RUN = textwrap.dedent("""
     import os, sys
     import torch
     from transformers import TrainerCallback
-    from posttrain.data.builtin import zen
+    from posttrain.tasks.builtin import zen
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
     torch.set_num_threads(1)

@@ -5,9 +5,9 @@ from tests.helpers.preference import (TINY, assert_all_changed, assert_finite_me
                                 config_kwargs, snapshot, task_pairs)
 
 from posttrain.core.preference_losses import pairwise_reward_loss
-from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError
 from posttrain.models.loading import load_sequence_classifier
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.preference_base import PreferenceCollator
 from posttrain.trainers.reward import RewardConfig, RewardTrainer, pair_rewards, plain_score_head
 
@@ -153,7 +153,7 @@ def test_packed_pairs_give_the_scores_and_gradients_of_the_two_row_forward(atten
         for name, grad in want_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
     # document attention (what RewardTrainer switches sdpa models to): all pairs in one padding-free row
-    from posttrain.models import document_attention
+    from posttrain.accel import document_attention
 
     if document_attention.enable(model):
         calls = []

@@ -5,9 +5,9 @@ import pytest
 from datasets import Dataset
 from tests.helpers.preference import TINY, config_kwargs
 
-from posttrain.data.builtin import zen
 from posttrain.data.formats import FormatError
 from posttrain.data.tokenize import encode_prompt_completion
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.reward import RewardConfig, RewardTrainer
 
 

@@ -42,7 +42,7 @@ def test_smoke_grpo_style(tmp_path):
 @pytest.mark.slow
 def test_rloo_raises_heldout_reward(sft_reverse_path, tmp_path):
     """RLOO from the partially SFT-trained tiny model raises held-out greedy accuracy and sampled reward."""
-    from posttrain.data.builtin import digit_match_reward, task_dataset
+    from posttrain.tasks.builtin import digit_match_reward, task_dataset
 
     train = task_dataset("reverse", "train").remove_columns("completion")
     trainer = RLOOTrainer(sft_reverse_path, digit_match_reward, train_dataset=train,

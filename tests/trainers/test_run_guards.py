@@ -14,7 +14,7 @@ import torch
 from tests.helpers.preference import TINY, config_kwargs
 
 from posttrain import cli
-from posttrain.data.builtin import zen
+from posttrain.tasks.builtin import zen
 from posttrain.trainers.guards import NonFiniteError, OutputDirInUseError, output_dir_lock
 from posttrain.trainers.sft import SFTConfig, SFTTrainer
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 from datasets import Dataset
 
-from posttrain.core.logprobs import plain_lm_head
-from posttrain.data.builtin import task_dataset, zen
 from posttrain.data.collate import IGNORE_INDEX
 from posttrain.data.formats import FormatError
 from posttrain.data.tokenize import TokenizeError
+from posttrain.forward.logprobs import plain_lm_head
 from posttrain.models.loading import load_tokenizer
+from posttrain.tasks.builtin import task_dataset, zen
 from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
 MODEL = "posttrain/tiny-qwen2"

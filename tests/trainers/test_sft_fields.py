@@ -7,9 +7,9 @@ import torch
 from datasets import Dataset, IterableDataset
 from transformers import TrainingArguments
 
-from posttrain.data.builtin import task_dataset, zen
 from posttrain.data.collate import IGNORE_INDEX
 from posttrain.models.loading import load_tokenizer
+from posttrain.tasks.builtin import task_dataset, zen
 from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
 MODEL = "posttrain/tiny-qwen2"

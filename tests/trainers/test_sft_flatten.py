@@ -9,8 +9,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from posttrain.data.builtin import task_dataset, zen
 from posttrain.models.loading import load_causal_lm
+from posttrain.tasks.builtin import task_dataset, zen
 from posttrain.trainers.sft import SFTConfig, SFTTrainer, flat_is_cheaper, rows_kept_apart
 
 MODEL = "posttrain/tiny-qwen2"  # hidden 64, sdpa

@@ -6,8 +6,8 @@ classic docs' order.
 """
 
 from posttrain import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from posttrain.data.builtin import digit_match_reward, task_dataset
 from posttrain.models.loading import load_tokenizer
+from posttrain.tasks.builtin import digit_match_reward, task_dataset
 
 if __name__ == "__main__":
     dataset = task_dataset("reverse", "train", size=64).remove_columns("completion")

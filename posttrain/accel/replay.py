@@ -20,7 +20,7 @@ forward has gathered that layer's outputs, so the record shrinks while the forwa
 and none of it sits beside the activations at their peak. What replay saves and costs is measured in
 benchmarks/README.md ("Where time goes in the sampler").
 
-The record is filled by the sampler's CPU backend (`decode.CPUDecoder`): the prefill's outputs through
+The record is filled by the sampler's CPU backend (`cpu_backend.CPUDecoder`): the prefill's outputs through
 forward hooks (`recording_prefill`), each decoding step's from the lean step's own buffer (`keep_step`).
 
 Positions the sampler never fed (a completion's last token, where a layout has it, and the tokens
@@ -36,8 +36,7 @@ import functools
 import torch
 from torch import Tensor
 
-from posttrain.models import products
-from posttrain.rollout import few_rows
+from posttrain.accel import few_rows, products
 
 
 class LinearRecord:

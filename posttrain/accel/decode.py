@@ -1,5 +1,5 @@
-"""The sampler's CPU backend (`CPUDecoder`) and its lean one-token decoding step for Llama-style causal
-LMs (LlamaForCausalLM, Qwen2ForCausalLM).
+"""The lean one-token decoding step for Llama-style causal LMs (LlamaForCausalLM, Qwen2ForCausalLM), which
+the sampler's CPU backend (`rollout.cpu_backend.CPUDecoder`) steps through.
 
 On CPU in float32, a one-token step of a few rows is bound by streaming the weights from memory,
 and PyTorch's GEMM does that poorly for a few rows (it repacks each weight on every call); and
@@ -9,7 +9,7 @@ dispatch) costs about as much as the arithmetic. `CPUDecoder` therefore prefills
 model's forward, then decodes through `LeanDecoder.step` where the architecture allows, else through
 the model's forward with every `nn.Linear` on the few-rows kernel (`few_rows.few_rows_linears`), or,
 where the kernels cannot be built, with the output layer computed as (W x^T)^T (`transposed_head`).
-The KV cache gets room for the whole completion up front (`backends.make_room`), so a step writes
+The KV cache gets room for the whole completion up front (`rollout.backends.make_room`), so a step writes
 its keys and values in place instead of copying the cache. Timings: benchmarks/README.md ("Where
 time goes in the sampler").
 
@@ -24,7 +24,7 @@ multiple of 8) the same step runs as about 20 PyTorch ops per layer, still cheap
 forward. Same values as the model's own forward up to float rounding (tested token for token
 against it). Given a `record` buffer, a step also writes every layer's linear outputs into it (q, k,
 v before the rotary embedding, o, gate and up before the SiLU, down), for the training forward to
-replay (`replay.py`).
+replay (`accel/replay.py`).
 
 `lean_decoder(model)` returns None (and `CPUDecoder` steps through the model's forward) for any other
 architecture or configuration: another activation, sliding-window layers, modules with hooks or
@@ -41,72 +41,12 @@ import functools
 import torch
 from torch import Tensor
 
-from posttrain.models import products
-from posttrain.rollout import few_rows
-from posttrain.rollout.backends import ModelForward, roomy_layer_class
-from posttrain.rollout.few_rows import few_rows_linear
-from posttrain.rollout.replay import LinearRecord, recording_prefill
+from posttrain.accel import few_rows, products
+from posttrain.accel.few_rows import few_rows_linear
 
 SUPPORTED = {"LlamaForCausalLM": "LlamaModel", "Qwen2ForCausalLM": "Qwen2Model"}
 _WEIGHTS = ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate", "gate_bias", "up", "up_bias", "down",
             "down_bias")
-
-
-class CPUDecoder(ModelForward):
-    """The sampler's backend on CPU: the prefill and the KV cache of `ModelForward`, then each step through
-    the lean decoder where one is given and every cache layer could be given room, else through the model's
-    forward with every linear layer on the few-rows kernel (without the kernels: the transposed head).
-
-    lean: `lean_decoder(model)`, or None to step through the model's forward; always None under lock-step
-    (the lean step calls no forward, so it cannot keep pace with processes whose forwards gather weights).
-    record: a `LinearRecord` for the prefill and the lean steps to fill, or None; it is dropped with the
-    lean step when that cannot run (`linear_outputs` is then None)."""
-
-    def __init__(self, model, lean: LeanDecoder | None = None, record: LinearRecord | None = None):
-        super().__init__(model)
-        self.lean = lean
-        self.linear_outputs = record if lean is not None else None
-        self._patched = contextlib.ExitStack()  # the model's linear layers, while steps run through its forward
-
-    def __exit__(self, *exc) -> None:
-        self._patched.close()
-        super().__exit__(*exc)
-
-    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
-        self._lengths, self._width = prompt_mask.sum(1), prompt_mask.shape[1]
-        recording = contextlib.nullcontext() if self.linear_outputs is None else recording_prefill(self.linear_outputs)
-        with recording:
-            return super().prefill(prompt_ids, prompt_mask, positions)
-
-    def expand(self, group: int, capacity: int) -> None:
-        super().expand(group, capacity)
-        layers = getattr(self.cache, "layers", None)
-        if self.lean is not None and isinstance(layers, list) and all(
-                type(layer) is roomy_layer_class() for layer in layers):
-            first = self._lengths.repeat_interleave(group)[:, None]  # (N, 1) position of each row's first new token
-            self.lean.set_positions(first + torch.arange(capacity - self._width, device=self.device))
-            self.lean.bind(self.cache)
-            self._rows = torch.arange(len(first), device=self.device)  # rollout row of each decoded row (record)
-            return
-        self.lean = self.linear_outputs = None
-        self._patched.enter_context(few_rows.few_rows_linears(self.net) if few_rows.available()
-                                    else transposed_head(self.net))
-
-    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
-        if self.lean is None:
-            return super().step(tokens, t, attention, positions)
-        record = self.linear_outputs
-        outputs = None if record is None else torch.empty(len(self.lean.linears), len(tokens), self.lean.record_width)
-        logits = self.lean.step(tokens, t, attention, self.cache, record=outputs)
-        if record is not None:
-            record.keep_step(t, self._rows, outputs)
-        return logits
-
-    def select(self, keep: Tensor) -> None:
-        super().select(keep)
-        if self.lean is not None:
-            self._rows = self._rows[keep]
-            self.lean.select(keep, self.cache)
 
 
 class _CLayer(ctypes.Structure):  # LeanLayer in decode_kernels.c

@@ -10,7 +10,7 @@ The C file is compiled on first use with the system C compiler (`$CC`, else `cc`
 posttrain cache folder, and loaded with ctypes; its OpenMP threads come from the runtime
 PyTorch already loaded. Without a compiler, on a CPU without AVX2 and FMA, or with
 POSTTRAIN_NO_KERNELS=1, `available()` is False and decoding uses `F.linear` as before. The same
-library holds the whole lean decoding step of `decode.py`.
+library holds the whole lean decoding step of `accel/decode.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from posttrain.models import products
+from posttrain.accel import products
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_kernels.c")

@@ -30,24 +30,14 @@ import operator
 import random
 from typing import Any
 
-from posttrain.data.builtin import final_answer
+from posttrain.core.registry import Registry
 from posttrain.data.chat import TOOL_CALL_END
-from posttrain.rollout.tools import tool_schemas
+from posttrain.data.tools import environment_tools, tool_schemas
+from posttrain.tasks.builtin import final_answer
 
 __all__ = ["ENVIRONMENTS", "CalculatorEnv", "GuessNumberEnv", "calculator_dataset", "calculator_reward",
            "calculator_traces", "environment_tools", "evaluate_arithmetic", "guess_number_dataset",
            "guess_number_traces"]
-
-_PROTOCOL = ("reset", "get_reward")  # public methods that are not tools
-
-
-def environment_tools(env) -> list:
-    """The tools of an environment instance: its public methods other than `reset` and `get_reward`,
-    bound, in definition order (so the schemas and the prompt are the same on every run)."""
-    names = [n for klass in reversed(type(env).__mro__) if klass is not object for n in vars(klass)]
-    seen = dict.fromkeys(n for n in names if not n.startswith("_") and n not in _PROTOCOL)
-    return [getattr(env, n) for n in seen if callable(getattr(env, n, None))]
-
 
 # --------------------------------------------------------------------------- safe arithmetic
 
@@ -326,4 +316,4 @@ def guess_number_traces(split: str = "train", size: int | None = None, low: int 
 
 
 # Names for configuration files and the CLI: a factory per environment.
-ENVIRONMENTS = {"calculator": CalculatorEnv, "guess_number": GuessNumberEnv}
+ENVIRONMENTS = Registry("environment", entries={"calculator": CalculatorEnv, "guess_number": GuessNumberEnv})

@@ -1,16 +1,17 @@
-"""The one place where logits become log-probabilities.
+"""The model-facing log-probabilities: where a model's forward becomes per-token log-probs.
 
-Every trainer gets per-token log-probs and entropies from here. Two habits keep memory flat:
-the model is asked only for the logits of the positions we score (``logits_to_keep``), and
-log-softmax is never materialised as a full float32 (B, T, V) copy: we gather the chosen
-logit and subtract a log-sum-exp computed a few rows at a time. Where the output layer is a
+Every trainer gets per-token log-probs and entropies from here (the pure log-softmax math is
+`core.log_softmax`). Two habits keep memory flat: the model is asked only for the logits of the
+positions we score (``logits_to_keep``), and log-softmax is never materialised as a full float32
+(B, T, V) copy (`core.log_softmax.selective_log_softmax`). Where the output layer is a
 plain linear map (`plain_lm_head`), `linear_selective_log_softmax` fuses it in: logits a
 vocabulary block at a time, online softmax statistics, and a backward that hands each block's
 gradient straight to the two matmuls.
 
 Completions that share a prompt are scored in one sequence per prompt, [prompt | completion 1 |
 ... | completion k] with a block attention mask (`pack_groups`, `packed_logps`): the online
-trainers' groups of samples and the preference trainers' pairs (`pack_pairs`) alike.
+trainers' groups of samples and the preference trainers' pairs (`pack_pairs`) alike. What the
+trainers call is in `forward.completions`.
 """
 
 from __future__ import annotations
@@ -21,93 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from posttrain.accel import document_attention, products
+from posttrain.core.log_softmax import entropy_from_logits, selective_log_softmax, selective_log_softmax_stats
 from posttrain.core.masked import shared_prefix_attention_mask
-from posttrain.models import document_attention, products
 from posttrain.models.modes import eval_mode
-
-CHUNK_ROWS = 1024  # rows of (V,) logits processed at once; bounds the temporary to CHUNK_ROWS * V floats
-
-
-def selective_log_softmax(logits: Tensor, index: Tensor, chunk_rows: int = CHUNK_ROWS) -> Tensor:
-    """log softmax(logits)[..., index] without a full log-softmax copy.
-
-    logits: (..., V); index: (...) token ids. Returns (...) in float32 (or float64 for float64 logits).
-    The gradient, one_hot(index) - softmax per row, is written chunk by chunk into one tensor the
-    shape of `logits` (autograd through logsumexp + gather would build several).
-    """
-    if logits.requires_grad and torch.is_grad_enabled():
-        return _SelectiveLogSoftmax.apply(logits, index, chunk_rows, False)[0]
-    return _selective_log_softmax(logits, index, chunk_rows, False)[0]
-
-
-def selective_log_softmax_stats(logits: Tensor, index: Tensor, chunk_rows: int = CHUNK_ROWS):
-    """(log-probs as `selective_log_softmax`, entropy, argmax), all shaped like `index`, in one pass.
-
-    Entropy and argmax are metrics (no gradient); getting them from the same pass over the
-    logits costs a fraction of separate `entropy_from_logits` and `argmax` calls.
-    """
-    if logits.requires_grad and torch.is_grad_enabled():
-        logps, entropy, argmax = _SelectiveLogSoftmax.apply(logits, index, chunk_rows, True)
-    else:
-        logps, _, entropy, argmax = _selective_log_softmax(logits, index, chunk_rows, True)
-    return logps, entropy, argmax
-
-
-def _selective_log_softmax(logits: Tensor, index: Tensor, chunk_rows: int, stats: bool):
-    """(log-probs of `index`, log-sum-exp, entropy or None, argmax or None) per row, shaped like `index`."""
-    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    n = flat.shape[0]
-    lse = torch.empty(n, dtype=out_dtype, device=logits.device)
-    entropy = torch.empty(n, dtype=out_dtype, device=logits.device) if stats else None
-    argmax = torch.empty(n, dtype=torch.long, device=logits.device) if stats else None
-    for start in range(0, n, chunk_rows):
-        rows, part = flat[start:start + chunk_rows].to(out_dtype), slice(start, start + chunk_rows)
-        if not stats:
-            lse[part] = torch.logsumexp(rows, dim=-1)
-            continue
-        top, argmax[part] = rows.max(dim=-1)
-        shifted = rows - top[:, None]
-        weights = shifted.exp()
-        total = weights.sum(-1)
-        lse[part] = top + total.log()
-        # H = log Z - E_p[x - max], with Z = sum exp(x - max)
-        entropy[part] = total.log() - torch.linalg.vecdot(weights, shifted) / total
-    chosen = flat.gather(-1, index.reshape(-1, 1)).squeeze(-1).to(out_dtype)
-    shape = index.shape
-    return ((chosen - lse).view(shape), lse.view(shape), entropy.view(shape) if stats else None,
-            argmax.view(shape) if stats else None)
-
-
-class _SelectiveLogSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, index, chunk_rows, stats):
-        logps, lse, entropy, argmax = _selective_log_softmax(logits, index, chunk_rows, stats)
-        ctx.save_for_backward(logits, index, lse)
-        ctx.chunk_rows = chunk_rows
-        if not stats:
-            return logps, None, None
-        ctx.mark_non_differentiable(entropy, argmax)
-        return logps, entropy, argmax
-
-    @staticmethod
-    def backward(ctx, grad, *unused):
-        logits, index, lse = ctx.saved_tensors
-        flat = logits.reshape(-1, logits.shape[-1])
-        idx, lse, g = index.reshape(-1, 1), lse.reshape(-1, 1), grad.reshape(-1, 1).to(lse.dtype)
-        out = torch.empty_like(flat)
-        for start in range(0, flat.shape[0], ctx.chunk_rows):
-            rows = slice(start, start + ctx.chunk_rows)
-            # d logp[i] / d logits[j] = 1[j == index] - softmax[j]
-            if out.dtype == lse.dtype:  # write straight into the gradient: no temporary
-                chunk = torch.sub(flat[rows], lse[rows], out=out[rows])
-            else:  # bf16/fp16 logits: an explicit float32 copy, then in place (faster than a mixed-dtype sub)
-                chunk = flat[rows].to(lse.dtype).sub_(lse[rows])
-            chunk.exp_().mul_(-g[rows]).scatter_add_(1, idx[rows], g[rows])
-            if chunk.data_ptr() != out[rows].data_ptr():
-                out[rows] = chunk
-        return out.view_as(logits), None, None, None
-
 
 VOCAB_CHUNK = 4096  # vocabulary columns per block of the fused head: a block is rows * VOCAB_CHUNK floats
 # The fused head keeps its logits for the backward up to this size and recomputes them there above it:
@@ -286,20 +204,6 @@ class _LinearSelectiveLogSoftmax(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def entropy_from_logits(logits: Tensor, chunk_rows: int = CHUNK_ROWS) -> Tensor:
-    """Entropy of softmax(logits) over the last dim, chunked. (..., V) -> (...)."""
-    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    flat = logits.reshape(-1, logits.shape[-1])
-    pieces = []
-    for start in range(0, flat.shape[0], chunk_rows):
-        rows = flat[start:start + chunk_rows].to(out_dtype)
-        logp = torch.log_softmax(rows, dim=-1)
-        pieces.append(-(logp.exp() * logp).sum(-1))
-    if not pieces:
-        return logits.new_zeros(logits.shape[:-1], dtype=out_dtype)
-    return torch.cat(pieces).view(logits.shape[:-1])
-
-
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored: int | None = None,
                    temperature: float = 1.0, with_entropy: bool = False, return_outputs: bool = False,
                    exact_positions: bool = False, head: torch.nn.Linear | None = None, **model_kwargs):
@@ -357,38 +261,14 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_scored:
     return logps, entropy, logits
 
 
-def sequence_logprobs(token_logps: Tensor, mask: Tensor) -> Tensor:
-    """Sum of token log-probs over the masked tokens of each row. (B, T) -> (B,)."""
-    return (token_logps * mask).sum(-1)
-
-
 def attention_kind(model) -> str | None:
     """The model's attention implementation ("sdpa", "eager", ...), through a DDP wrapper. Document attention
-    (`models.document_attention`, which SFT switches sdpa models to) is "sdpa": it is sdpa where no caller
+    (`accel.document_attention`, which SFT switches sdpa models to) is "sdpa": it is sdpa where no caller
     passes sequence boundaries."""
     if document_attention.active(model):
         return "sdpa"
     inner = getattr(model, "module", model)  # DDP
     return getattr(getattr(inner, "config", None), "_attn_implementation", None)
-
-
-def length_groups(lengths: list[int], per_forward: int) -> list[list[int]]:
-    """Rows split into groups, each to be padded to its own longest row, that minimise the padded
-    tokens plus `per_forward` tokens' worth of cost per forward pass (exact, over groups of rows
-    adjacent in length order). Each group lists row indices in ascending order."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    n = len(order)
-    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)  # best[j]: cost of the j longest rows
-    for j in range(1, n + 1):
-        for i in range(j):  # the last group is order[i:j], padded to lengths[order[i]]
-            cost = best[i] + (j - i) * lengths[order[i]] + per_forward
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(sorted(order[cut[j]:j]))
-        j = cut[j]
-    return groups[::-1]
 
 
 @dataclass
@@ -424,7 +304,7 @@ class PackedGroups:
 
     def one_row_inputs(self) -> tuple[dict, Tensor]:
         """The groups side by side in ONE row without padding, for document attention
-        (`models.document_attention`): input_ids, position_ids and a block-diagonal (1, 1, N, N) boolean
+        (`accel.document_attention`): input_ids, position_ids and a block-diagonal (1, 1, N, N) boolean
         mask whose diagonal blocks are the groups' block masks, with each group's bounds as `cu_seq_lens_q`
         / `_k`; and (U, L) the column of each packed token in that row (-1 where none)."""
         valid = self.valid.bool()
@@ -546,32 +426,6 @@ def packed_logps(model, packed: PackedGroups, head: torch.nn.Linear | None, temp
     return selective_log_softmax(logits, targets), None, None
 
 
-def paired_completion_logps(model, head, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
-                            per_forward: int | None = None):
-    """Summed completion log-probs (2B,), lengths (2B,) and mean logits (2B,) of preference pairs,
-    computing each prompt once (`head`: the model's plain output layer, see `plain_lm_head`).
-
-    Pair i becomes one sequence [prompt | chosen | rejected] (`pack_pairs`), so the
-    model runs on P + C_chosen + C_rejected tokens instead of 2 P + C_chosen + C_rejected. Equal to
-    the two-row forward up to float rounding. input_ids etc.: (2B, T) right-padded, chosen rows first.
-
-    On CPU, where a forward pass costs little beyond its tokens, pairs of uneven length go through
-    the model in groups of similar length (`length_groups`, `per_forward` = 16 tokens by default),
-    so that less of the work is padding; on GPUs (`per_forward` None there) the batch stays whole.
-    """
-    B = input_ids.shape[0] // 2
-    if per_forward is None and input_ids.device.type == "cpu":
-        per_forward = 16
-    pair_lengths = (attention_mask[:B].sum(-1) + completion_mask[B:].sum(-1)).tolist()
-    groups = [list(range(B))] if per_forward is None else length_groups(pair_lengths, per_forward)
-    if len(groups) == 1:
-        return _paired_forward(model, head, input_ids, attention_mask, completion_mask)
-    rows = [torch.tensor(g + [B + i for i in g], device=input_ids.device) for g in groups]
-    parts = [_paired_forward(model, head, input_ids[r], attention_mask[r], completion_mask[r]) for r in rows]
-    inverse = torch.cat(rows).argsort()
-    return tuple(torch.cat(values)[inverse] for values in zip(*parts))
-
-
 def pack_pairs(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> PackedGroups:
     """Preference pairs as `pack_groups` groups of two, tight: [prompt | chosen | rejected] per pair.
 
@@ -593,14 +447,3 @@ def pack_pairs(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tenso
     completions = torch.where(in_completion, input_ids.gather(1, at), 0)  # (2B, K)
     return pack_groups(torch.where(prompt_mask, input_ids[:B, :P], 0), prompt_mask,
                        completions.view(2, B, K).transpose(0, 1), in_completion.view(2, B, K).transpose(0, 1))
-
-
-def _paired_forward(model, head, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor):
-    """`paired_completion_logps` for one batch in one forward pass."""
-    lengths = completion_mask.sum(-1)  # (2B,)
-    packed = pack_pairs(input_ids, attention_mask, completion_mask)
-    logps, _, hidden = packed_logps(model, packed, head, by_slot=True)  # (2B, K), (2B, K, H)
-    mask = torch.arange(logps.shape[1], device=logps.device) < lengths[:, None]  # (2B, K) real completion tokens
-    with torch.no_grad():
-        mean_logits = ((hidden @ head.weight.mean(0)) * mask).sum(-1) / lengths.clamp(min=1)
-    return sequence_logprobs(logps, mask), lengths, mean_logits.float()

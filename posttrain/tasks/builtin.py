@@ -17,6 +17,8 @@ import io
 import random
 import re
 
+from posttrain.core.registry import Registry
+
 ZEN_LAYOUTS = ("language_modeling", "prompt_only", "prompt_completion", "preference",
                "implicit_prompt_preference", "unpaired_preference")
 
@@ -229,10 +231,10 @@ def final_answer_reward(completions, answer, **kwargs) -> list[float]:
     return [float(final_answer_check(c, a)) for c, a in zip(completions, answer)]
 
 
-REWARD_FUNCTIONS = {"exact_match": exact_match_reward, "digit_match": digit_match_reward,
-                    "final_answer": final_answer_reward}
+REWARD_FUNCTIONS = Registry("built-in reward function", entries={
+    "exact_match": exact_match_reward, "digit_match": digit_match_reward, "final_answer": final_answer_reward})
 # how each task's held-out accuracy is judged; exact match unless named here
-TASK_CHECKERS = {"quick-add": final_answer_check}
+TASK_CHECKERS = Registry("task checker", entries={"quick-add": final_answer_check})
 
 
 def load_builtin(name: str, split: str = "train"):

@@ -1,0 +1,84 @@
+"""The sampler's CPU backend, `CPUDecoder`: the sampler interface (`backends.ModelForward`) over the CPU
+speed code in `posttrain.accel` (the lean decoding step, the few-rows kernels, the record of linear outputs
+for replay). `generate.default_backend` picks it on CPU; nothing else in the sampler knows of `accel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from posttrain.accel import few_rows
+from posttrain.accel.decode import LeanDecoder, lean_decoder, transposed_head
+from posttrain.accel.replay import LinearRecord, recording_prefill
+from posttrain.rollout.backends import ModelForward, decodes_in_lockstep, roomy_layer_class
+
+
+class CPUDecoder(ModelForward):
+    """The sampler's backend on CPU: the prefill and the KV cache of `ModelForward`, then each step through
+    the lean decoder where one is given and every cache layer could be given room, else through the model's
+    forward with every linear layer on the few-rows kernel (without the kernels: the transposed head).
+
+    lean: `lean_decoder(model)`, or None to step through the model's forward; always None under lock-step
+    (the lean step calls no forward, so it cannot keep pace with processes whose forwards gather weights).
+    record: a `LinearRecord` for the prefill and the lean steps to fill, or None; it is dropped with the
+    lean step when that cannot run (`linear_outputs` is then None)."""
+
+    def __init__(self, model, lean: LeanDecoder | None = None, record: LinearRecord | None = None):
+        super().__init__(model)
+        self.lean = lean
+        self.linear_outputs = record if lean is not None else None
+        self._patched = contextlib.ExitStack()  # the model's linear layers, while steps run through its forward
+
+    def __exit__(self, *exc) -> None:
+        self._patched.close()
+        super().__exit__(*exc)
+
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
+        self._lengths, self._width = prompt_mask.sum(1), prompt_mask.shape[1]
+        recording = contextlib.nullcontext() if self.linear_outputs is None else recording_prefill(self.linear_outputs)
+        with recording:
+            return super().prefill(prompt_ids, prompt_mask, positions)
+
+    def expand(self, group: int, capacity: int) -> None:
+        super().expand(group, capacity)
+        layers = getattr(self.cache, "layers", None)
+        if self.lean is not None and isinstance(layers, list) and all(
+                type(layer) is roomy_layer_class() for layer in layers):
+            first = self._lengths.repeat_interleave(group)[:, None]  # (N, 1) position of each row's first new token
+            self.lean.set_positions(first + torch.arange(capacity - self._width, device=self.device))
+            self.lean.bind(self.cache)
+            self._rows = torch.arange(len(first), device=self.device)  # rollout row of each decoded row (record)
+            return
+        self.lean = self.linear_outputs = None
+        self._patched.enter_context(few_rows.few_rows_linears(self.net) if few_rows.available()
+                                    else transposed_head(self.net))
+
+    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
+        if self.lean is None:
+            return super().step(tokens, t, attention, positions)
+        record = self.linear_outputs
+        outputs = None if record is None else torch.empty(len(self.lean.linears), len(tokens), self.lean.record_width)
+        logits = self.lean.step(tokens, t, attention, self.cache, record=outputs)
+        if record is not None:
+            record.keep_step(t, self._rows, outputs)
+        return logits
+
+    def select(self, keep: Tensor) -> None:
+        super().select(keep)
+        if self.lean is not None:
+            self._rows = self._rows[keep]
+            self.lean.select(keep, self.cache)
+
+
+def cpu_backend(net, record: tuple[int, int, int, int] | None = None) -> CPUDecoder:
+    """`CPUDecoder` for the (unwrapped) model `net`, with the lean step where `lean_decoder` allows it and the
+    processes need not decode in lock-step (the lean step calls no forward, so it cannot keep pace with
+    processes whose forwards gather weights); record as `generate.default_backend` takes it."""
+    lean = None if decodes_in_lockstep(net) else lean_decoder(net)
+    if lean is None or record is None:
+        return CPUDecoder(net, lean)
+    B, P, G, T = record
+    return CPUDecoder(net, lean, LinearRecord(lean.linears, B, P, B * G, T, G))
