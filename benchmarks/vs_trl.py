@@ -21,6 +21,8 @@ Workloads (default: all but the long ones; --long adds those):
   reward       reward model (Bradley-Terry), batch 4 of the same pairs, max_length 256
   grpo         2 prompts x 4 completions x <= 32 tokens per step, temperature 1, beta 0, one update per batch
   rloo         the same with the leave-one-out baseline, KL penalty 0.05, num_iterations=1 on both
+  online_dpo   Online DPO (sigmoid, beta 0.1): 2 prompts x 2 completions x <= 32 tokens per step, reference model;
+               TRL 1.16's trl.experimental (its batch counts prompts, posttrain's completions: 2 and 4)
   sft-long     SFT, batch 2, max_length 2048 (documents of 512-3072 tokens cut to 2048)       [--long]
   grpo-long    GRPO with completions of <= 256 tokens                                      [--long]
   grpo_tools   multi-turn GRPO with a calculator tool (`tools=`): 2 prompts x 4 episodes x <= 3 tool turns,
@@ -84,6 +86,9 @@ WORKLOADS = {
     "rloo": dict(trainer="rloo", data="prompts", unit="samples", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
         temperature=1.0, beta=0.05, num_iterations=1, shuffle_dataset=False)),
+    "online_dpo": dict(trainer="online_dpo", data="prompts", unit="samples", config=dict(
+        per_device_train_batch_size=2, max_new_tokens=32, learning_rate=1e-6,
+        temperature=1.0, top_k=0, top_p=1.0, beta=0.1, loss_type="sigmoid")),
     "sft-long": dict(trainer="sft", data="docs-2048", unit="tokens", long=True, config=dict(
         per_device_train_batch_size=2, max_length=2048, learning_rate=1e-5)),
     "grpo-long": dict(trainer="grpo", data="prompts", unit="samples", long=True, config=dict(
@@ -99,6 +104,13 @@ WORKLOADS = {
                             stop_token="eos", num_sample_generations=0)),
     "bco": dict(trainer="bco", data="pairs", unit="rows", trl="1.12", worker="vs_trl_experimental_worker.py",
                 config=dict(per_device_train_batch_size=8, max_length=256, learning_rate=1e-6, beta=0.1)),
+    # on-policy distillation from a teacher of the same tokenizer (SmolLM2 with seeded noise: prepare_models)
+    "distillation": dict(trainer="distillation", data="prompts", unit="samples", worker="vs_trl_distill_worker.py",
+                         config=dict(per_device_train_batch_size=8, max_completion_length=32, learning_rate=1e-6,
+                                     temperature=1.0, lmbda=1.0, beta=1.0, loss_top_k=0, shuffle_dataset=False)),
+    "gkd": dict(trainer="gkd", data="messages", unit="samples", worker="vs_trl_distill_worker.py",
+                config=dict(per_device_train_batch_size=8, max_new_tokens=32, learning_rate=1e-6, temperature=1.0,
+                            lmbda=1.0, beta=0.5)),
 }
 SIDES = ("trl", "posttrain")
 # The columns a run can have: the library each runs and the environment its worker gets on top of the run's.
@@ -127,7 +139,27 @@ def prepare_models(cache: Path) -> dict[str, str]:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(seqcls)
-    return {"causal": str(causal), "seqcls": str(seqcls)}
+    return {"causal": str(causal), "seqcls": str(seqcls), "teacher": str(perturbed_teacher(cache, causal))}
+
+
+def perturbed_teacher(cache: Path, causal) -> Path:
+    """The distillation workloads' teacher: the causal LM with N(0, (0.02 * std)^2) noise on every weight tensor
+    (seed 1), saved once: the same tokenizer and architecture, other next-token distributions."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache / "smollm2-135m-instruct-teacher"
+    if not (folder / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(causal, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.02 * p.float().std().clamp(min=1e-3))
+        tmp = Path(tempfile.mkdtemp(dir=cache))
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(causal).save_pretrained(tmp)
+        tmp.rename(folder)
+    return folder
 
 
 def documents(tokenizer, n: int, low: int, high: int, cut: int) -> list[list[int]]:
@@ -169,7 +201,9 @@ def prepare_data(cache: Path, model_dir: str) -> tuple[dict[str, str], dict[str,
     sets = {"docs-256": [{"input_ids": d} for d in documents(tokenizer, 256, 32, 384, 256)],
             "docs-2048": [{"input_ids": d} for d in documents(tokenizer, 64, 512, 3072, 2048)],
             "pairs": pairs(256),
-            "prompts": [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 64}
+            "prompts": [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 64,
+            "messages": [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "Sure."}]}
+                         for p in PROMPTS] * 64}
     paths = {}
     for name, rows in sets.items():
         paths[name] = str(cache / f"{name}.json")
@@ -211,7 +245,8 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
     the token attends to, causal); forward + backward costs 3x that. A preference pair is two full
     sequences (prompt + chosen, prompt + rejected); DPO adds the reference's forward. An online sample is
     prompt + completion: sampled (one forward per token), trained (forward + backward), and for RLOO scored
-    by the reference (one more forward). A side that computes a shared prompt once does less than this."""
+    by the reference (one more forward; distillation: by the teacher). A side that computes a shared prompt
+    once does less than this."""
     n, output, layers, d_attn = model
     spec = WORKLOADS[workload]
 
@@ -228,7 +263,7 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
     if spec["trainer"] == "ppo":  # policy, and critic (no output layer): two no-grad forwards, then fwd + bwd per epoch
         passes = 2 + 3 * spec["config"]["num_ppo_epochs"]
         return passes * (forward((tokens + 1) / 2) + forward((tokens + 1) / 2, n - output)) * tokens
-    passes = 1 + 3 + (1 if spec["trainer"] == "rloo" else 0)
+    passes = 1 + 3 + (1 if spec["trainer"] in ("rloo", "online_dpo", "distillation", "gkd") else 0)  # + reference / teacher
     return passes * forward((tokens + 1) / 2) * tokens
 
 
@@ -320,7 +355,8 @@ def same_work(workload: str, trl: dict, ours: dict) -> tuple[bool, str]:
     if trl["precision"] != ours["precision"]:  # e.g. one side under bf16 autocast: not the same arithmetic
         return False, f"precision {trl['precision']} / {ours['precision']}"
     if unit == "samples":
-        limit = WORKLOADS[workload]["config"]["max_completion_length"]
+        config = WORKLOADS[workload]["config"]
+        limit = config.get("max_completion_length", config.get("max_new_tokens"))  # Online DPO: max_new_tokens
         ok = trl["samples_per_step"] == ours["samples_per_step"] and trl["items_per_step"] == ours["items_per_step"]
         note = (f"samples/step {trl['samples_per_step']:g} / {ours['samples_per_step']:g}, <= {limit} tokens each; "
                 f"mean completion {_fmt(trl['completion_len'])} / {_fmt(ours['completion_len'])} tokens")

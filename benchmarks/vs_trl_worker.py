@@ -18,19 +18,22 @@ import resource
 import sys
 import time
 
-# Trainer classes by workload: the module under trl / posttrain.trainers and the class names.
+# Trainer classes by workload: the module under trl / posttrain.trainers and the class names (and, for TRL's
+# experimental trainers, the TRL module).
 TRAINERS = {
     "sft": ("sft", "SFTConfig", "SFTTrainer"),
     "dpo": ("dpo", "DPOConfig", "DPOTrainer"),
     "reward": ("reward", "RewardConfig", "RewardTrainer"),
     "grpo": ("grpo", "GRPOConfig", "GRPOTrainer"),
     "rloo": ("rloo", "RLOOConfig", "RLOOTrainer"),
+    "online_dpo": ("online_dpo", "OnlineDPOConfig", "OnlineDPOTrainer", "trl.experimental.online_dpo"),
 }
+ONLINE = ("grpo", "rloo", "online_dpo")  # trained from prompts with length_reward
 
 
 def trainer_classes(side: str, kind: str):
-    module, config, trainer = TRAINERS[kind]
-    lib = importlib.import_module("trl" if side == "trl" else f"posttrain.trainers.{module}")
+    module, config, trainer, trl_module = (*TRAINERS[kind], "trl")[:4]
+    lib = importlib.import_module(trl_module if side == "trl" else f"posttrain.trainers.{module}")
     return getattr(lib, config), getattr(lib, trainer)
 
 
@@ -237,6 +240,8 @@ def main():
     common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
                   save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False,
                   use_cpu=True)
+    if kind == "online_dpo" and side == "posttrain":  # TRL's batch counts prompts (2 completions each), ours completions
+        cfg = {**cfg, "per_device_train_batch_size": 2 * cfg["per_device_train_batch_size"]}
     args = Config(**common, **cfg)
 
     counts: list[int] = []  # SFT: real tokens of each batch, in the order the trainer asks for them
@@ -250,7 +255,7 @@ def main():
             completion_tokens.extend(len(c) for c in completion_ids)
         return [len(c[-1]["content"] if isinstance(c, list) else c) / 100 for c in completions]
 
-    if kind in ("grpo", "rloo"):
+    if kind in ONLINE:
         trainer = Trainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data)
     else:
         from transformers import AutoTokenizer

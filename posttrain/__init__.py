@@ -6,11 +6,17 @@ Public names are imported lazily so that `import posttrain` stays fast.
 from __future__ import annotations
 
 import importlib
+import logging
 
 from posttrain import _moved
+from posttrain.accel import threads as _threads
 
 __version__ = "0.1.0"
 
+_threads.configure()  # before torch loads: thread count from the CPU share, no long spin (accel/threads.py)
+# bitsandbytes (QLoRA), imported by peft when installed, warns at import on CPUs with AVX512-BF16 that its optional
+# hub kernel package `kernels` is missing; its own CPU kernels serve, so the line is noise in every run
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 _moved.install()  # old import paths of moved modules (e.g. posttrain.data.builtin) keep working
 
 _EXPORTS = {
@@ -24,6 +30,14 @@ _EXPORTS = {
     "RLOOConfig": "posttrain.trainers.rloo", "RLOOTrainer": "posttrain.trainers.rloo",
     "PPOConfig": "posttrain.trainers.ppo", "PPOTrainer": "posttrain.trainers.ppo",
     "ReinforcePPConfig": "posttrain.trainers.reinforce_pp", "ReinforcePPTrainer": "posttrain.trainers.reinforce_pp",
+    "OnlineDPOConfig": "posttrain.trainers.online_dpo", "OnlineDPOTrainer": "posttrain.trainers.online_dpo",
+    "XPOConfig": "posttrain.trainers.xpo", "XPOTrainer": "posttrain.trainers.xpo",
+    "NashMDConfig": "posttrain.trainers.nash_md", "NashMDTrainer": "posttrain.trainers.nash_md",
+    "GMPOConfig": "posttrain.trainers.gmpo", "GMPOTrainer": "posttrain.trainers.gmpo",
+    "GSPOTokenConfig": "posttrain.trainers.gspo_token", "GSPOTokenTrainer": "posttrain.trainers.gspo_token",
+    "GRPOWithReplayBufferConfig": "posttrain.trainers.grpo_replay_buffer",
+    "GRPOWithReplayBufferTrainer": "posttrain.trainers.grpo_replay_buffer",
+    "A2POConfig": "posttrain.trainers.a2po", "A2POTrainer": "posttrain.trainers.a2po",
     "PairwiseJudge": "posttrain.judges", "RewardModelJudge": "posttrain.judges",
     "OpenAIPairwiseJudge": "posttrain.judges", "WinRateCallback": "posttrain.callbacks", "win_rate": "posttrain.judges",
     "PlotCallback": "posttrain.callbacks", "generation_accuracy": "posttrain.eval",
@@ -33,6 +47,29 @@ _EXPORTS = {
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
     "NonFiniteError": "posttrain.trainers.guards", "CheckpointError": "posttrain.trainers.guards",
     "OutputDirInUseError": "posttrain.trainers.guards", "SaveError": "posttrain.trainers.guards",
+    "DistillationConfig": "posttrain.trainers.distillation", "DistillationTrainer": "posttrain.trainers.distillation",
+    "GKDConfig": "posttrain.trainers.gkd", "GKDTrainer": "posttrain.trainers.gkd",
+    "MiniLLMConfig": "posttrain.trainers.minillm", "MiniLLMTrainer": "posttrain.trainers.minillm",
+    "TrlParser": "posttrain.scripts", "ScriptArguments": "posttrain.scripts", "ModelConfig": "posttrain.scripts",
+    "DatasetConfig": "posttrain.scripts", "DatasetMixtureConfig": "posttrain.scripts", "get_dataset": "posttrain.scripts",
+    "get_peft_config": "posttrain.scripts", "get_quantization_config": "posttrain.scripts",
+    "get_kbit_device_map": "posttrain.scripts",
+    # TRL's helper names (trl.data_utils, trl.chat_template_utils, trl.rewards, callbacks, collators)
+    **{name: "posttrain.data.utils" for name in (
+        "apply_chat_template", "maybe_apply_chat_template", "extract_prompt", "maybe_extract_prompt",
+        "unpair_preference_dataset", "maybe_unpair_preference_dataset", "is_conversational",
+        "is_conversational_from_value", "maybe_convert_to_chatml", "pack_dataset", "truncate_dataset")},
+    **{name: "posttrain.models.chat_templates" for name in (
+        "clone_chat_template", "get_training_chat_template", "add_response_schema", "supports_tool_calling")},
+    **{name: "posttrain.tasks.rewards" for name in (
+        "accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_cosine_scaled_reward",
+        "get_repetition_penalty_reward", "get_soft_overlong_punishment")},
+    **{name: "posttrain.callbacks" for name in (
+        "LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCallback", "BEMACallback",
+        "MergeModelCallback", "WeaveCallback")},
+    "create_reference_model": "posttrain.models.reference",
+    **{name: "posttrain.data.collators" for name in (
+        "DataCollatorForLanguageModeling", "DataCollatorForPreference", "DataCollatorForUnpairedPreference")},
 }
 
 __all__ = sorted(_EXPORTS)

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import importlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import sys
 import types
 import typing
@@ -35,72 +36,45 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.flags import _FALSE, _TRUE, _add_flags, _flags, _yaml_value
+from posttrain.scripts import DatasetMixtureConfig, ModelConfig
+from posttrain.scripts import ScriptArguments as TrlScriptArguments
+from posttrain.scripts import (DatasetError, check_data_file, get_dataset, get_kbit_device_map,  # noqa: F401
+                               get_peft_config, get_quantization_config, load_dataset_arg, load_split, read_config)
+
 
 @dataclass
-class ModelArguments:
-    """Which model to train and how to load it; `--use_peft` trains a LoRA adapter instead of every weight
-    (the model flags of TRL's `ModelConfig`). They feed the trainer's `model_init_kwargs` and `peft_config`."""
+class ModelArguments(ModelConfig):
+    """Which model to train and how to load it: TRL's `ModelConfig` (`--use_peft` trains a LoRA adapter,
+    `--load_in_4bit` loads the base weights in 4 bits for QLoRA). They feed the trainer's `model_init_kwargs`
+    and `peft_config`. Two defaults are None where TRL's are set, so that posttrain picks: float32, and the
+    reward command's SEQ_CLS adapter."""
 
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Model to train: a built-in name (posttrain/tiny-qwen2, "
-                                        "posttrain/smollm2-135m-instruct, ...) or a local folder."})
     dtype: typing.Literal["auto", "float32", "bfloat16", "float16"] | None = field(
         default=None, metadata={"help": "Weights' dtype when loading: auto (as saved in the checkpoint), "
                                         "float32, bfloat16 or float16. Default: float32. Goes into "
                                         "model_init_kwargs."})
-    attn_implementation: str | None = field(
-        default=None, metadata={"help": "Attention kernel of transformers ('eager', 'sdpa', 'flash_attention_2', "
-                                        "...). Default: transformers' choice. Goes into model_init_kwargs."})
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run the modelling code a model folder ships (auto_map). Off by default: "
-                                         "that code runs in this process with your permissions."})
-    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (needs `pip install peft`); "
-                                                            "the output folder then holds the adapter."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (the update is scaled by "
-                                                          "lora_alpha / lora_r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Module names to adapt (e.g. q_proj v_proj, or all-linear). Default: "
-                                        "peft's choice for the architecture."})
-    lora_modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules trained in full and saved with the adapter (e.g. lm_head)."})
     lora_task_type: str | None = field(
         default=None, metadata={"help": "peft task type. Default: SEQ_CLS for `posttrain reward` (so the score "
                                         "head is trained), CAUSAL_LM otherwise."})
-    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale by "
-                                                              "lora_alpha / sqrt(lora_r)."})
-    use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA."})
 
 
 @dataclass
-class ScriptArguments(ModelArguments):
-    """What to train on: the model flags and the dataset (shared by every training command)."""
+class ScriptArguments(ModelArguments, TrlScriptArguments, DatasetMixtureConfig):
+    """What to train on: the model flags, the dataset (TRL's `ScriptArguments`) or a mixture of datasets
+    (TRL's `DatasetMixtureConfig`: `--datasets`, `--test_split_size`), shared by every training command."""
 
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "A built-in dataset (zen, zen-chat/preference, reverse, add-chat, ...), "
-                                        "a local .json/.jsonl/.csv/.parquet file, or a local dataset folder."})
-    dataset_config: str | None = field(
-        default=None, metadata={"help": "Configuration name for a dataset folder with several configurations."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    dataset_test_split: str = field(
-        default="test", metadata={"help": "Split to evaluate on (read only when eval_strategy is not 'no')."})
+    def __post_init__(self):
+        ModelArguments.__post_init__(self)
+        DatasetMixtureConfig.__post_init__(self)
 
 
 def peft_config(script_args: ModelArguments, task_type: str = "CAUSAL_LM"):
-    """The `peft.LoraConfig` the LoRA flags describe, or None without --use_peft."""
+    """The `peft.LoraConfig` the LoRA flags describe (`get_peft_config`; the command's `task_type` unless
+    --lora_task_type is given), or None without --use_peft."""
     if not script_args.use_peft:
         return None
-    try:
-        from peft import LoraConfig
-    except ImportError as err:
-        raise ImportError("--use_peft needs the peft package: pip install 'posttrain[peft]'") from err
-    target = script_args.lora_target_modules
-    return LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha, lora_dropout=script_args.lora_dropout,
-                      target_modules=target[0] if target == ["all-linear"] else target,
-                      modules_to_save=script_args.lora_modules_to_save,
-                      task_type=script_args.lora_task_type or task_type, use_rslora=script_args.use_rslora,
-                      use_dora=script_args.use_dora)
+    return get_peft_config(dataclasses.replace(script_args, lora_task_type=script_args.lora_task_type or task_type))
 
 
 def tokenizer(script_args: ModelArguments, name: str | None = None):
@@ -119,14 +93,26 @@ def tokenizer(script_args: ModelArguments, name: str | None = None):
 _LOAD_FLAGS = ("dtype", "attn_implementation", "trust_remote_code")  # model flags that go into model_init_kwargs
 
 
+def _load_kwargs(script_args: ModelArguments) -> dict:
+    """The model_init_kwargs the model flags ask for: dtype, attention kernel, remote code, a revision other than
+    main, and a quantization config (with its device map) for --load_in_4bit / --load_in_8bit."""
+    kwargs = {name: getattr(script_args, name) for name in _LOAD_FLAGS
+              if getattr(script_args, name) is not None and getattr(script_args, name) is not False}
+    if script_args.model_revision != "main":
+        kwargs["revision"] = script_args.model_revision
+    if (quantization := get_quantization_config(dataclasses.replace(script_args,
+                                                                    dtype=script_args.dtype or "float32"))):
+        kwargs["quantization_config"] = quantization
+        if (device_map := get_kbit_device_map()) is not None:
+            kwargs["device_map"] = device_map
+    return kwargs
+
+
 def _merge_model_init_kwargs(parser: argparse.ArgumentParser, script_args: ModelArguments, config):
-    """Put --dtype, --attn_implementation and --trust_remote_code into `config.model_init_kwargs`; a flag that
-    contradicts a key the config's model_init_kwargs already holds is a usage error."""
+    """Put the model flags (`_load_kwargs`) into `config.model_init_kwargs`; a flag that contradicts a key the
+    config's model_init_kwargs already holds is a usage error."""
     kwargs = dict(config.model_init_kwargs or {})
-    for name in _LOAD_FLAGS:
-        value = getattr(script_args, name)
-        if value is None or value is False:
-            continue
+    for name, value in _load_kwargs(script_args).items():
         if name in kwargs and kwargs[name] != value:
             parser.error(f"--{name} {value} contradicts model_init_kwargs {{{name!r}: {kwargs[name]!r}}}; "
                          "give one of them")
@@ -149,136 +135,87 @@ def command(name: str, config: str | None, script_args: type | None = ScriptArgu
     return register
 
 
-class DatasetError(ValueError):
-    """A dataset argument that cannot be loaded; the message names the file, the line and what is wrong."""
+# the local data file the running command trains on: {"path": as given, "lines": the 1-based line each row
+# starts on, or None where rows are not lines (parquet, a JSON object of columns)}
+_SOURCE: dict[str, Any] = {}
 
 
-def load_dataset_arg(name: str, split: str = "train", config: str | None = None):
-    """A `datasets.Dataset` from a built-in name, a local data file or a local dataset folder.
+def _row_lines(path: str) -> list[int] | None:
+    """The 1-based line of a data file on which each row starts (the rows `datasets` reads, in order)."""
+    import csv
 
-    Nothing is fetched from the hub: anything else raises a DatasetError that says what is accepted.
-    """
-    from posttrain.tasks.builtin import builtin_names, load_builtin
-
-    try:
-        return load_builtin(name, split)
-    except KeyError:
-        pass
-    path = os.path.expanduser(name)
-    formats = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    if os.path.isfile(path):
-        import datasets
-
-        suffix = os.path.splitext(path)[1].lower()
-        if suffix not in formats:
-            raise DatasetError(f"dataset file {name!r}: unknown extension {suffix!r}; use one of {sorted(formats)}")
-        if split != "train":
-            raise DatasetError(f"dataset file {name!r} holds a single split, 'train'; there is no split {split!r} "
-                               "(point the command at a folder with one file per split to evaluate)")
-        check_data_file(path, suffix)
-        try:
-            return datasets.load_dataset(formats[suffix], data_files=path, split="train")
-        except Exception as err:  # what the checks above do not catch, e.g. a corrupt parquet file
-            raise DatasetError(f"dataset file {name!r} cannot be read as {formats[suffix]}: "
-                               f"{type(err).__name__}: {err}") from err
-    if os.path.isdir(path):
-        import datasets
-
-        if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
-            data = datasets.load_from_disk(path)
-            if isinstance(data, datasets.DatasetDict):
-                if split not in data:
-                    raise DatasetError(f"dataset folder {name!r} has splits {sorted(data)}, not {split!r}")
-                return data[split]
-            if split != "train":
-                raise DatasetError(f"dataset folder {name!r} holds a single split; there is no split {split!r}")
-            return data
-        try:  # a folder of data files, e.g. train.jsonl + test.jsonl
-            return datasets.load_dataset(path, config, split=split)
-        except ValueError as err:
-            raise DatasetError(f"dataset folder {name!r}: {err}") from err
-        except Exception as err:  # most likely a faulty file: find it and its line
-            for root, _, files in os.walk(path):
-                for file in sorted(files):
-                    if (suffix := os.path.splitext(file)[1].lower()) in formats:
-                        check_data_file(os.path.join(root, file), suffix)
-            raise DatasetError(f"dataset folder {name!r} cannot be loaded: {type(err).__name__}: {err}") from err
-    raise DatasetError(
-        f"dataset {name!r} is not a built-in dataset, a local file or a local folder (datasets are not "
-        f"downloaded from the hub here: fetch it where you have a network, save it with "
-        f"`dataset.save_to_disk(folder)`, and pass the folder). Built-in names: {', '.join(builtin_names())}")
-
-
-def check_data_file(path: str, suffix: str):
-    """Raise a DatasetError naming the line of the first fault of a local data file: empty, not UTF-8
-    (text formats), a JSON line that does not parse or is not an object, or a column whose JSON type
-    changes between lines. The `datasets` loaders report these as tracebacks without a line."""
-    if os.path.getsize(path) == 0:
-        raise DatasetError(f"dataset file {path!r} is empty")
+    suffix = os.path.splitext(path)[1].lower()
     if suffix == ".parquet":
-        return
-    json_lines = suffix == ".jsonl"
-    if suffix == ".json":  # one JSON document (a list of rows, or an object of columns), or JSON lines
-        text = "".join(line for _, line in _utf8_lines(path))
+        return None
+    with open(path, encoding="utf-8", newline="" if suffix == ".csv" else None) as handle:
+        text = handle.read()
+    if suffix == ".csv":
+        reader, starts, line = csv.reader(text.splitlines(keepends=True)), [], 1
+        for _ in reader:
+            starts.append(line)
+            line = reader.line_num + 1
+        return starts[1:]  # the first record is the header
+    decoder, start = json.JSONDecoder(), len(text) - len(text.lstrip())
+    if suffix == ".json" and text[start:start + 1] in "[{":
         try:
-            json.loads(text)
-            return
-        except json.JSONDecodeError as err:
-            first = next((line for line in text.splitlines() if line.strip()), "")
-            try:
-                json.loads(first)
-            except json.JSONDecodeError:
-                if first:
-                    raise DatasetError(f"dataset file {path!r}, line {err.lineno}, column {err.colno}: "
-                                       f"not valid JSON: {err.msg}") from None
-            json_lines = True
-    blank = True
-    column_types: dict[str, tuple[str, int]] = {}  # column -> (JSON type, first line that has it)
-    for number, line in _utf8_lines(path):
-        if not line.strip():
-            continue
-        blank = False
-        if not json_lines:
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DatasetError(f"dataset file {path!r}, line {number}, column {err.colno}: not valid JSON: "
-                               f"{err.msg} (each line must be one JSON object)") from None
-        if not isinstance(row, dict):
-            raise DatasetError(f"dataset file {path!r}, line {number}: expected a JSON object "
-                               f'{{"column": value, ...}}, got {type(row).__name__}')
-        for column, value in row.items():
-            if value is None:
-                continue
-            kind = "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
-            seen = column_types.setdefault(column, (kind, number))
-            if seen[0] != kind:
-                raise DatasetError(f"dataset file {path!r}, line {number}: column {column!r} is a {kind} here "
-                                   f"but a {seen[0]} on line {seen[1]}; a column holds one type")
-    if blank:
-        raise DatasetError(f"dataset file {path!r} holds only blank lines")
+            document, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            document, end = None, 0
+        if text[end:].strip():  # more after the first value: JSON lines in a .json file
+            document = None
+        if isinstance(document, dict):
+            return None  # an object of columns
+        if isinstance(document, list):  # a list of rows: where each element starts
+            starts, pos = [], start + 1
+            while True:
+                while pos < len(text) and text[pos] in " \t\r\n,":
+                    pos += 1
+                if pos >= len(text) or text[pos] == "]":
+                    return starts
+                starts.append(text.count("\n", 0, pos) + 1)
+                _, pos = decoder.raw_decode(text, pos)
+    return [number for number, line in enumerate(text.splitlines(), 1) if line.strip()]  # JSON lines
 
 
-def _utf8_lines(path: str):
-    """(line number, text) of each line of a UTF-8 file; a DatasetError at the first bad byte."""
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, 1):
-            try:
-                yield number, raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DatasetError(f"dataset file {path!r}, line {number}: byte {err.start + 1} of the line "
-                                   f"({raw[err.start:err.start + 1]!r}) is not UTF-8; save the file as UTF-8") from None
+def locate(message: str) -> str:
+    """A data fault's message with its rows counted as the user counts them: "row i" (0-based, as the
+    library reports it) becomes the line of the training file it stands on, or row i + 1 (1-based) where
+    rows are not lines; a message that names no row is prefixed with the file."""
+    path, lines = _SOURCE.get("path"), _SOURCE.get("lines")
+
+    def where(match) -> str:
+        row = int(match.group(1))
+        if path is not None and lines is not None and row < len(lines):
+            return f"{path}, line {lines[row]}"
+        return f"{path + ', ' if path else ''}row {row + 1}"
+
+    located = re.sub(r"\brow (\d+)", where, message)
+    located = re.sub(r"\brows (\d+)-(\d+)", lambda m: f"rows {int(m.group(1)) + 1}-{int(m.group(2)) + 1}", located)
+    if path is not None and path not in located:
+        located = f"{path}: {located}"
+    return located
 
 
 def load_datasets(script_args: ScriptArguments, config) -> tuple[Any, Any]:
-    """(train, eval) datasets for a training command; eval only when `config.eval_strategy` is not 'no'."""
-    train = load_dataset_arg(script_args.dataset_name, script_args.dataset_train_split, script_args.dataset_config)
-    evaluation = None
-    if str(getattr(config, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
-        evaluation = load_dataset_arg(script_args.dataset_name, script_args.dataset_test_split,
-                                      script_args.dataset_config)
-    return train, evaluation
+    """(train, eval) datasets for a training command; eval only when `config.eval_strategy` is not 'no'. A mixture
+    (--datasets) wins over --dataset_name, as in TRL's scripts; its splits are "train" and, with
+    --test_split_size, "test"."""
+    evaluate = str(getattr(config, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO")
+    if script_args.datasets:
+        mixture = get_dataset(script_args)
+        if evaluate and script_args.dataset_test_split not in mixture:
+            raise DatasetError(f"eval_strategy {config.eval_strategy!r} needs a test split, and the --datasets mixture "
+                               f"has only {sorted(mixture)}: give --test_split_size (e.g. 0.1)")
+        return mixture["train"], mixture[script_args.dataset_test_split] if evaluate else None
+
+    if os.path.isfile(path := os.path.expanduser(script_args.dataset_name)):  # "row i" can name the file's line
+        _SOURCE.update(path=script_args.dataset_name, lines=_row_lines(path))
+
+    def split(name):
+        return load_split(script_args.dataset_name, name, script_args.dataset_config,
+                          streaming=script_args.dataset_streaming)
+
+    return split(script_args.dataset_train_split), split(script_args.dataset_test_split) if evaluate else None
 
 
 # ---- online RL commands (GRPO, RLOO, PPO): the rewards come from --reward_funcs and/or --reward_model_path
@@ -313,8 +250,14 @@ def build_online(trainer_class, script_args, config):
 def build_offline(trainer_class, script_args, config, task_type: str = "CAUSAL_LM"):
     """A trainer for `posttrain sft|reward|dpo|bco|kto`: model and datasets from the script arguments."""
     train, evaluation = load_datasets(script_args, config)
-    return trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
-                         processing_class=tokenizer(script_args), peft_config=peft_config(script_args, task_type))
+    trainer = trainer_class(script_args.model_name_or_path, args=config, train_dataset=train, eval_dataset=evaluation,
+                            processing_class=tokenizer(script_args), peft_config=peft_config(script_args, task_type))
+    if script_args.ignore_bias_buffers:  # TRL's DDP workaround: DDP skips broadcasting the model's bool buffers
+        import torch
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model._ddp_params_and_buffers_to_ignore = [n for n, b in model.named_buffers() if b.dtype == torch.bool]
+    return trainer
 
 
 def build_reward(trainer_class, script_args, config):
@@ -333,6 +276,20 @@ TRAINERS = {
              "RLOO: REINFORCE with a leave-one-out baseline."),
     "ppo": ("posttrain.trainers.ppo:PPOTrainer", build_online, OnlineScriptArguments,
             "PPO with a critic (value head or separate value model)."),
+    "online_dpo": ("posttrain.trainers.online_dpo:OnlineDPOTrainer", build_online, OnlineScriptArguments,
+                   "Online DPO: DPO on pairs the policy samples, ranked by the rewards."),
+    "xpo": ("posttrain.trainers.xpo:XPOTrainer", build_online, OnlineScriptArguments,
+            "XPO: Online DPO against the reference's samples, with an exploration bonus."),
+    "nash_md": ("posttrain.trainers.nash_md:NashMDTrainer", build_online, OnlineScriptArguments,
+                "Nash-MD: the policy's sample against the policy/reference mixture's."),
+    "gmpo": ("posttrain.trainers.gmpo:GMPOTrainer", build_online, OnlineScriptArguments,
+             "GMPO: GRPO with the geometric mean of the token ratios."),
+    "gspo_token": ("posttrain.trainers.gspo_token:GSPOTokenTrainer", build_online, OnlineScriptArguments,
+                   "GSPO-token: GRPO with the sequence importance ratio at every token."),
+    "grpo_with_replay_buffer": ("posttrain.trainers.grpo_replay_buffer:GRPOWithReplayBufferTrainer", build_online,
+                                OnlineScriptArguments, "GRPO replaying high-variance groups in place of flat ones."),
+    "a2po": ("posttrain.trainers.a2po:A2POTrainer", build_online, OnlineScriptArguments,
+             "A*-PO: V* from reference samples, then regression on one on-policy sample."),
     "reward": ("posttrain.trainers.reward:RewardTrainer", build_reward, ScriptArguments,
                "Reward model (Bradley-Terry) on preference pairs."),
     "dpo": ("posttrain.trainers.dpo:DPOTrainer", build_offline, ScriptArguments,
@@ -341,6 +298,12 @@ TRAINERS = {
             "BCO on unpaired (or paired) feedback."),
     "kto": ("posttrain.trainers.kto:KTOTrainer", build_offline, ScriptArguments,
             "KTO on unpaired (or paired) feedback."),
+    "distillation": ("posttrain.trainers.distillation:DistillationTrainer", build_offline, ScriptArguments,
+                     "On-policy distillation from --teacher_model_name_or_path (generalised JSD)."),
+    "gkd": ("posttrain.trainers.gkd:GKDTrainer", build_offline, ScriptArguments,
+            "GKD: distillation mixing on-policy and dataset (or teacher, --seq_kd) completions."),
+    "minillm": ("posttrain.trainers.minillm:MiniLLMTrainer", build_offline, ScriptArguments,
+                "MiniLLM: reverse KL to --teacher_model_name_or_path as a policy gradient."),
 }
 
 
@@ -362,6 +325,8 @@ for _name, (_trainer, _build, _script_args, _help) in TRAINERS.items():
 
 
 OPTIONAL_ENGINES = ("deepspeed", "peft", "liger-kernel", "vllm", "bitsandbytes", "wandb", "trackio")
+# what `trl env` reports besides those: the hub client and the optional packages some of TRL's features use
+OTHER_PACKAGES = ("huggingface_hub", "diffusers", "llm-blender", "openai")
 
 
 def _version(package: str) -> str:
@@ -389,7 +354,7 @@ def _accelerate_default_config() -> str:
 
 
 @command("env", config=None, script_args=None, help="Print the versions, accelerate config, optional engines and "
-                                                    "hardware posttrain sees.")
+                                                    "hardware posttrain sees (what `trl env` prints, and more).")
 def run_env(script_args=None, config=None):
     import platform
 
@@ -402,8 +367,10 @@ def run_env(script_args=None, config=None):
     for package in ("torch", "transformers", "datasets", "accelerate"):
         rows.append((package, _version(package)))
     rows.append(("accelerate config", _accelerate_default_config()))
-    for package in OPTIONAL_ENGINES:
+    for package in OPTIONAL_ENGINES + OTHER_PACKAGES:
         rows.append((package, _version(package)))
+    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    rows.append(("CUDA device(s)", ", ".join(devices) if devices else "not available"))
     rows.append(("CPU count", str(os.cpu_count())))
     try:
         pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
@@ -423,190 +390,60 @@ def run_env(script_args=None, config=None):
 
 # ---------------------------------------------------------------------------- flags from dataclasses
 
-_TRUE, _FALSE, _NONE = ("true", "yes", "1", "on"), ("false", "no", "0", "off"), ("none", "null")
-
-
-def _parse_bool(text: str) -> bool:
-    if text.lower() in _TRUE:
-        return True
-    if text.lower() in _FALSE:
-        return False
-    raise ValueError(text)
-
-
-def _members(tp) -> list:
-    """The alternatives of a Union (X | Y | None) or [tp]."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return list(typing.get_args(tp))
-    return [tp]
-
-
-def _scalar(tp) -> Callable[[str], Any] | None:
-    """A str -> value converter for one non-union, non-list type; None when it cannot be given as text."""
-    origin = typing.get_origin(tp)
-    if tp is bool:
-        return _parse_bool
-    if tp in (int, float, str):
-        return tp
-    if tp is dict or origin is dict:
-        def as_dict(text):
-            value = json.loads(text)
-            if not isinstance(value, dict):
-                raise ValueError(text)
-            return value
-        return as_dict
-    if origin is typing.Literal:
-        choices = typing.get_args(tp)
-
-        def literal(text):
-            for choice in choices:
-                if str(choice).lower() == text.lower():
-                    return choice
-            raise ValueError(text)
-        return literal
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp  # the config accepts the member or its string value
-    if tp is Any:
-        def anything(text):
-            try:
-                return json.loads(text)
-            except json.JSONDecodeError:
-                return text
-        return anything
-    return None
-
-
-@dataclass
-class _Flag:
-    name: str
-    convert: Callable[[str], Any]  # one command-line word -> value (raises ValueError)
-    type_name: str
-    type: Any  # the field's annotation, to check values that arrive already typed (YAML)
-    is_bool: bool = False
-    is_list: bool = False
-
-
-def _flag(name: str, tp) -> _Flag | None:
-    members = _members(tp)
-    nullable = type(None) in members
-    members = [m for m in members if m is not type(None)]
-    list_member = next((m for m in members if typing.get_origin(m) is list or m is list), None)
-    element = (typing.get_args(list_member) or (str,))[0] if list_member is not None else None
-    ordered = sorted((m for m in members if m is not list_member), key=lambda m: m is str)  # str last
-    converters = [c for c in map(_scalar, ordered) if c is not None]
-    if list_member is not None:
-        element_convert = next((c for c in map(_scalar, _members(element)) if c is not None), str)
-    if not converters and list_member is None:
-        return None
-
-    def convert(text: str):
-        if nullable and text.lower() in _NONE:
-            return None
-        if list_member is not None and text.startswith("["):
-            return [element_convert(str(v)) if not isinstance(v, str) else element_convert(v)
-                    for v in json.loads(text)]
-        for c in converters:
-            try:
-                return c(text)
-            except (ValueError, json.JSONDecodeError):
-                continue
-        if list_member is not None:
-            return element_convert(text)  # one word given for a list field
-        raise ValueError(text)
-
-    names = [getattr(m, "__name__", str(m)) for m in members] + (["None"] if nullable else [])
-    convert.__name__ = " | ".join(names)  # argparse names the type in "invalid ... value" errors
-    return _Flag(name, convert, convert.__name__, tp, is_bool=members == [bool], is_list=list_member is not None)
-
-
-def _flags(cls) -> dict[str, _Flag]:
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # an annotation that cannot be resolved: fall back to the raw ones
-        hints = {f.name: f.type for f in dataclasses.fields(cls)}
-    flags = {}
-    for f in dataclasses.fields(cls):
-        if f.init and not f.name.startswith("_"):
-            flag = _flag(f.name, hints.get(f.name, f.type))
-            if flag is not None:
-                flags[f.name] = flag
-    return flags
-
-
-def _add_flags(parser: argparse.ArgumentParser, cls, flags: dict[str, _Flag], title: str):
-    group = parser.add_argument_group(title)
-    for f in dataclasses.fields(cls):
-        flag = flags.get(f.name)
-        if flag is None:
-            continue
-        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        help_text = f.metadata.get("help", "")
-        if f.default is not dataclasses.MISSING:
-            help_text += f" (default: {f.default!r})"
-        kwargs = dict(dest=f.name, type=flag.convert, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
-        if flag.is_bool:
-            kwargs.update(nargs="?", const=True, metavar="true|false")
-        elif flag.is_list:
-            kwargs.update(nargs="+")
-        group.add_argument(*names, **kwargs)
-
-
-def _matches(value, tp) -> bool:
-    """Whether a YAML value (already a Python object) fits annotation `tp`; types we cannot check pass
-    and are left to the config's own `__post_init__`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, member) for member in args)
-    if tp is Any:
-        return True
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:  # YAML `true` is a bool, which Python counts as an int
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if tp is list or origin is list:
-        return isinstance(value, list) and all(_matches(v, args[0]) for v in value if args)
-    if tp is dict or origin is dict:
-        return isinstance(value, dict)
-    if origin is typing.Literal:
-        return value in args
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return isinstance(value, tp) or value in [member.value for member in tp]
-    return True
-
-
-def _yaml_value(flag: _Flag, value):
-    """A YAML value for `flag`'s field, or ValueError. YAML values arrive typed; strings for non-string
-    fields (e.g. `1e-5`) go through the flag's converter, and one value for a list field becomes a list."""
-    if isinstance(value, str):
-        value = flag.convert(value)
-    elif isinstance(value, list) and flag.is_list:
-        value = [flag.convert(v) if isinstance(v, str) else v for v in value]
-    if _matches(value, flag.type):
-        return value
-    if flag.is_list and _matches([value], flag.type):
-        return [value]
-    raise ValueError(value)
-
-
 def _load_yaml(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The --config file's `field: value` pairs; its `env:` mapping (as in TRL's config files) is put into
+    os.environ. A file that cannot be read is a usage error; one that is not YAML names the line and column."""
+    import yaml
+
+    try:
+        return read_config(path)
+    except ValueError as err:
+        mark = getattr(err.__cause__, "problem_mark", None)
+        if isinstance(err.__cause__, yaml.YAMLError):
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = " ".join(str(getattr(err.__cause__, "problem", None) or err.__cause__).split())
+            parser.error(f"{path}{where}: not valid YAML: {what}")
+        parser.error(str(err))
+
+
+def _yaml_marks(path: str) -> dict[str, str]:
+    """{field: "(line L, column C)"} of a --config file's top-level keys (1-based), for its error messages."""
     import yaml
 
     try:
         with open(path) as handle:
-            data = yaml.safe_load(handle) or {}
-    except OSError as err:
-        parser.error(f"cannot read --config file: {err}")
-    except yaml.YAMLError as err:
-        parser.error(f"{path} is not valid YAML: {err}")
-    if not isinstance(data, dict):
-        parser.error(f"{path} must hold `field: value` pairs, got {type(data).__name__}")
-    return data
+            node = yaml.compose(handle)
+    except (OSError, yaml.YAMLError):
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {key.value: f"(line {key.start_mark.line + 1}, column {key.start_mark.column + 1})"
+            for key, _ in node.value}
+
+
+def default_output_dir(name: str) -> str:
+    """Where `posttrain NAME` writes without --output_dir: a folder named for the command (transformers'
+    own default, trainer_output/, is shared by every command, so an SFT run and the GRPO run after it
+    would write into one folder)."""
+    return f"{name}_output"
+
+
+def _yaml_values(parser: argparse.ArgumentParser, path: str, flags: list[dict], values: list[dict]):
+    """Put the --config file's fields into `values` (one dict per flag class, a field of both into both), each
+    checked against its field's type; an unknown field or a wrong type is a usage error naming its line."""
+    marks = _yaml_marks(path)
+    for key, value in _load_yaml(path, parser).items():
+        owners = [i for i, fl in enumerate(flags) if key in fl]
+        if not owners:
+            parser.error(f"{path}: unknown field {key!r} for `{parser.prog}` {marks.get(key, '')}".rstrip())
+        flag = flags[owners[0]][key]
+        try:
+            value = _yaml_value(flag, value)
+        except (ValueError, json.JSONDecodeError):
+            parser.error(f"{path}: {key}: expected {flag.type_name}, got {type(value).__name__} {value!r} "
+                         f"{marks.get(key, '')}".rstrip())
+        for owner in owners:
+            values[owner][key] = value
 
 
 def _config_class(fn):
@@ -618,25 +455,33 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     fn = COMMANDS[name]
     classes = [c for c in (fn.script_args_class, _config_class(fn)) if c is not None]
     flags = [_flags(c) for c in classes]
-    for earlier in flags[:-1]:  # a field of both (a model flag the config also has): the config's flag sets it
-        for key in set(earlier) & set(flags[-1]):
+    shown = [dict(f) for f in flags]  # a field of both (trust_remote_code): one flag, under the config, sets both
+    for earlier in shown[:-1]:
+        for key in set(earlier) & set(shown[-1]):
             del earlier[key]
-    parser = _Parser(prog=f"posttrain {name}", description=fn.help)
+    show_all = "--help-all" in argv
+    argv = ["--help" if word == "--help-all" else word for word in argv]
+    parser = _Parser(prog=f"posttrain {name}", description=fn.help,
+                     usage=f"posttrain {name} [--config file.yaml] [--field value ...]",
+                     epilog=None if show_all else f"These are the common flags; every one of the "
+                     f"{sum(len(fl) for fl in shown)} fields is a flag: `posttrain {name} --help-all` lists them all.")
     parser.add_argument("--config", help="YAML file of `field: value` pairs; command-line flags override it.")
+    parser.add_argument("--help-all", action="store_true", help="List every flag.")
     if fn.config_path is not None:
         parser.add_argument("--accelerate_config", default=argparse.SUPPRESS, help="Run under `accelerate launch` with this config: a file, "
                             f"or a name of the shipped ones ({', '.join(accelerate_config_names())}). "
                             "Launcher flags, passed to accelerate: " + ", ".join(f"--{f}" for f in LAUNCH_FLAGS) + ".")
         for launch_flag in LAUNCH_FLAGS:
             parser.add_argument(f"--{launch_flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    for cls, cls_flags in zip(classes, flags):
+    for cls, cls_flags in zip(classes, shown):
         if issubclass(cls, ModelArguments) and cls is not ModelArguments:  # the model flags in a group of their own
             model_fields = {f.name for f in dataclasses.fields(ModelArguments)}
             _add_flags(parser, ModelArguments, {k: v for k, v in cls_flags.items() if k in model_fields},
-                       ModelArguments.__name__)
+                       ModelArguments.__name__, show_all)
             cls_flags = {k: v for k, v in cls_flags.items() if k not in model_fields}
-        _add_flags(parser, cls, cls_flags, cls.__name__)
+        _add_flags(parser, cls, cls_flags, cls.__name__, show_all)
     given = vars(parser.parse_args(argv))
+    given.pop("help_all", None)
     launch = {key: given.pop(key) for key in ("accelerate_config", *LAUNCH_FLAGS) if key in given}
     if launch:  # run() launches before parsing; here they are only checked, and mean nothing without the config
         if "accelerate_config" not in launch:
@@ -645,18 +490,13 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
         _accelerate_config_path(parser, launch["accelerate_config"])
     values: list[dict] = [{} for _ in classes]
     if path := given.pop("config", None):
-        for key, value in _load_yaml(path, parser).items():
-            owner = next((i for i, fl in enumerate(flags) if key in fl), None)
-            if owner is None:
-                parser.error(f"{path}: unknown field {key!r} for `posttrain {name}`")
-            flag = flags[owner][key]
-            try:
-                values[owner][key] = _yaml_value(flag, value)
-            except (ValueError, json.JSONDecodeError):
-                parser.error(f"{path}: {key}: expected {flag.type_name}, got {type(value).__name__} {value!r}")
+        _yaml_values(parser, path, flags, values)
     for key, value in given.items():
-        owner = next(i for i, fl in enumerate(flags) if key in fl)
-        values[owner][key] = value
+        for owner in (i for i, fl in enumerate(flags) if key in fl):
+            values[owner][key] = value
+    if fn.config_path is not None and "output_dir" in flags[-1] and "output_dir" not in values[-1]:
+        values[-1]["output_dir"] = default_output_dir(name)
+        print(f"posttrain {name}: no --output_dir given: writing to {values[-1]['output_dir']}/", file=sys.stderr)
     built = []
     for cls, kwargs in zip(classes, values):
         try:
@@ -666,13 +506,23 @@ def parse(name: str, argv: list[str]) -> tuple[Any, Any]:
     script_args = built[0] if fn.script_args_class is not None else None
     config = built[-1] if fn.config_path is not None else None
     if isinstance(script_args, ScriptArguments) and config is not None:
-        required = ["dataset_name"] + ([] if getattr(config, "sft_model_path", None) else ["model_name_or_path"])
+        required = ([] if script_args.datasets else ["dataset_name"]) + (
+            [] if getattr(config, "sft_model_path", None) else ["model_name_or_path"])
         missing = [f"--{k}" for k in required if getattr(script_args, k) is None]
         if missing:
             parser.error(f"the following arguments are required: {', '.join(missing)}")
         _merge_model_init_kwargs(parser, script_args, config)
+        if script_args.gradient_checkpointing_use_reentrant:  # as TRL's scripts hand it to the config
+            config.gradient_checkpointing_kwargs = {**(config.gradient_checkpointing_kwargs or {}),
+                                                    "use_reentrant": True}
         if script_args.use_peft and importlib.util.find_spec("peft") is None:
             parser.error("--use_peft needs the peft package: pip install 'posttrain[peft]'")
+        if quantized := next((f"--{k}" for k in ("load_in_4bit", "load_in_8bit") if getattr(script_args, k)), None):
+            if importlib.util.find_spec("bitsandbytes") is None:
+                parser.error(f"{quantized} needs the bitsandbytes package: pip install 'posttrain[qlora]'")
+            if not script_args.use_peft:
+                parser.error(f"{quantized} loads weights that cannot be trained: add --use_peft to train a LoRA "
+                             "adapter on them (QLoRA)")
     if isinstance(script_args, OnlineScriptArguments):
         if not script_args.reward_funcs and not getattr(config, "reward_model_path", None):
             parser.error("no reward: give --reward_funcs (built-in names such as digit_match, module:function "
@@ -793,14 +643,22 @@ def run(argv: list[str]):
     `accelerate launch` (see `launch_command`) and this returns None once it succeeds; its failure exits
     with its status."""
     argv = list(argv)
+    if argv and argv[0] == "--version":
+        import posttrain
+
+        print(f"posttrain {posttrain.__version__}")
+        return None
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {n:<8} {getattr(fn, 'help', '')}" for n, fn in COMMANDS.items()]
-        usage = "usage: posttrain <command> [--config file.yaml] [--field value ...]\n\ncommands:\n" + "\n".join(lines)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"{usage}\n\nposttrain: error: unknown command {argv[0]!r}", file=sys.stderr)
-            raise SystemExit(2)
-        print(usage)
-        return None
+        usage = ("usage: posttrain <command> [--config file.yaml] [--field value ...] [--debug]\n"
+                 "       posttrain --version\n\ncommands:\n" + "\n".join(lines) +
+                 "\n\n`posttrain <command> --help` lists the command's flags; --debug shows the traceback of an error.")
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            return None
+        problem = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"{usage}\n\nposttrain: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     name = argv[0]
     if name == "demo":  # the demo has its own small flag set
         from posttrain import demo
@@ -823,25 +681,64 @@ def run(argv: list[str]):
         trainer.save_model(config.output_dir)
         if trainer.eval_dataset is not None:
             trainer.evaluate()
+    if trainer.is_world_process_zero():
+        print(f"posttrain {name}: model saved to {os.path.abspath(config.output_dir)}")
     return trainer
+
+
+# (logger, start of message): lines optional packages print on every CPU run when transformers imports them,
+# saying only that they found no GPU kernels (bitsandbytes via peft) or no GPU (deepspeed)
+KNOWN_NOISE = (("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+               ("DeepSpeed", "Setting accelerator to CPU"))
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def quiet_known_noise():
+    """Drop the KNOWN_NOISE lines (filters on those loggers, set before the packages are imported)."""
+    for name, start in KNOWN_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropMessage(start))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `posttrain` console script: 0 on success. Failures exit non-zero: 2 for a
-    usage error; 1 for a dataset or model that cannot be loaded, an output_dir in use by another run, a damaged
-    checkpoint, a full disk or a run stopped by NaN or infinite gradients or weights (one line that says why) or any
-    other exception (with its traceback)."""
+    usage error; 1 for a dataset or model that cannot be loaded, data that fits no format (one line
+    that names the file, its line and the column: `locate`), an output_dir in use by another run, a damaged
+    checkpoint, a full disk or a run stopped by NaN or infinite gradients or weights (one line that says why)
+    or any other exception (with its traceback, an internal error). `--debug` anywhere on the line shows the
+    traceback of every error."""
+    from posttrain.data.formats import FormatError
     from posttrain.models.loading import ModelLoadError
     from posttrain.trainers.guards import CheckpointError, NonFiniteError, OutputDirInUseError, SaveError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_known_noise()
+    debug = "--debug" in argv
+    argv = [word for word in argv if word != "--debug"]
     try:
-        run(sys.argv[1:] if argv is None else argv)
-    except (DatasetError, ModelLoadError, CheckpointError, NonFiniteError, OutputDirInUseError,
-            SaveError) as err:
-        print(f"posttrain: error: {err}", file=sys.stderr)
+        run(argv)
+    except (DatasetError, ModelLoadError, FormatError) as err:
+        if debug:
+            raise
+        print(f"posttrain: error: {' '.join(locate(str(err)).split())}", file=sys.stderr)
+        return 1
+    except (CheckpointError, NonFiniteError, OutputDirInUseError, SaveError) as err:  # about the run, not the data
+        if debug:
+            raise
+        print(f"posttrain: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     finally:
         close_process_group()
+        _SOURCE.clear()
     return 0
 
 

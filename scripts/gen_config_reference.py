@@ -89,9 +89,10 @@ def _changed_fields(cls) -> list[dataclasses.Field]:
     return out
 
 
-def _parent_name(cls) -> str:
-    parent = next(base for base in cls.__mro__[1:] if dataclasses.is_dataclass(base))
-    return parent.__name__
+def _parent_name(cls) -> str | None:
+    """The nearest dataclass parent's name; None for a plain dataclass (the script helpers' ModelConfig, ...)."""
+    parent = next((base for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)), None)
+    return parent and parent.__name__
 
 
 def render() -> tuple[str, list[str]]:
@@ -112,9 +113,10 @@ def render() -> tuple[str, list[str]]:
             continue
         cls = getattr(module, name)
         parent = _parent_name(cls)
-        parent_ref = (f"[{parent}](#{parent.lower()})" if parent != "TrainingArguments"
+        parent_ref = (f"[{parent}](#{parent.lower()})" if parent not in ("TrainingArguments", None)
                       else "`transformers.TrainingArguments`")
-        section += [f"`{module_name}.{name}`, extends {parent_ref}.", ""]
+        section += [f"`{module_name}.{name}`" + (f", extends {parent_ref}." if parent else
+                                                 ", a plain dataclass (TRL's script arguments)."), ""]
         doc = (cls.__doc__ or "").strip().split("\n\n")[0]
         if doc and not doc.startswith(f"{name}("):  # skip the signature dataclasses writes by default
             section += [" ".join(doc.split()), ""]

@@ -18,12 +18,12 @@ ROOT = Path(__file__).resolve().parents[1] / "posttrain"
 # Lowest first; a part imports only parts of lower layers (and itself). A module at the package root is a part
 # of its own (cli, demo, callbacks, ...); a subpackage is one part.
 LAYERS = [
-    {"core", "cache", "plotting", "_moved"},
+    {"core", "cache", "plotting", "_moved", "flags"},  # flags: dataclass fields -> command-line flags
     {"accel"},            # CPU speed: products, kernels, lean activations, replay, memory habits
     {"data"},             # formats, chat templates, tokenisation, collators, packing, tool schemas
     {"models", "tasks"},  # loading, tiny models, value heads | built-in datasets, checkers, rewards, environments
     {"forward"},          # model-facing log-probs
-    {"rollout", "eval"},  # the sampler and its backends, multi-turn, rewards | generation accuracy
+    {"rollout", "eval", "scripts"},  # the sampler, multi-turn, rewards | generation accuracy | TRL's script helpers
     {"judges"},
     {"callbacks"},
     {"trainers"},

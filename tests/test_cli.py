@@ -74,9 +74,20 @@ def test_env(capsys):
 
 
 def test_help_lists_commands(capsys):
-    cli.main([])
+    cli.main(["--help"])
     out = capsys.readouterr().out
     assert "sft" in out and "env" in out
+
+
+def test_bare_posttrain_prints_usage_and_exits_2_and_version_prints_it(capsys):
+    import posttrain
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "sft" in err and "env" in err and "no command given" in err
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"posttrain {posttrain.__version__}"
 
 
 def test_load_dataset_arg(tmp_path):
@@ -220,7 +231,8 @@ def test_a_faulty_file_in_a_dataset_folder_is_named(tmp_path):
         cli.load_dataset_arg(str(tmp_path))
 
 
-@pytest.mark.parametrize("name", ["sft", "reward", "dpo", "bco", "kto", "grpo", "rloo", "ppo"])
+@pytest.mark.parametrize("name", ["sft", "reward", "dpo", "bco", "kto", "grpo", "rloo", "ppo", "distillation", "gkd",
+                                  "minillm"])
 def test_every_default_written_as_yaml_passes_the_type_check(name):
     """The YAML type check accepts each field's own default, so it cannot refuse a valid config."""
     import enum

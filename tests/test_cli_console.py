@@ -72,3 +72,8 @@ def test_resume_from_checkpoint_continues_the_run(full_run, tmp_path, resume):
     assert resumed.keys() == expected.keys()
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").read_bytes() == state_before
+
+
+def test_a_finished_run_says_where_it_saved_the_model(full_run):
+    out, result = full_run
+    assert f"posttrain sft: model saved to {out}" in result.stdout

@@ -90,7 +90,7 @@ def test_lora_flags_make_the_peft_config():
 
 def test_model_flags_have_their_own_help_group(capsys):
     with pytest.raises(SystemExit):
-        cli.parse("grpo", ["--help"])
+        cli.parse("grpo", ["--help-all"])
     out = capsys.readouterr().out
     model, script = out.index("ModelArguments:"), out.index("OnlineScriptArguments:")
     assert model < out.index("\n  --lora_r") < script < out.index("\n  --dataset_name")

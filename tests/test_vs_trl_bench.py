@@ -217,3 +217,59 @@ def test_the_allocator_off_column_runs_posttrain_with_malloc_untouched(tmp_path,
     assert run("posttrain-malloc-off") == {"seen": "0", "keep_freed_memory": False}
     with pytest.raises(SystemExit, match="keep_freed_memory was True"):  # the setting did not take: no column
         run("posttrain-malloc-off", "liar")
+
+
+def test_online_dpo_workload_runs_on_posttrain_with_trls_batch_meaning(tmp_path):
+    """The posttrain side of the online_dpo workload, on the tiny model for 2 steps (timing nothing): TRL's batch of
+    2 prompts becomes 4 completions, each step scores 2 pairs, and the first loss is DPO's log 2."""
+    import json
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"prompt": f"Reverse {i}{i + 1}{i + 2}:"} for i in range(6)]))
+    spec = {"side": "posttrain", "workload": "online_dpo", "trainer": "online_dpo",
+            "config": {**vs_trl.WORKLOADS["online_dpo"]["config"], "max_new_tokens": 4, "gradient_checkpointing": False,
+                       "bf16": False},
+            "model": "posttrain/tiny-qwen2", "models": {}, "data": str(prompts), "steps": 2, "threads": 1, "seed": 0,
+            "output_dir": str(tmp_path / "out"), "out": str(tmp_path / "result.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    worker = Path(__file__).parents[1] / "benchmarks" / "vs_trl_worker.py"
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path / "spec.json")], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["batch_size"] == 4 and result["samples"] == [4, 4]
+    assert result["logs"][0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy = reference at the first step
+    assert all(0 < n <= 4 for n in result["completion_tokens"])
+    summary = vs_trl.summarise(result, "samples")
+    assert vs_trl.same_work("online_dpo", summary, summary)[0]
+@pytest.mark.parametrize("workload", ["distillation", "gkd"])
+def test_distillation_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch, workload):
+    # the worker's posttrain side on the tiny models, 2 steps: the trainer builds from the workload's TRL-named
+    # config, the teacher's decoder runs on every completion of a step, and the result holds what vs_trl reads
+    import json
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    worker = importlib.import_module("vs_trl_distill_worker")
+    rows = [{"prompt": [{"role": "user", "content": p}]} for p in vs_trl.PROMPTS] * 8
+    if workload == "gkd":
+        rows = [{"messages": r["prompt"] + [{"role": "assistant", "content": "Sure."}]} for r in rows]
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    config = {**vs_trl.WORKLOADS[workload]["config"], "per_device_train_batch_size": 4}
+    config["max_completion_length" if workload == "distillation" else "max_new_tokens"] = 4
+    spec = {"side": "posttrain", "workload": workload, "trainer": vs_trl.WORKLOADS[workload]["trainer"],
+            "config": config, "model": resolve("posttrain/tiny-qwen2"),
+            "models": {"teacher": resolve("posttrain/tiny-llama")}, "data": str(tmp_path / "data.json"), "steps": 2,
+            "threads": torch.get_num_threads(), "seed": 0, "output_dir": str(tmp_path / "out"),
+            "out": str(tmp_path / "result.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(sys, "argv", ["worker", str(tmp_path / "spec.json")])
+    worker.main()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["samples"] == [4, 4] and len(result["step_end"]) == 2
+    summary = vs_trl.summarise(result, vs_trl.WORKLOADS[workload]["unit"])
+    assert summary["samples_per_step"] == 4 and summary["first_loss"] is not None
+    # per token: sampled, trained (3 forwards), the teacher's forward; 10 + 4 tokens attending to 7.5 keys
+    assert vs_trl.flops_per_item(workload, {"prompt/tokens": 10.0}, (1000, 100, 2, 8), 4.0) == 5 * (2000 + 64 * 7.5) * 14

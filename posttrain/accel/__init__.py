@@ -8,6 +8,7 @@ how much memory on CPU; a GPU run never enters it, and the generic code reads wi
   step (replace the model's forward in the sampler: `rollout.cpu_backend.CPUDecoder`).
 * `replay`: the sampler's recorded linear outputs taken by the training forward (forward hooks).
 * `memory`: allocator and file-backed-weight habits (the trainer's set-up).
+* `threads`: the thread count from the process's CPU share and a short OpenMP spin (`import posttrain`).
 
 accel imports nothing of posttrain but `core` and `cache`; the sampler, forward and trainers reach it.
 """

@@ -13,6 +13,20 @@
                         whitened over the whole batch; no critic.
   reinforce_pp_baseline REINFORCE++-baseline: the group mean of the scores is subtracted
                         first, then as reinforce_pp.
+  preference_pair       Online DPO / XPO (Guo et al. 2024; Xie et al. 2024): the two completions of a
+                        prompt become a preference pair, +1 for the chosen (the higher score; the
+                        first on a tie, as TRL ranks them), -1 for the rejected (in a larger group:
+                        the best and the worst, 0 for the rest). A label, not a baseline-corrected
+                        return: the pair losses read its sign.
+  optimal_advantage     A*-PO (Brantley et al. 2025): the score as given is the advantage, r - V*(x),
+                        the trainer having subtracted the prompt's optimal value (`optimal_value`).
+  nash_md               Nash-MD (Munos et al. 2023): in each pair (policy sample, mixture sample),
+                        P - 0.5 on the policy's completion, P = σ(r_policy - r_mixture) the
+                        Bradley-Terry probability that it wins (in a larger group, the mean over the
+                        others); 0 on the mixture's (not trained on).
+  reverse_kl_return     MiniLLM (Gu et al. 2024, "MiniLLM: Knowledge Distillation of Large Language
+                        Models"): the policy gradient of -KL(student || teacher) over sequences; the
+                        per-token rewards are log q_teacher - log q_student of the sampled tokens.
 
 Each takes an `AdvantageInput` plus keyword-only options (each read from the config field of
 its name) and returns `(advantages, returns)`: advantages `(B, T)`, 0 on padding; returns
@@ -30,6 +44,7 @@ positions, treating the next masked token as the next step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -256,3 +271,81 @@ def reinforce_pp_baseline(inp: AdvantageInput, *, gamma: float = 1.0):
     scores = _ungroup(g - g.mean(dim=1, keepdim=True), inp.layout)  # (B,)
     returns = _discounted_return(per_token_rewards(scores, inp.mask, inp.token_rewards), inp.mask, gamma)
     return masked_whiten(returns, inp.mask), None
+
+
+@register_advantage("preference_pair", per_token=False, critic=False, min_group=2)
+def preference_pair(inp: AdvantageInput):
+    """+1 on every token of each group's chosen completion, -1 on its rejected one's, 0 on the others: the chosen
+    has the highest score (the first of equals), the rejected the lowest (the last of equals), so a pair
+    (group_size 2, Online DPO's) ranks its first completion above the second when their scores tie."""
+    k = inp.group_size
+    if k < 2:
+        raise ValueError(f"preference_pair ranks the completions of a prompt: it needs group_size >= 2, got {k}")
+    g = group_view(inp.scores, k, inp.layout)  # (P, k)
+    signs = torch.zeros_like(g)
+    rows = torch.arange(g.shape[0], device=g.device)
+    signs[rows, g.argmax(dim=1)] = 1.0  # argmax: the first of equal maxima
+    signs[rows, k - 1 - g.flip(1).argmin(dim=1)] = -1.0  # the last of equal minima (a tie: the other row)
+    return _broadcast(_ungroup(signs, inp.layout), inp.mask), None
+
+
+@register_advantage("nash_md", per_token=False, critic=False, min_group=2)
+def nash_md(inp: AdvantageInput):
+    """P - 0.5 on the tokens of each group's first completion (the policy's), P = mean_j σ(s_0 - s_j) over the
+    others (the geometric mixture's; for a pair, σ(s_0 - s_1)); 0 on the others, which are not trained on."""
+    k = inp.group_size
+    if k < 2:
+        raise ValueError(f"nash_md compares the policy's completion with the mixture's: it needs group_size >= 2, "
+                         f"got {k}")
+    g = group_view(inp.scores, k, inp.layout)  # (P, k)
+    first = torch.sigmoid(g[:, :1] - g[:, 1:]).mean(dim=1) - 0.5
+    advantages = torch.zeros_like(g)
+    advantages[:, 0] = first
+    return _broadcast(_ungroup(advantages, inp.layout), inp.mask), None
+
+
+@register_advantage("optimal_advantage", per_token=False, critic=False, min_group=1)
+def optimal_advantage(inp: AdvantageInput):
+    """The score itself on every token: A*-PO's scores arrive as r - V*(x) (`optimal_value`)."""
+    return _broadcast(inp.scores, inp.mask), None
+
+
+def optimal_value(rewards: Tensor, beta1: float) -> Tensor:
+    """A*-PO's estimate of the optimal value of each prompt from its reference samples' rewards (P, n):
+    V*(x) = β1 log mean_i exp(r_i / β1) (P,), computed stably (a soft maximum: β1 -> 0 gives max_i r_i)."""
+    n = rewards.shape[1]
+    return beta1 * (torch.logsumexp(rewards / beta1, dim=1) - math.log(n))
+ADVANTAGES.option("rkl_advantage", True, "reverse_kl_return (MiniLLM): add the reverse-KL return to the reward "
+                  "advantage.")
+ADVANTAGES.option("single_step_decomposition", True, "reverse_kl_return (MiniLLM): each step's own reverse KL "
+                  "exactly, over the vocabulary, in the loss; the return covers the later steps.")
+ADVANTAGES.option("length_normalization", True, "reverse_kl_return (MiniLLM): divide each return by the number of "
+                  "steps it sums.")
+
+
+@register_advantage("reverse_kl_return", per_token=True, critic=False, min_group=1)
+def reverse_kl_return(inp: AdvantageInput, *, gamma: float = 1.0, length_normalization: bool = True,
+                      single_step_decomposition: bool = True, rkl_advantage: bool = True):
+    """MiniLLM's advantage: the scores minus their group mean (as GRPO without the std; 0 for a group of one),
+    plus, with `rkl_advantage`, the return R_t = sum_{s>=t} γ^(s-t) r_s of the per-token rewards r_s
+    (`token_rewards`: log q_T(y_s) - log q_S(y_s), the negated single-sample reverse KL). With
+    `single_step_decomposition` the current step is left out (R_{t+1}: the loss adds that step's exact
+    reverse KL over the vocabulary instead); with `length_normalization` each return is divided by the
+    number of steps it sums (MiniLLM's R^Norm), so long completions do not get larger advantages. (MiniLLMConfig's
+    gamma defaults to TRL's 0.0: with the single-step decomposition the return is then 0.)"""
+    g = group_view(inp.scores, inp.group_size, inp.layout)  # (P, k)
+    scores = _ungroup(g - g.mean(dim=1, keepdim=True), inp.layout)  # (B,)
+    mask = inp.mask.bool()
+    advantages = torch.where(mask, scores[:, None], 0.0)
+    if not rkl_advantage or inp.token_rewards is None:
+        return advantages, None
+    rewards = torch.where(mask, inp.token_rewards.to(scores.dtype), 0.0)
+    if single_step_decomposition:  # r'_t = γ r_{t+1}: the next masked token's reward, discounted once
+        later = _discounted_return(rewards, mask, gamma) - rewards  # γ G_{t+1}
+        returns = torch.where(mask, later, 0.0)
+    else:
+        returns = _discounted_return(rewards, mask, gamma)
+    if length_normalization:
+        steps = mask.flip(1).cumsum(1).flip(1).to(scores.dtype)  # masked tokens from t to the end
+        returns = returns / (steps - float(single_step_decomposition)).clamp(min=1)
+    return advantages + torch.where(mask, returns, 0.0), None

@@ -24,6 +24,13 @@
              kernel with φ(1) = 1 that fades stale samples smoothly; (k, λ) are set apart for
              A >= 0 and A < 0. Token mean, as TRL aggregates it.
 
+  gmpo       GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"): -A Π_t ρ_t^(1/|o|), the
+             geometric mean of the token ratios, each clipped in log space to [-ε, ε_high] on the side
+             its advantage would push (PPO's pessimistic min, in log space): much less sensitive to one
+             outlier ratio than the arithmetic mean, so a wider range (ε = 0.4, e^±0.4) is the default of
+             GMPOConfig. In token form, as GSPO-token: averaged per sequence ("seq_mean_token_mean";
+             `loss_type="gmpo"` sets both) its gradient is the paper's.
+
 CISPO's, SAPO's and VESPO's values are shifted by a constant (no gradient) so that, as for the others, a
 token sampled by the current policy (ρ = 1) has loss -A: CISPO -sg(w) A (1 + log π - sg(log π)), SAPO
 -(f(ρ) - f(1) + 1) A, VESPO -sg(φ(W)) A (1 + log π - sg(log π)). Gradients are the papers'; only the logged loss reads on one scale.
@@ -103,7 +110,7 @@ def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tens
     token_log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # (B, T)
     if level == "token":
         return token_log_ratio
-    if level == "sequence":
+    if level in ("sequence", "sequence_token"):  # TRL's GSPO-token name is "sequence_token"
         seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # (B,)
         log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
         return torch.where(mask.bool(), log_ratio, 0.0)
@@ -244,6 +251,34 @@ def vespo(
     return per_token, _stats(torch.exp(log_ratio), torch.zeros_like(mask, dtype=torch.bool), logp, old_logp, mask)
 
 
+@register_policy_loss("gmpo", aggregation="seq_mean_token_mean")
+def gmpo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon: float = 0.4,
+    epsilon_high: float | None = None,
+) -> tuple[Tensor, dict]:
+    """-A g per token, g = exp(mean_t clip'(log ρ_t)) the sequence's clipped geometric-mean ratio: clip' bounds log ρ_t
+    to [-ε, ε_high] (ε_high defaults to ε) only where that lowers the objective (above for A > 0, below for A < 0).
+    Token form: the gradient of token t's loss is -A g ∇clip'(log ρ_t), so the sequence mean's gradient is GMPO's
+    for a sequence-level advantage. `clipped` marks the tokens held at a bound (they give no gradient)."""
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    log_ratio = _log_ratio(logp, old_logp, mask, "token")  # (B, T), 0 on padding
+    bounded = torch.clamp(log_ratio, -epsilon, eps_high)
+    positive = advantages > 0
+    clipped_log_ratio = torch.where(positive, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
+    geometric = torch.exp(masked_mean(clipped_log_ratio, mask, dim=-1)).detach().unsqueeze(-1)  # (B, 1)
+    # the token form (as GSPO-token): each token carries the sequence's value -A g and the gradient of its own
+    # clipped log-ratio, -A g ∇clip'(log ρ_t); averaged over the sequence it is ∇(-A g) for a sequence-level A
+    own = torch.exp(clipped_log_ratio - clipped_log_ratio.detach())
+    per_token = torch.where(mask.bool(), -advantages * geometric * own, 0.0)
+    held = torch.where(positive, log_ratio > eps_high, (log_ratio < -epsilon) & (advantages < 0))
+    return per_token, _stats(torch.exp(log_ratio), held, logp, old_logp, mask)
+
+
 def entropy_bonus(logp: Tensor, entropy: Tensor, ratio: Tensor | None = None) -> Tensor:
     """A per-token surrogate whose value is the entropy H_t and whose gradient, in expectation over
     the sampled token a ~ π, is ∇H_t: H_t - sg(log π(a) + H_t) (log π(a) - sg(log π(a))), as
@@ -280,6 +315,13 @@ def clipped_value_loss(
     per_token = torch.where(mask.bool(), 0.5 * torch.maximum(loss_unclipped, loss_clipped), 0.0)
     clipfrac = (loss_clipped > loss_unclipped) & mask.bool()
     return per_token, clipfrac
+
+
+def a2po_regression_loss(logps: Tensor, ref_logps: Tensor, advantages: Tensor, beta2: float) -> Tensor:
+    """A*-PO's stage-2 loss per completion (B,) (Brantley et al. 2025, "Accelerating RL for LLM Reasoning with
+    Optimal Advantage Regression"): (β2 log π(y|x)/π_ref(y|x) - A)^2, the implicit reward regressed onto the
+    optimal advantage A = r - V*(x). logps, ref_logps: (B,) sums over the completion's tokens."""
+    return (beta2 * (logps - ref_logps) - advantages) ** 2
 
 
 def truncated_importance_weights(old_logp: Tensor, vllm_logp: Tensor, cap: float) -> Tensor:

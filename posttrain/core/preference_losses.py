@@ -43,6 +43,10 @@ exo_pair, discopop) take options `f_divergence` and `f_alpha`, and h becomes f'(
 with u = π/π_ref (`F_DIVERGENCES`); reverse KL gives h = ρ_w - ρ_l.
 
 Losses that need a reference raise when it is missing; for reference-free DPO pass zeros.
+Online pair losses (the online preference trainers, `trainers/online_dpo.py`, `xpo.py`, `nash_md.py`):
+`xpo_exploration` (XPO's bonus, Xie et al. 2024) and `nash_md_loss` (Nash-MD's policy gradient, Munos et
+al. 2023); Online DPO applies the pairwise losses above to the policy's own sampled pairs.
+
 `bco_loss`, `kto_loss`, `apo_zero_unpaired_loss` (`UNPAIRED_LOSSES`) and `pairwise_reward_loss`
 are the unpaired and reward-model losses; `ld_token_weights` (LD-DPO) and `wpo_weights` (WPO)
 weight tokens and pairs.
@@ -450,3 +454,25 @@ def pairwise_reward_loss(
     if center_rewards_coefficient:
         loss = loss + center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
     return loss
+
+
+def xpo_exploration(ref_sample_logps: Tensor, alpha: float) -> Tensor:
+    """XPO's exploration term (Xie et al. 2024, "Exploratory Preference Optimization"), added to the DPO loss of
+    each pair: α log π(ỹ|x), ỹ the reference policy's sample (B,). Minimising it lowers the policy's likelihood of
+    what the reference would say, pushing it to explore beyond the reference's support."""
+    return alpha * ref_sample_logps
+
+
+def nash_md_loss(logps: Tensor, ref_logps: Tensor, mask: Tensor, probability: Tensor, beta: float) -> Tensor:
+    """Nash-MD's loss per completion (B,) (Munos et al. 2023, "Nash Learning from Human Feedback"), on the
+    policy's sample y with P = P(y beats y'), y' the geometric mixture's sample:
+
+        -(P - 0.5) Σ_t log π(y_t) + β Σ_t sg(log π(y_t) - log π_ref(y_t)) log π(y_t)
+
+    a REINFORCE estimate of the preference (0.5 the control variate) and of the KL to the reference (the
+    per-token log-ratio as its reward). logps, ref_logps, mask (B, T); probability (B,), no gradient."""
+    mask = mask.bool()
+    logps = torch.where(mask, logps, 0.0)
+    log_ratio = torch.where(mask, logps - ref_logps, 0.0).detach()
+    score = (probability.detach() - 0.5) * logps.sum(-1)
+    return beta * (log_ratio * logps).sum(-1) - score

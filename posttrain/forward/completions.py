@@ -6,6 +6,9 @@
 * `completion_logps`: the preference trainers' forward (DPO, KTO, BCO): summed log-probs of
   [prompt | completion] rows, a pair's prompt computed once (`logprobs.pack_pairs`).
 * `completion_token_logps`: the same rows' per-token log-probs with the whole logits (LD-DPO, WPO).
+* `completion_logits`: the distillation trainers' forward: what scores each completion token of both models,
+  the final hidden states with the output layer's weight where it is plain (`core.divergences.LinearLogits`),
+  so that the divergence makes the logits a block of positions at a time.
 
 They differ in what comes in (a rollout's prompt and completion tensors, or a collator's rows) and what
 goes out (per-token values with entropies, or sums with mean logits); the forward they share is
@@ -20,6 +23,7 @@ import torch
 from torch import Tensor
 
 from posttrain.accel.replay import LinearRecord, replaying
+from posttrain.core.divergences import LinearLogits
 from posttrain.core.log_softmax import length_groups, sequence_logprobs
 from posttrain.forward.logprobs import (attention_kind, last_hidden_states, linear_selective_log_softmax, pack_groups,
                                         pack_pairs, packed_logps, plain_lm_head, token_logprobs)
@@ -183,3 +187,19 @@ def completion_token_logps(model, input_ids: Tensor, attention_mask: Tensor, com
     T, K = input_ids.shape[1], _num_scored(completion_mask)
     logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
     return logps, completion_mask[:, T - K:], logits
+
+
+def completion_logits(model, mb: dict):
+    """The logits that score each completion token, (B, C, V), or `LinearLogits` (hidden (B, C, H), the output
+    layer's weight) where the output layer is plain (`plain_lm_head`): then no logits are made here."""
+    ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
+    attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
+    P, C = mb["prompt_ids"].shape[1], mb["completion_ids"].shape[1]
+    positions = (attention.long().cumsum(-1) - 1).clamp(min=0)  # left-padded prompts: count real tokens only
+    head = plain_lm_head(unwrap(model), ids)
+    if head is not None:
+        hidden = last_hidden_states(model, input_ids=ids, attention_mask=attention, position_ids=positions)
+        return LinearLogits(hidden[:, P - 1:P + C - 1], head.weight)
+    keep = torch.arange(P - 1, P + C - 1, device=ids.device)
+    return model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=keep,
+                 use_cache=False).logits

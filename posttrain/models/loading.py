@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
+import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import torch
 
 from posttrain.accel.memory import hand_over_file_backed
 from posttrain.cache import build_in, cache_dir
-from posttrain.models import tiny
+from posttrain.models import compat, tiny
 
 BUILTIN_PREFIX = "posttrain/"
 SMOLLM2 = "smollm2-135m-instruct"
@@ -28,6 +31,21 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelLoadError(OSError):
     pass
+
+
+class _PlainWhenRedirected(logging.Filter):
+    """transformers' load report (utils/loading_report.py) starts with a bold escape code whatever the stream
+    it goes to: drop escape codes from transformers' loading messages where stderr is not a terminal."""
+
+    ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not (sys.stderr is not None and sys.stderr.isatty()):
+            record.msg = self.ESCAPE.sub("", record.msg)
+        return True
+
+
+logging.getLogger("transformers.modeling_utils").addFilter(_PlainWhenRedirected())
 
 
 def smollm2_path() -> Path:
@@ -369,15 +387,34 @@ def route_through_fsdp_root(root, part):
     part.forward = lambda *args, **kwargs: (inner if in_root else root.forward_of_part)(*args, **kwargs)
 
 
-def apply_peft(model, peft_config):
-    """Wrap `model` with a PEFT adapter (LoRA, ...) when a config is given."""
+def is_quantized(model) -> bool:
+    """Whether `model` was loaded in 4 or 8 bits (bitsandbytes): its base weights cannot be trained."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def apply_peft(model, peft_config, gradient_checkpointing: bool = False):
+    """Wrap `model` with a PEFT adapter (LoRA, ...) when a config is given. A 4/8-bit model (QLoRA) is first
+    prepared as peft prepares one for training (base weights frozen, norms in float32); without an adapter it
+    is refused, since nothing of it could train."""
     if peft_config is None:
+        if is_quantized(model):
+            raise ValueError("the model is loaded in 4 or 8 bits (quantization_config), whose weights cannot be "
+                             "trained: pass peft_config (e.g. peft.LoraConfig, or --use_peft) to train an adapter "
+                             "on it (QLoRA)")
         return model
     try:
-        from peft import get_peft_model
+        from peft import get_peft_model, prepare_model_for_kbit_training
     except ImportError as err:
         raise ImportError("peft_config needs the peft package: pip install 'posttrain[peft]'") from err
-    if getattr(model, "is_gradient_checkpointing", False) and hasattr(model, "enable_input_require_grads"):
+    if is_quantized(model):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        for module in model.modules():
+            # bitsandbytes repacks a 4-bit weight for its CPU inference kernel at the first no-grad eval-mode
+            # forward (a generation, an evaluation), after which a training forward of that layer fails
+            # (an in-place bias add on its output); the training layout serves both
+            if getattr(module, "support_avx512bf16_for_cpu", False):
+                module.support_avx512bf16_for_cpu = False
+    if compat.activation_checkpointing(model) and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
     return get_peft_model(model, peft_config)
 

@@ -30,6 +30,8 @@ import os
 
 from torch import nn
 
+from posttrain.models import compat
+
 VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_FOLDER = "value_model"
 
@@ -60,8 +62,12 @@ class _PolicyWrapper(nn.Module):
                 return getattr(super().__getattr__("policy"), name)
             raise
 
-    def gradient_checkpointing_enable(self, **kwargs):
-        self.policy.gradient_checkpointing_enable(**kwargs)
+    def activation_checkpointing_enable(self, **kwargs):
+        """transformers' Trainer calls this (newer 5.x) or gradient_checkpointing_enable (older 5.x)."""
+        compat.enable_activation_checkpointing(self.policy, **kwargs)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        compat.enable_activation_checkpointing(self.policy, gradient_checkpointing_kwargs, **kwargs)
 
     def generate(self, *args, **kwargs):
         return self.policy.generate(*args, **kwargs)
@@ -98,12 +104,16 @@ class CausalLMWithValueHead(_PolicyWrapper):
         save_file(state, os.path.join(save_directory, VALUE_HEAD_FILE))
 
     @classmethod
-    def from_pretrained(cls, path: str, **kwargs) -> "CausalLMWithValueHead":
-        """The policy from `path` and the head saved with it (a fresh zero head if there is none)."""
+    def from_pretrained(cls, path, **kwargs) -> "CausalLMWithValueHead":
+        """The policy from `path` and the head saved with it (a fresh zero head if there is none). `path` may
+        be a model object too, as TRL accepts: it becomes the policy as it is, with a fresh head; a model that
+        has a value head already is returned as it is."""
         from posttrain.models.loading import load_causal_lm
 
+        if isinstance(path, CausalLMWithValueHead):
+            return path
         model = cls(load_causal_lm(path, **kwargs))
-        if os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)):
+        if isinstance(path, str) and os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)):
             model.load_critic(path)
         return model
 
@@ -146,12 +156,13 @@ class AutoModelForCausalLMWithValueHead(CausalLMWithValueHead):
         """(lm_logits (B, T, V), loss (with `labels`, else None), value (B, T)) as classic TRL returned them,
         plus past_key_values with `return_past_key_values`."""
         kwargs.pop("output_hidden_states", None)
-        out = self.policy(input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
-                          output_hidden_states=True, **kwargs)
+        if past_key_values is not None:
+            kwargs.update(compat.cache_kwargs(self.policy, past_key_values))
+        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs)
         hidden = out.hidden_states[-1]
         value = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1)
         result = (out.logits, getattr(out, "loss", None), value)
-        return result + (out.past_key_values,) if return_past_key_values else result
+        return result + (compat.output_cache(self.policy, out),) if return_past_key_values else result
 
 
 class AutoModelForSeq2SeqLMWithValueHead:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from posttrain.models import compat
 from posttrain.models.modes import unwrap
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class ModelForward(SamplerBackend):
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
         out = self.net(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                        logits_to_keep=1)
-        self.cache = out.past_key_values
+        self.cache = compat.output_cache(self.net, out)
         return out.logits[:, -1, :]
 
     def expand(self, group: int, capacity: int) -> None:
@@ -103,8 +104,8 @@ class ModelForward(SamplerBackend):
 
     def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
         out = self.net(input_ids=tokens[:, None], attention_mask=attention, position_ids=positions,
-                       past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
+                       **compat.cache_kwargs(self.net, self.cache), use_cache=True, logits_to_keep=1)
+        self.cache = compat.output_cache(self.net, out)
         return out.logits[:, -1, :]
 
     def select(self, keep: Tensor) -> None:
@@ -220,3 +221,51 @@ def select_cache(cache, index: Tensor):
         cache.batch_select_indices(index)
         return cache
     return type(cache)(tuple(t[index] for t in layer) for layer in cache)
+
+
+class GeometricMixture(SamplerBackend):
+    """Decode from the geometric mixture of two models, π_mix ∝ π^(1-c) π_ref^c (Nash-MD's sampler): both
+    backends decode the same rows, and each step's logits are (1 - c) log_softmax(policy) + c log_softmax(ref),
+    a normalised log-distribution. `ref_context()` is entered around every call of the reference backend (a
+    PEFT policy serves as its own reference with the adapter disabled)."""
+
+    def __init__(self, policy: SamplerBackend, ref: SamplerBackend, mixture_coef: float, ref_context=None):
+        if not 0.0 <= mixture_coef <= 1.0:
+            raise ValueError(f"mixture_coef must be in [0, 1] (the reference's share of the mixture), got {mixture_coef}")
+        import contextlib
+
+        self.policy, self.ref, self.coef = policy, ref, float(mixture_coef)
+        self.ref_context = ref_context or contextlib.nullcontext
+        self.device, self.input_vocab_size = policy.device, policy.input_vocab_size
+        self.lockstep = policy.lockstep or ref.lockstep
+
+    def __enter__(self) -> GeometricMixture:
+        self.policy.__enter__()
+        self.ref.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ref.__exit__(*exc)
+        self.policy.__exit__(*exc)
+
+    def _mix(self, policy_logits: Tensor, ref_call) -> Tensor:
+        with self.ref_context():
+            ref_logits = ref_call()
+        return ((1.0 - self.coef) * torch.log_softmax(policy_logits.float(), -1)
+                + self.coef * torch.log_softmax(ref_logits.float(), -1))
+
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
+        return self._mix(self.policy.prefill(prompt_ids, prompt_mask, positions),
+                         lambda: self.ref.prefill(prompt_ids, prompt_mask, positions))
+
+    def expand(self, group: int, capacity: int) -> None:
+        self.policy.expand(group, capacity)
+        self.ref.expand(group, capacity)
+
+    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
+        return self._mix(self.policy.step(tokens, t, attention, positions),
+                         lambda: self.ref.step(tokens, t, attention, positions))
+
+    def select(self, keep: Tensor) -> None:
+        self.policy.select(keep)
+        self.ref.select(keep)

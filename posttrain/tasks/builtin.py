@@ -18,6 +18,7 @@ import random
 import re
 
 from posttrain.core.registry import Registry
+from posttrain.tasks import rewards as trl_rewards
 
 ZEN_LAYOUTS = ("language_modeling", "prompt_only", "prompt_completion", "preference",
                "implicit_prompt_preference", "unpaired_preference")
@@ -232,7 +233,12 @@ def final_answer_reward(completions, answer, **kwargs) -> list[float]:
 
 
 REWARD_FUNCTIONS = Registry("built-in reward function", entries={
-    "exact_match": exact_match_reward, "digit_match": digit_match_reward, "final_answer": final_answer_reward})
+    "exact_match": exact_match_reward, "digit_match": digit_match_reward, "final_answer": final_answer_reward,
+    # TRL's reward functions, by the names (and the overlong-punishment settings) TRL's grpo.py script accepts
+    **{f.__name__: f for f in (trl_rewards.accuracy_reward, trl_rewards.reasoning_accuracy_reward,
+                               trl_rewards.think_format_reward)},
+    "get_soft_overlong_punishment": trl_rewards.get_soft_overlong_punishment(max_completion_len=1280,
+                                                                             soft_punish_cache=256)})
 # how each task's held-out accuracy is judged; exact match unless named here
 TASK_CHECKERS = Registry("task checker", entries={"quick-add": final_answer_check})
 

@@ -59,6 +59,11 @@ class BaseConfig(TrainingArguments):
         default=None,
         metadata={"help": "Keyword arguments for `from_pretrained` when the model is given as a string "
                           "(e.g. {'dtype': 'bfloat16'}). Default: float32."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the modelling and tokenizer code a model folder ships (auto_map) when "
+                                         "the model or tokenizer is given as a string; the same as "
+                                         "model_init_kwargs={'trust_remote_code': True}. That code runs in this "
+                                         "process with your permissions: only for folders you trust."})
     logging_steps: float = field(default=10, metadata={"help": "Log every this many optimizer steps."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: posttrain's collators pick the columns they need."})
@@ -94,6 +99,11 @@ class BaseConfig(TrainingArguments):
         check_training_numbers(self)  # before transformers derives anything from them
         super().__post_init__()
         # transformers turns "none" into an empty list; keep that behaviour
+        if self.trust_remote_code:  # every loader reads it from model_init_kwargs
+            if (self.model_init_kwargs or {}).get("trust_remote_code", True) is not True:
+                raise ValueError("trust_remote_code=True contradicts model_init_kwargs {'trust_remote_code': False}; "
+                                 "give one of them")
+            self.model_init_kwargs = {**(self.model_init_kwargs or {}), "trust_remote_code": True}
         self._check()
         check_finite_fields(self)  # after `_check`, whose messages are more specific where it has one
 
@@ -368,7 +378,7 @@ class BaseTrainer(Trainer):
         if args.gradient_checkpointing and hasattr(model, "config"):
             model.config.use_cache = False
         self.tag_model(model)
-        model = loading.apply_peft(model, peft_config)
+        model = loading.apply_peft(model, peft_config, args.gradient_checkpointing)
         check_liger(args, model)  # after PEFT: some adapters are refused with liger
         if args.lean_activations and not args.torch_compile:
             lean.make_lean(model)  # every trained module (a PPO critic's too); frozen copies made later inherit it
@@ -380,6 +390,8 @@ class BaseTrainer(Trainer):
             products.enable(model)
         self.model_name = model_name
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        if args.dataloader_pin_memory and (args.use_cpu or not _accelerator_available()):
+            args.dataloader_pin_memory = False  # pinned pages serve copies to an accelerator; torch warns without one
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
@@ -702,8 +714,12 @@ class BaseTrainer(Trainer):
         names = ("learning_rate", "lr_scheduler_type", "num_train_epochs", "max_steps", "per_device_train_batch_size",
                  "gradient_accumulation_steps", "seed", "beta", "loss_type", "max_length", "num_generations")
         hyper = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        if (args.max_steps or 0) > 0:  # max_steps overrides num_train_epochs: listing both misleads
+            hyper.pop("num_train_epochs", None)
+        else:
+            hyper.pop("max_steps", None)
         hyper["lr_scheduler_type"] = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
-        base = f"[{self.model_name}](https://huggingface.co/{self.model_name})" if self.model_name else "a base model"
+        base = _model_reference(self.model_name)
         versions = {"posttrain": getattr(posttrain, "__version__", "unknown"), "transformers": transformers.__version__,
                     "torch": torch.__version__, "datasets": datasets.__version__}
         if importlib.util.find_spec("peft") is not None:
@@ -742,3 +758,23 @@ class BaseTrainer(Trainer):
                 logs[prefix + name] = sum(values) / len(values)
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+
+def _model_reference(name: str | None) -> str:
+    """The base model as the model card names it: a hub link for a hub id, plain text for a built-in
+    model or a local folder (a link to huggingface.co/<local path> leads nowhere)."""
+    if not name:
+        return "a base model"
+    from posttrain.models.loading import BUILTIN_PREFIX
+
+    local = name.startswith(BUILTIN_PREFIX) or os.path.isabs(name) or name.startswith((".", "~")) or \
+        os.path.exists(name) or name.count("/") != 1
+    return f"`{name}`" if local else f"[{name}](https://huggingface.co/{name})"
+
+
+def _accelerator_available() -> bool:
+    """Whether torch sees an accelerator (CUDA, XPU, MPS, ...) to which pinned memory would be copied."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return accelerator.is_available()
+    return torch.cuda.is_available()

@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import time
+from collections import defaultdict
 
 import torch
 from torch import Tensor
@@ -73,7 +74,7 @@ from posttrain.rollout.multiturn import Tooling, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
-from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options, loss_types
+from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options
 from posttrain.trainers.prompts import PromptBatches, _collate_streamed, _PromptStream, new_stream_position
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def _prepare_policy(policy, args: OnlineConfig, peft_config, value_model, init_k
         disable_dropout(policy)
     if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
         policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
-    policy = loading.apply_peft(policy, peft_config)
+    policy = loading.apply_peft(policy, peft_config, args.gradient_checkpointing)
     if ADVANTAGES[args.advantage_estimator].critic:  # the critic trains with the policy, in one module
         critic = value_model if value_model is None else loading.load_sequence_classifier(
             value_model, convert_causal_lm=True, **init_kwargs)  # a causal LM: a fresh score head, with a warning
@@ -147,6 +148,7 @@ class OnlineTrainer(BaseTrainer):
     """Rollout -> score -> advantages -> clipped policy update, configured by an `OnlineConfig`."""
 
     config_class = OnlineConfig
+    prompts_required = True  # a train_dataset (or environments that supply prompts); PPO's manual loop needs none
     _tag = "online"
 
     def __init__(self, model, reward_funcs=None, args: OnlineConfig | None = None, train_dataset=None,
@@ -166,6 +168,9 @@ class OnlineTrainer(BaseTrainer):
         if reward_funcs is None and args.reward_model_path:
             reward_funcs = [args.reward_model_path]
         tooling, reward_funcs, train_dataset = _tooling(args, tools, environment_factory, reward_funcs, train_dataset)
+        if train_dataset is None and self.prompts_required:
+            raise ValueError(f"train_dataset is required: {type(self).__name__} samples completions of its prompts "
+                             "(or give environment_factory= whose environments' reset() supply them)")
         if rollout_func is not None and tooling is not None:
             raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
                              "rollout_func or tools= / environment_factory=, not both")
@@ -215,7 +220,7 @@ class OnlineTrainer(BaseTrainer):
                                     processing_class.eos_token_id, extra)
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
         self._shuffle = torch.Generator().manual_seed(args.seed + 1)
-        self.loss_mode, self.global_denominator = loss_types()[args.loss_type]
+        self.loss_mode, self.global_denominator = args.loss_aggregation()
         # the policy can move between sampling and training only with several optimizer steps or passes
         self.old_is_current = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
         # ... and then the sampler's linear outputs are the training forward's (accel/replay.py)
@@ -237,18 +242,26 @@ class OnlineTrainer(BaseTrainer):
                              f"({per_generation // args.num_generations}); add prompts or lower "
                              "per_device_train_batch_size / steps_per_generation")
 
+    @staticmethod
+    def uses_reference(args) -> bool:
+        """Whether the engine loads a reference policy: a KL term with `beta > 0`. A preset whose `beta` means
+        something else (distillation: the divergence's interpolation) says no here."""
+        return args.beta > 0
+
     def _set_reference(self, ref_model, policy, args: OnlineConfig):
-        """`self.ref_model`: only when beta > 0; a frozen copy of the policy unless one is given or the policy is a
-        PEFT model (whose reference is the adapter-disabled policy); synced to the policy with sync_ref_model."""
-        needs_ref = args.beta > 0
+        """`self.ref_model`: only when `uses_reference` (beta > 0); a frozen copy of the policy unless one is given
+        or the policy is a PEFT model (whose reference is the adapter-disabled policy); synced to the policy with
+        sync_ref_model."""
+        needs_ref = self.uses_reference(args)
         if needs_ref and ref_model is None and not loading.is_peft_model(policy):
             ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic
         self.ref_model = self.make_reference(ref_model, needed=needs_ref)
+        self.needs_reference = needs_ref  # build_experience computes reference log-probs
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a separate reference model; with PEFT the reference is the "
                                  "adapter-disabled policy, which cannot be synced")
-            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
+            self.add_callback(SyncRefModelCallback(self.ref_model))
 
     # ------------------------------------------------------------------ data
     @staticmethod
@@ -365,10 +378,11 @@ class OnlineTrainer(BaseTrainer):
 
     def _reward_extras(self, mode: str) -> dict:
         """The keyword arguments TRL passes every reward function besides the data: the trainer state and
-        two logging hooks (`log_metric(name, value)` averages a number into the logs; `log_extra(name,
-        values)` is accepted, its per-completion values are not kept)."""
+        two logging hooks: `log_metric(name, value)` averages a number into the logs; `log_extra(column, values)`
+        (one value per completion) adds a column to this batch's completions table (log_completions)."""
+        self._extra_columns = defaultdict(list)  # this call's; `_keep_samples` takes them
         return {"trainer_state": self.state, "log_metric": lambda name, value: self.record({name: float(value)}, mode),
-                "log_extra": lambda name, values: None}
+                "log_extra": lambda column, values: self._extra_columns[column].extend(values)}
 
     def decode(self, rollout: Rollout, prompts: list, episodes=None):
         """(texts, completions as reward functions get them (messages for chat prompts; a multi-turn
@@ -424,7 +438,7 @@ class OnlineTrainer(BaseTrainer):
             loss_mask[truncated] = 0
         batch["loss_mask"] = loss_mask
         scores = scores.to(device).float()
-        if args.beta > 0:
+        if self.needs_reference:
             with self.reference_context(self.ref_model):
                 ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
                 batch["ref_logp"] = self._no_grad_forward(ref, batch)
@@ -565,7 +579,8 @@ class OnlineTrainer(BaseTrainer):
         if "vllm_logp" in inputs and args.vllm_importance_sampling_correction:  # sampled by vLLM, not by pi_old
             per_token = per_token * truncated_importance_weights(old_logp, inputs["vllm_logp"],
                                                                  args.vllm_importance_sampling_clip_max)
-        metrics = {"loss/policy_avg": masked_mean(per_token.detach(), mask)}
+        policy_avg = masked_mean(per_token.detach(), mask)
+        metrics = {"loss/policy_avg": policy_avg, "policy_loss": policy_avg}  # TRL's name and the classic one
         if "ref_logp" in inputs:  # GRPO: beta * KL(pi || ref) per token, in the loss
             kl = kl_penalty(logp, inputs["ref_logp"], args.kl_estimator)
             if args.use_bias_correction_kl:  # samples are pi_old's: weight by pi/pi_old to estimate KL(pi || ref)
@@ -637,10 +652,16 @@ class OnlineTrainer(BaseTrainer):
         from accelerate.utils import gather_object
 
         scores = {name: per_function[:, j].tolist() for j, name in enumerate(self.reward_scorer.names)}
+        extra = dict(getattr(self, "_extra_columns", {}))
+        for column, values in extra.items():
+            if len(values) != len(texts):
+                raise ValueError(f"log_extra({column!r}, values): {len(values)} values for {len(texts)} completions; "
+                                 "give one value per completion (the reward function's `completions`)")
         if self.accelerator.num_processes > 1:
             prompts, texts = gather_object(list(prompts)), gather_object(list(texts))
             scores = {name: gather_object(v) for name, v in scores.items()}
-        self._samples = (prompts, texts, scores)
+            extra = {column: gather_object(list(v)) for column, v in extra.items()}
+        self._samples = (prompts, texts, scores, extra)
         if sample_now:
             self._last_sample_step = step
             if self.is_world_process_zero():
@@ -692,8 +713,9 @@ class OnlineTrainer(BaseTrainer):
             per_function, total = self.reward_scorer(prompts, completions, ids, columns,
                                                      extra=self._reward_extras("eval"))
             rows += zip(total.tolist(), per_function.tolist(), map(len, ids))
-            if not ADVANTAGES[self.args.advantage_estimator].critic:
-                losses.append(self._eval_loss(rollout, total, k))
+            loss = None if ADVANTAGES[self.args.advantage_estimator].critic else self._eval_loss(rollout, total, k)
+            if loss is not None:  # None: the trainer has no eval loss on these rollouts
+                losses.append(loss)
         rows = gather_object(rows) if acc.num_processes > 1 else rows
         p = metric_key_prefix
         metrics = {f"{p}_reward": sum(r[0] for r in rows) / max(len(rows), 1),
@@ -709,7 +731,7 @@ class OnlineTrainer(BaseTrainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    def _eval_loss(self, rollout: Rollout, scores: Tensor, k: int) -> float:
+    def _eval_loss(self, rollout: Rollout, scores: Tensor, k: int) -> float | None:
         """The training loss of one eval batch at ratio 1 (old = current): the policy loss with this batch's
         advantages, plus beta * KL where the KL is in the loss."""
         args, device = self.args, self.accelerator.device

@@ -196,7 +196,9 @@ class OnlineConfig(BaseConfig):
     num_iterations: int = field(default=1, metadata={"help": "Passes over each generation batch (PPO epochs)."})
     epsilon: float = POLICY_LOSSES.field("epsilon")
     epsilon_high: float | None = POLICY_LOSSES.field("epsilon_high")
-    importance_sampling_level: str = field(default="token", metadata={"help": "'token', or 'sequence' (GSPO)."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "'token', or 'sequence' (GSPO, "
+                                           "in its GSPO-token form; 'sequence_token', TRL's GSPO-token name, is the "
+                                           "same)."})
     delta: float | None = field(default=None, metadata={"help": "INTELLECT-2's two-sided clip: the clipped loss's "
                                 "ratio is also capped at delta (> 1 + epsilon) where the advantage is negative "
                                 "(None: off)."})
@@ -235,7 +237,9 @@ class OnlineConfig(BaseConfig):
     total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (>= 1; sets "
                                        "max_steps). None: max_steps / num_train_epochs decide."})
     log_completions: bool = field(default=False, metadata={"help": "A completions table at every logging step."})
-    num_completions_to_print: int | None = field(default=None, metadata={"help": "Table rows printed (None: all)."})
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Table rows printed (None: all; 0: none, the rows go to completions.jsonl "
+                                        "only)."})
     num_sample_generations: int = field(default=0, metadata={"help": "Completion tables (and completions.jsonl "
                                         "rows) at this many evenly spaced steps."})
 
@@ -254,6 +258,14 @@ class OnlineConfig(BaseConfig):
 
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
         super().__post_init__()
+
+    def loss_type_choices(self) -> dict:
+        """The loss_type names this config accepts (a preset whose loss_type means something else overrides it)."""
+        return loss_types()
+
+    def loss_aggregation(self) -> tuple[str, bool]:
+        """(core.masked aggregation mode, whether its denominator spans the optimizer step) of this config."""
+        return loss_types()[self.loss_type]
 
     @property
     def per_process_generation(self) -> int:
@@ -340,11 +352,11 @@ class OnlineConfig(BaseConfig):
                              "above the clip range)")
         ADVANTAGES.choose(self.advantage_estimator, "advantage_estimator")
         POLICY_LOSSES.choose(self.policy_loss, "policy_loss")
-        for name, value, known in [("loss_type", self.loss_type, loss_types()),
+        for name, value, known in [("loss_type", self.loss_type, self.loss_type_choices()),
                                    ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
                                    ("scale_rewards", self.scale_rewards, ("group", "batch", "none")),
                                    ("importance_sampling_level", self.importance_sampling_level,
-                                    ("token", "sequence"))]:
+                                    ("token", "sequence", "sequence_token"))]:
             if value not in known:
                 raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(known)}")
         estimator = ADVANTAGES[self.advantage_estimator]

@@ -129,6 +129,7 @@ class PPOTrainer(OnlineTrainer):
     acted)."""
 
     config_class = PPOConfig
+    prompts_required = False  # the classic manual loop (generate / step) brings its own queries
     _tag = "PPO"
     _name = "PPO"
     _citation = """@article{schulman2017proximal,

@@ -436,9 +436,12 @@ class PreferenceTrainer(BaseTrainer):
         self.loss_is_scaled_for_ga = False
         if getattr(args, "disable_dropout", False):
             disable_dropout(self.model)
+        # whether the reference is the policy's initial weights (precompute_ref_log_probs: the untrained model can
+        # stand in for it on new evaluation data)
+        self._reference_is_policy = ref_model is None or ref_model is model
         self.ref_model = self.make_reference(ref_model, needs_reference)
         if sync:
-            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
+            self.add_callback(SyncRefModelCallback(self.ref_model))
         if needs_reference and getattr(args, "precompute_ref_log_probs", False):
             self.precompute_reference()
         self._num_tokens = {"train": 0, "eval": 0}
@@ -451,11 +454,17 @@ class PreferenceTrainer(BaseTrainer):
         """Raw evaluation rows -> token ids, as the train data was prepared; prepared data comes back as is."""
         if "prompt_ids" in (dataset.column_names or ()):
             return dataset
-        if self.ref_precomputed:
-            raise ValueError("precompute_ref_log_probs freed the reference model once the data given at construction "
-                             "was scored, so new evaluation data cannot be scored; pass it as eval_dataset= to the "
-                             "trainer instead")
-        return prepare_preference_dataset(dataset, name=name, **self._prepare)
+        prepared = prepare_preference_dataset(dataset, name=name, **self._prepare)
+        if not self.ref_precomputed:
+            return prepared
+        if self._reference_is_policy and self.state.global_step == 0:
+            # the freed reference was the policy's initial weights, which the model still has: it scores the data
+            return self.add_reference_columns(prepared)
+        why = ("the model has trained since, so it is no longer the reference"
+               if self._reference_is_policy else "the separate ref_model is gone")
+        raise ValueError(f"precompute_ref_log_probs freed the reference model once the data given at construction was "
+                         f"scored and {why}: new evaluation data cannot be scored; pass it as eval_dataset= to the "
+                         f"trainer instead")
 
     # ------------------------------------------------------------------ log-probs
     def reference_logps(self, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> Tensor:

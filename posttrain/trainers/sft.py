@@ -72,6 +72,7 @@ from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, enc
 from posttrain.forward.logprobs import attention_kind, linear_selective_log_softmax, plain_lm_head
 from posttrain.models import loading
 from posttrain.models.modes import eval_mode
+from posttrain.models.offloading import OffloadActivations
 from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, as_dataset, check_datasets,
                                      classic_arguments, errors_named, map_datasets, seed_run)
 
@@ -129,6 +130,10 @@ class SFTConfig(BaseConfig):
         default=None, metadata={"help": "Extra variables for every chat-template call (e.g. "
                                         "{'enable_thinking': False}); a row's own `chat_template_kwargs` column "
                                         "adds to them and wins."})
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Keep the activations saved for the backward pass in CPU memory until "
+                                         "backward needs them (saved-tensor hooks), saving accelerator memory for "
+                                         "transfer time. A model on the CPU has nothing to move."})
     dataset_kwargs: dict[str, Any] | None = field(
         default=None, metadata={"help": "TRL's dataset options. {'skip_prepare_dataset': True}: the datasets are "
                                         "already tokenised (`input_ids`, optionally `loss_mask`, `completion_mask` "
@@ -324,6 +329,12 @@ class SFTTrainer(BaseTrainer):
                 raise ValueError("dataset_kwargs={'skip_prepare_dataset': True} uses the dataset as it is, so it "
                                  "must be tokenised already: it needs an 'input_ids' column (optionally "
                                  f"'loss_mask'); its columns are {_column_names(dataset)}")
+            wanted = [name for name in ("assistant_only_loss", "completion_only_loss") if getattr(args, name) is True]
+            if wanted and not any(c in _column_names(dataset) for c in MASK_COLUMNS):
+                raise ValueError(f"{wanted[0]}=True with dataset_kwargs={{'skip_prepare_dataset': True}} needs the "
+                                 f"rows' mask: a column among {list(MASK_COLUMNS)} (1 on the tokens to train on); "
+                                 f"without one every token would be trained on. Its columns are "
+                                 f"{_column_names(dataset)}")
             return dataset
         streamed = isinstance(dataset, IterableDataset)
         columns = _column_names(dataset)
@@ -420,6 +431,12 @@ class SFTTrainer(BaseTrainer):
         return dataset.map(encode_batch, batched=True, with_indices=True, remove_columns=_column_names(dataset))
 
     # ------------------------------------------------------------------ loss
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.args.activation_offloading:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with OffloadActivations():  # forward and backward both: backward reads what the forward saved
+            return super().training_step(model, inputs, num_items_in_batch)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._flatten_width is not None and "attention_mask" in inputs and "position_ids" not in inputs:
             inputs = self._flattened_if_cheaper(model, inputs)

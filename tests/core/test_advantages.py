@@ -431,3 +431,27 @@ def test_register_advantage_refuses_options_the_config_cannot_pass():
     assert "test_loose_option" not in ADVANTAGES
     assert ADVANTAGES["gae"].options == ("gamma", "lam", "whiten_advantages")
     assert ADVANTAGES["opo"].options == ()
+
+
+def test_reverse_kl_return_by_hand():
+    from posttrain.core.advantages import reverse_kl_return
+
+    # one completion of 3 tokens (the 4th is padding); per-token rewards log q_T - log q_S = (1, 2, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    rewards = torch.tensor([[1.0, 2.0, 4.0, 9.0]], dtype=torch.float64)
+    inp = AdvantageInput(scores=torch.tensor([5.0], dtype=torch.float64), mask=mask, group_size=1,
+                         token_rewards=rewards)
+    # group of one: the score's advantage is 0; gamma = 1, all steps, length-normalised: (7/3, 6/2, 4/1)
+    adv, _ = reverse_kl_return(inp, gamma=1.0, length_normalization=True, single_step_decomposition=False)
+    torch.testing.assert_close(adv, torch.tensor([[7 / 3, 3.0, 4.0, 0.0]], dtype=torch.float64))
+    # single-step decomposition: the later steps only, R_{t+1} = (6, 4, 0), divided by the 2, 1, (1) steps summed
+    adv, _ = reverse_kl_return(inp, gamma=1.0, length_normalization=True, single_step_decomposition=True)
+    torch.testing.assert_close(adv, torch.tensor([[3.0, 4.0, 0.0, 0.0]], dtype=torch.float64))
+    # gamma = 0.5, no normalisation: G_t = r_t + 0.5 G_{t+1} = (1 + 0.5 * 4, 2 + 0.5 * 4, 4) = (3, 4, 4)
+    adv, _ = reverse_kl_return(inp, gamma=0.5, length_normalization=False, single_step_decomposition=False)
+    torch.testing.assert_close(adv, torch.tensor([[3.0, 4.0, 4.0, 0.0]], dtype=torch.float64))
+    # the default gamma = 0 with single-step decomposition leaves the group-centred scores: two samples 5 and 1
+    two = AdvantageInput(scores=torch.tensor([5.0, 1.0], dtype=torch.float64), mask=mask.repeat(2, 1), group_size=2,
+                         token_rewards=rewards.repeat(2, 1))
+    adv, _ = reverse_kl_return(two, gamma=0.0)
+    torch.testing.assert_close(adv, torch.tensor([[2.0, 2.0, 2.0, 0.0], [-2.0, -2.0, -2.0, 0.0]], dtype=torch.float64))

@@ -13,6 +13,7 @@ from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCau
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from posttrain.accel.lean import RMS_NORMS, SWIGLU_MLPS, RMSNormFunction, SwiGLUFunction, is_lean, make_lean, undo_lean
+from posttrain.models import compat
 from posttrain.models.loading import load_causal_lm
 
 SHAPE = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
@@ -250,7 +251,7 @@ def test_the_known_classes_compute_what_llamas_do():
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradients_under_gradient_checkpointing_are_the_plain_models(reentrant):
     plain = llama().train()
-    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    compat.enable_activation_checkpointing(plain, {"use_reentrant": reentrant})
     lean = lean_copy(plain)
     ids = tokens(plain)
     g_plain, g_lean = grads(plain, ids), grads(lean, ids)

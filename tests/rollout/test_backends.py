@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.models import compat
 from posttrain.rollout import generate as generate_module
 from posttrain.rollout.backends import ModelForward, SamplerBackend
 from posttrain.rollout.generate import SamplingConfig, generate
@@ -36,7 +37,7 @@ class CachedForward(SamplerBackend):
     def prefill(self, prompt_ids, prompt_mask, positions):
         self.calls.append(("prefill", tuple(prompt_ids.shape)))
         out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
-        self.cache = out.past_key_values
+        self.cache = compat.output_cache(self.model, out)
         return out.logits[:, -1]
 
     def expand(self, group, capacity):
@@ -46,8 +47,8 @@ class CachedForward(SamplerBackend):
     def step(self, tokens, t, attention, positions):
         self.calls.append(("step", t, len(tokens), attention.shape[1], positions[:, 0].tolist()))
         out = self.model(input_ids=tokens[:, None], attention_mask=attention, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+                         **compat.cache_kwargs(self.model, self.cache), use_cache=True)
+        self.cache = compat.output_cache(self.model, out)
         return out.logits[:, -1]
 
     def select(self, keep):

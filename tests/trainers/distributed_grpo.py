@@ -15,7 +15,7 @@ import torch
 
 from posttrain.accel.replay import LinearRecord
 from posttrain.cli import close_process_group
-from posttrain.rollout import generate as generate_module
+from posttrain.forward import completions as completions_module
 from posttrain.rollout.generate import Rollout, generate
 from posttrain.tasks.builtin import task_dataset
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
@@ -73,8 +73,8 @@ class PerPromptSeededGRPO(GRPOTrainer):
 
 def main(out_path: str, per_device_batch: int, replay: bool):
     replayed = []
-    real = generate_module.replaying
-    generate_module.replaying = lambda *a: replayed.append(1) or real(*a)
+    real = completions_module.replaying
+    completions_module.replaying = lambda *a: replayed.append(1) or real(*a)
     args = GRPOConfig(replay_linear_outputs=replay, output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch, num_generations=4,
                       max_completion_length=6, learning_rate=1e-2, max_steps=1, logging_steps=1, beta=0.1,
                       shuffle_dataset=False, report_to="none", disable_tqdm=True, use_cpu=True,

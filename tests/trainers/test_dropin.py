@@ -2,6 +2,8 @@
 plain lists as datasets, streaming, evaluate on new data, a reference that is the policy object,
 model_init_kwargs, model tags and TRL's refusals."""
 
+import math
+
 import pytest
 import torch
 from datasets import Dataset, IterableDataset
@@ -121,11 +123,17 @@ def test_streaming_needs_max_steps(tmp_path):
                    embedding_func=lambda ids, mask: ids.float(), embedding_tokenizer=load_tokenizer(TINY))
 
 
-def test_evaluate_on_new_data_after_the_reference_was_precomputed_and_freed_is_refused(tmp_path):
+def test_evaluate_on_new_data_after_the_reference_was_precomputed_and_freed(tmp_path):
+    """Before training the model is still its own reference: new data is scored with it (as TRL does), giving the
+    loss a trainer built with that eval data gives (log 2 for DPO at the reference); after training, refused."""
     args = DPOConfig(**config_kwargs(tmp_path, precompute_ref_log_probs=True))
     trainer = DPOTrainer(TINY, args=args, train_dataset=PAIRS, eval_dataset=PAIRS[:2])
     assert trainer.evaluate()["eval_loss"] > 0  # the eval data given at construction was scored
-    with pytest.raises(ValueError, match="pass it as eval_dataset= to the trainer"):
+    new = trainer.evaluate(eval_dataset=PAIRS[2:])["eval_loss"]
+    built = DPOTrainer(TINY, args=args, train_dataset=PAIRS, eval_dataset=PAIRS[2:]).evaluate()["eval_loss"]
+    assert new == pytest.approx(built, abs=1e-6) and new == pytest.approx(math.log(2), abs=1e-4)
+    trainer.train()
+    with pytest.raises(ValueError, match="trained since.*pass it as eval_dataset= to the trainer"):
         trainer.evaluate(eval_dataset=PAIRS[2:])
 
 

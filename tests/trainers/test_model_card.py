@@ -49,3 +49,19 @@ def test_create_model_card_as_push_to_hub_calls_it_writes_posttrains_card(tmp_pa
     trainer.create_model_card(model_name="my-dpo-model")
     meta, body = read_card(tmp_path)
     assert meta["model_name"] == "my-dpo-model" and "@inproceedings{rafailov2023direct" in body
+
+
+def test_the_card_links_only_hub_ids_and_lists_max_steps_without_epochs(tmp_path, monkeypatch):
+    from posttrain.trainers.base import _model_reference
+
+    trainer = DPOTrainer(TINY, args=DPOConfig(**config_kwargs(tmp_path, max_steps=3)), train_dataset=PAIRS)
+    trainer.save_model(str(tmp_path / "out"))
+    _, body = read_card(tmp_path / "out")
+    assert "huggingface.co" not in body and f"`{TINY}`" in body  # a built-in model is not on the hub
+    assert "- max_steps: 3" in body and "num_train_epochs" not in body
+    assert _model_reference(str(tmp_path)) == f"`{tmp_path}`"
+    (tmp_path / "out" / "sft").mkdir()
+    monkeypatch.chdir(tmp_path / "out")  # a relative local folder that looks like org/name
+    assert _model_reference("sft/") == "`sft/`" and _model_reference("./sft") == "`./sft`"
+    assert _model_reference("HuggingFaceTB/SmolLM2-135M") == \
+        "[HuggingFaceTB/SmolLM2-135M](https://huggingface.co/HuggingFaceTB/SmolLM2-135M)"

@@ -79,7 +79,7 @@ def test_trl_loss_fields_train(tmp_path):
     assert trainer.sampling.top_k == 20 and trainer.sampling.temperature == 0.9
     assert trainer.sampling.repetition_penalty == 1.3
     assert trainer.policy.get_output_embeddings().weight.dtype == torch.float32
-    logged = train_and_check(trainer, metrics=["loss/policy_avg", "objective/kl", "custom/length"],
+    logged = train_and_check(trainer, metrics=["loss/policy_avg", "policy_loss", "objective/kl", "custom/length"],
                              reward_names=("first_token_reward", "length_reward"))
     assert "step" in seen and all(v >= 0 for v in logged["custom/length"])
 
@@ -164,3 +164,36 @@ def test_generation_fields_from_the_command_line():
                                "--loss_type", "cispo", "--per_device_train_batch_size", "4", "--num_generations", "4"])
     assert config.generation_kwargs == {"top_k": 5} and config.chat_template_kwargs == {"enable_thinking": False}
     assert config.repetition_penalty == 1.2 and config.policy_loss == "cispo"
+
+
+def test_log_extra_columns_join_the_completions_table(tmp_path):
+    """A reward function's `log_extra(column, values)` adds one value per completion to the completions table
+    (the file under output_dir), next to the prompt, the completion and the rewards; a wrong count is refused."""
+    import json
+
+    def length_reward(completions, log_extra, **kwargs):
+        log_extra("length", [len(c) for c in completions])
+        log_extra("parity", ["even" if len(c) % 2 == 0 else "odd" for c in completions])
+        return [float(len(c)) for c in completions]
+
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, max_steps=1, log_completions=True))
+    GRPOTrainer(TINY, length_reward, args=args, train_dataset=prompts()).train()
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert rows and all(row["length"] == len(row["completion"]) == row["length_reward"] for row in rows)
+    assert all(row["parity"] == ("even" if row["length"] % 2 == 0 else "odd") for row in rows)
+
+    def short_reward(completions, log_extra, **kwargs):
+        log_extra("one", [1])
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(TINY, short_reward, args=GRPOConfig(**online_args(tmp_path / "b", num_generations=4,
+                                                                           max_steps=1, log_completions=True)),
+                          train_dataset=prompts())
+    with pytest.raises(ValueError, match="log_extra\\('one', values\\): 1 values for 8 completions"):
+        trainer.train()
+
+
+def test_a_missing_train_dataset_is_refused_without_environments(tmp_path):
+    for trainer_class, config_class in ((GRPOTrainer, GRPOConfig), (RLOOTrainer, RLOOConfig)):
+        with pytest.raises(ValueError, match="train_dataset is required"):
+            trainer_class(TINY, first_token_reward, args=config_class(**online_args(tmp_path)))

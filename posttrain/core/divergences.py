@@ -1,0 +1,205 @@
+"""Divergences between a student's and a teacher's next-token distributions, for distillation.
+
+  forward_kl       KL(teacher || student) = sum_v p_T(v) (log p_T(v) - log p_S(v)): mean-seeking, the
+                   supervised-KD loss (Hinton et al. 2015; sequence-level KD, Kim & Rush 2016).
+  reverse_kl       KL(student || teacher) = sum_v p_S(v) (log p_S(v) - log p_T(v)): mode-seeking
+                   (MiniLLM, Gu et al. 2024; on-policy distillation, Agarwal et al. 2024).
+  generalized_jsd  GKD's generalised Jensen-Shannon divergence (Agarwal et al. 2024, eq. 1), with
+                   M = beta p_T + (1 - beta) p_S:  JSD(beta) = beta KL(p_T || M) + (1 - beta) KL(p_S || M).
+                   As TRL (its `beta`), the end points are the KLs themselves: beta = 0 is forward_kl and
+                   beta = 1 is reverse_kl (the formula tends to 0 there; divided by beta, resp. 1 - beta, it
+                   tends to them, which the tests check).
+
+Every divergence has one signature, `fn(student_logp, teacher_logp, *, options) -> (R,)`: two (R, K)
+tensors of log-probabilities over the same K outcomes (the vocabulary, or a top-k support with a tail
+bucket), one value per row. `token_divergence` is the driver the trainers call: from the two models'
+logits, or from their final hidden states and output layers (`LinearLogits`: the logits are made a block of
+rows at a time and never exist whole), it computes the log-softmax of both models a block of rows at a
+time, optionally restricts them to a top-k support, and returns the per-token divergence (B, T), 0 on
+padding. With gradients, each block is recomputed in the backward pass (activation checkpointing), so the
+temporaries are bounded by `chunk_rows` x V whatever the batch. The sequence-level form is the per-token
+divergence summed over each completion (`sequence_divergence`).
+
+Top-k support (`top_k > 0`), as TRL's `loss_top_k` describes it: the teacher's k most likely tokens for
+forward KL, the student's for reverse KL, the union of both for the JSD in between (a token in both lists
+counted once); with `top_k == 1` and `sampled_ids` given, the student's side is the sampled token (TRL's
+`reverse_kl_top_1_mode="sampled"`). With `add_tail`, one more outcome holds each model's remaining mass
+1 - sum_support p; without it, both distributions are renormalised over the support.
+
+Departure: when the two vocabularies differ in size (padded embedding tables of one tokenizer), both are
+cut to the smaller one before the softmax: the tokenizer's ids are below both sizes, and the padding rows
+are never sampled.
+
+Pure tensor code: nothing of posttrain outside core/ is imported here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from posttrain.core.registry import Registry
+
+CHUNK_ROWS = 256  # positions per block: the block's temporaries are a few CHUNK_ROWS x V float32 tensors
+
+DivergenceFn = Callable[..., Tensor]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A registered divergence and the facts its callers read from it."""
+
+    fn: DivergenceFn  # fn(student_logp (R, K), teacher_logp (R, K), **options) -> (R,)
+    support: str  # whose top-k tokens form a top-k support: "teacher", "student" or "both" (beta decides)
+    options: tuple[str, ...]  # fn's keyword-only parameters, each read from the config field of that name
+
+
+DIVERGENCES = Registry("divergence", Divergence, positional=("student_logp", "teacher_logp"))
+DIVERGENCES.option("beta", 0.5, "generalized_jsd's interpolation: 0 = KL(teacher || student), 1 = KL(student || "
+                   "teacher).", bound=(0.0, 1.0))
+
+
+def register_divergence(name: str, *, support: str) -> Callable[[DivergenceFn], DivergenceFn]:
+    """Register `fn` as divergence `name`; `support` says whose top-k tokens a top-k support takes."""
+    if support not in ("teacher", "student", "both"):
+        raise ValueError(f"register_divergence({name!r}): support={support!r} must be 'teacher', 'student' or 'both'")
+    return DIVERGENCES.register(name, support=support)
+
+
+def _kl(p_logp: Tensor, q_logp: Tensor) -> Tensor:
+    """KL(p || q) per row of (R, K) log-probs; outcomes with p = 0 add nothing (0 log 0 = 0)."""
+    terms = p_logp.exp() * (p_logp - q_logp)
+    return torch.where(p_logp > -math.inf, terms, 0.0).sum(-1)
+
+
+@register_divergence("forward_kl", support="teacher")
+def forward_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """KL(teacher || student) per row."""
+    return _kl(teacher_logp, student_logp)
+
+
+@register_divergence("reverse_kl", support="student")
+def reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """KL(student || teacher) per row."""
+    return _kl(student_logp, teacher_logp)
+
+
+@register_divergence("generalized_jsd", support="both")
+def generalized_jsd(student_logp: Tensor, teacher_logp: Tensor, *, beta: float = 0.5) -> Tensor:
+    """beta KL(T || M) + (1 - beta) KL(S || M), M = beta T + (1 - beta) S; forward KL at beta = 0, reverse at 1."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"generalized_jsd: beta={beta} must be in [0, 1] (0: forward KL, 1: reverse KL)")
+    if beta == 0.0:
+        return forward_kl(student_logp, teacher_logp)
+    if beta == 1.0:
+        return reverse_kl(student_logp, teacher_logp)
+    mixture = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log1p(-beta))
+    return beta * _kl(teacher_logp, mixture) + (1.0 - beta) * _kl(student_logp, mixture)
+
+
+@dataclass
+class LinearLogits:
+    """Logits given as `hidden @ weight.T` (a plain output layer), made a block of rows at a time.
+
+    hidden: (B, T, H) final hidden states at the scored positions; weight: (V, H) the output layer."""
+
+    hidden: Tensor
+    weight: Tensor
+
+
+def _flat_rows(source, index: Tensor):
+    """The rows `index` of a logit source, flattened over (B, T): (N, V) logits or LinearLogits((N, H), weight)."""
+    if isinstance(source, LinearLogits):
+        return LinearLogits(source.hidden.reshape(-1, source.hidden.shape[-1])[index], source.weight)
+    return source.reshape(-1, source.shape[-1])[index]
+
+
+def _logits(source, rows: slice, dtype: torch.dtype) -> Tensor:
+    if isinstance(source, LinearLogits):
+        return (source.hidden[rows] @ source.weight.t()).to(dtype)
+    return source[rows].to(dtype)
+
+
+def _support(student_logp: Tensor, teacher_logp: Tensor, side: str, k: int, sampled: Tensor | None):
+    """(indices (R, K'), valid (R, K') bool): the top-k support; a token in both lists of a union counts once."""
+    teacher_top = teacher_logp.topk(k, dim=-1).indices
+    if side == "teacher":
+        return teacher_top, torch.ones_like(teacher_top, dtype=torch.bool)
+    student_top = sampled[:, None] if (k == 1 and sampled is not None) else student_logp.topk(k, dim=-1).indices
+    if side == "student":
+        return student_top, torch.ones_like(student_top, dtype=torch.bool)
+    again = (student_top[:, :, None] == teacher_top[:, None, :]).any(-1)  # already in the teacher's list
+    return torch.cat([teacher_top, student_top], 1), torch.cat([torch.ones_like(again), ~again], 1)
+
+
+def restrict_to_support(logp: Tensor, index: Tensor, valid: Tensor, add_tail: bool) -> Tensor:
+    """(R, V) log-probs -> (R, K'(+1)) over the support: renormalised, or with a tail bucket of the rest."""
+    picked = torch.where(valid, logp.gather(-1, index), -math.inf)
+    if not add_tail:
+        return picked.log_softmax(-1)
+    # log(1 - sum p) computed as log(-expm1(logsumexp)) keeps precision when the support holds most of the mass
+    total = torch.logsumexp(picked, -1, keepdim=True).clamp(max=0.0)
+    tail = torch.log(-torch.expm1(total)).clamp(min=-1e4 if logp.dtype == torch.float32 else -1e30)
+    return torch.cat([picked, tail], -1)
+
+
+def _block(fn, options, support, top_k, add_tail, temperature, dtype, student, teacher, sampled):
+    """The divergence of one block of rows: log-softmax of both models at `temperature`, the support, fn."""
+    rows = slice(0, None)
+    s_logits, t_logits = _logits(student, rows, dtype), _logits(teacher, rows, dtype).detach()
+    V = min(s_logits.shape[-1], t_logits.shape[-1])
+    s_logp = (s_logits[:, :V] / temperature).log_softmax(-1)
+    t_logp = (t_logits[:, :V] / temperature).log_softmax(-1)
+    if top_k:
+        index, valid = _support(s_logp.detach(), t_logp, support, min(top_k, V), sampled)
+        s_logp = restrict_to_support(s_logp, index, valid, add_tail)
+        t_logp = restrict_to_support(t_logp, index, valid, add_tail)
+    return fn(s_logp, t_logp, **options)
+
+
+def token_divergence(student, teacher, mask: Tensor, name: str = "generalized_jsd", *, beta: float = 0.5,
+                     temperature: float = 1.0, top_k: int = 0, add_tail: bool = True, sampled_ids: Tensor | None = None,
+                     chunk_rows: int = CHUNK_ROWS) -> Tensor:
+    """Per-token divergence `DIVERGENCES[name]` between two models' next-token distributions, (B, T), 0 on padding.
+
+    student, teacher: (B, T, V) logits, or `LinearLogits` (hidden (B, T, H), weight (V, H)); the teacher gets
+    no gradient. mask: (B, T), 1 where a token is scored. beta: generalized_jsd's option (the others take
+    none). top_k: 0 for the whole vocabulary, else the top-k support (module docstring), `sampled_ids`
+    (B, T) the sampled tokens for a top-1 student side. The float64 inputs are computed in float64, others
+    in float32. Only masked-in positions are computed, `chunk_rows` at a time."""
+    entry = DIVERGENCES[name]
+    options = {"beta": beta} if "beta" in entry.options else {}
+    support = entry.support if entry.support != "both" else (
+        "teacher" if beta == 0.0 else "student" if beta == 1.0 else "both")
+    where = mask.reshape(-1).bool().nonzero().squeeze(-1)
+    s_rows, t_rows = _flat_rows(student, where), _flat_rows(teacher, where)
+    sampled = sampled_ids.reshape(-1)[where] if sampled_ids is not None else None
+    probe = student.hidden if isinstance(student, LinearLogits) else student
+    dtype = torch.float64 if probe.dtype == torch.float64 else torch.float32
+    grad = torch.is_grad_enabled() and (probe.requires_grad or (isinstance(student, LinearLogits)
+                                                                and student.weight.requires_grad))
+    values = []
+    for start in range(0, where.numel(), chunk_rows):
+        part = slice(start, start + chunk_rows)
+        s_part = LinearLogits(s_rows.hidden[part], s_rows.weight) if isinstance(s_rows, LinearLogits) else s_rows[part]
+        t_part = LinearLogits(t_rows.hidden[part], t_rows.weight) if isinstance(t_rows, LinearLogits) else t_rows[part]
+        args = (entry.fn, options, support, top_k, add_tail, temperature, dtype, s_part, t_part,
+                None if sampled is None else sampled[part])
+        # with gradients, the block's (rows, V) temporaries are recomputed in backward instead of kept
+        values.append(checkpoint(_block, *args, use_reentrant=False) if grad else _block(*args))
+    out = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
+    if values:
+        out = out.index_put((where,), torch.cat(values))
+    return out.view(mask.shape)
+
+
+def sequence_divergence(per_token: Tensor, mask: Tensor) -> Tensor:
+    """The sequence-level divergence (B,): each completion's per-token divergences summed (the KL between the two
+    models' distributions over whole sequences, by the chain rule, where the tokens are the student's samples)."""
+    return (per_token * mask).sum(-1)
+

@@ -1,0 +1,84 @@
+"""XPO: Exploratory Preference Optimization (Xie et al. 2024, "Exploratory Preference Optimization:
+Harnessing Implicit Q*-Approximation for Sample-Efficient RLHF").
+
+Online DPO with an exploration bonus. For each prompt the policy samples y and the frozen reference
+samples ỹ; the ranker orders the pair (the policy's completion wins ties, as in TRL), and the loss is the
+DPO loss of the ordered pair plus α log π(ỹ) (`core.preference_losses.xpo_exploration`): lowering the
+likelihood of the reference's own samples pushes the policy to explore beyond them.
+
+A preset of `OnlineDPOTrainer`: the pair's second completion comes from the reference
+(`OnlineDPOTrainer.sample_pair`); `alpha` may be a list, one per epoch, as `beta`.
+
+Departures: as Online DPO's (online_dpo.py); the loss types are every pairwise loss of
+core.preference_losses (TRL: sigmoid, ipo); no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from posttrain.core.preference_losses import xpo_exploration
+from posttrain.trainers.online import OnlineTrainer
+from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, Pairs, per_epoch, schedule
+
+
+@dataclass
+class XPOConfig(OnlineDPOConfig):
+    """XPO's configuration: Online DPO's fields plus the exploration weight `alpha`."""
+
+    alpha: list[float] = field(default_factory=lambda: [1e-5], metadata={"help": "Weight α of the exploration "
+                               "term α log π(ỹ), ỹ the reference's sample; a list gives one per epoch, the last "
+                               "for the epochs after it."})
+
+    def _check(self):
+        if isinstance(self.alpha, str):  # from the command line, one value
+            self.alpha = [float(v) for v in self.alpha.split(",")]
+        values = schedule(self.alpha, "alpha")
+        self.alpha = values[0] if len(values) == 1 else list(values)  # as TRL: one value is a float
+        super()._check()
+
+
+class XPOTrainer(OnlineDPOTrainer):
+    """XPO on the online engine; same signature as OnlineDPOTrainer."""
+
+    config_class = XPOConfig
+    _tag = "xpo"
+    _name = "XPO"
+    _citation = """@article{xie2024exploratory,
+    title   = {{Exploratory Preference Optimization: Harnessing Implicit Q*-Approximation for Sample-Efficient RLHF}},
+    author  = {Tengyang Xie and Dylan J. Foster and Akshay Krishnamurthy and Corby Rosset and Ahmed Awadallah and
+               Alexander Rakhlin},
+    journal = {arXiv preprint},
+    year    = 2024,
+    eprint  = {arXiv:2405.21046}
+}"""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replays = False  # the reference's rows were not decoded by the policy: nothing to replay
+
+    @property
+    def alpha(self) -> float:
+        """This epoch's α (TRL's `trainer.alpha`)."""
+        return per_epoch(self.args.alpha, self.state.epoch)
+
+    def sample_completions(self, prompt_ids, sampling=None, continue_turn=None):
+        if sampling is not None:  # evaluation: the policy's own samples
+            return super().sample_completions(prompt_ids, sampling, continue_turn)
+        return self.sample_pair(prompt_ids, self.ref_model if self.ref_model is not None else self.policy)
+
+    def pair_losses(self, pairs: Pairs, logp: Tensor, inputs: dict) -> tuple[Tensor, dict]:
+        dpo, _ = super().pair_losses(pairs, logp, inputs)
+        exploration = xpo_exploration(pairs.logps[1::2], self.alpha)  # rows 1, 3, ...: the reference's samples
+        keep = pairs.valid
+        return dpo + exploration, {"loss/dpo": dpo.detach()[keep].mean(), "loss/xpo": exploration.detach()[keep].mean(),
+                                   "alpha": self.alpha}
+
+    def _record_rollout(self, g: dict, scores: Tensor, truncated: Tensor):
+        OnlineTrainer._record_rollout(self, g, scores, truncated)  # XPO's margin is model - ref, not |chosen - rejected|
+        model, ref = scores[0::2], scores[1::2]
+        self.record({"objective/model_scores": float(model.mean()), "objective/ref_scores": float(ref.mean()),
+                     "objective/scores_margin": float((model - ref).mean())}, "train")
+        self.record_sources(truncated)
