@@ -45,6 +45,8 @@ _EXPORTS = {
     "AutoModelForCausalLMWithValueHead": "posttrain.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.models.value_head",
     "load_causal_lm": "posttrain.models.loading", "load_tokenizer": "posttrain.models.loading",
+    "NonFiniteError": "posttrain.trainers.guards", "CheckpointError": "posttrain.trainers.guards",
+    "OutputDirInUseError": "posttrain.trainers.guards", "SaveError": "posttrain.trainers.guards",
     "DistillationConfig": "posttrain.trainers.distillation", "DistillationTrainer": "posttrain.trainers.distillation",
     "GKDConfig": "posttrain.trainers.gkd", "GKDTrainer": "posttrain.trainers.gkd",
     "MiniLLMConfig": "posttrain.trainers.minillm", "MiniLLMTrainer": "posttrain.trainers.minillm",

@@ -150,8 +150,16 @@ def print_table(title: str, headings: list[str], rows: list[list[str]], right: i
         table.add_column(Text(heading), overflow="fold", justify="right" if i >= len(headings) - right else "left")
     for row in rows:
         # Text, not str: rich would read "[/INST]" or "[bold]" in user text as markup (and fail on a stray tag)
-        table.add_row(*(Text(cell) for cell in row))
+        table.add_row(*(Text(escape_controls(cell)) for cell in row))
     Console().print(table)
+
+
+def escape_controls(text: str) -> str:
+    """`text` with control characters other than newline and tab written as escapes (ESC -> '\\x1b'): sampled
+    or user text printed to a terminal must not move the cursor, recolour, retitle or clear it."""
+    import unicodedata
+
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
 
 
 def _text(prompt) -> str:

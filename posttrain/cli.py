@@ -689,10 +689,11 @@ def run(argv: list[str]):
     trainer = COMMANDS[name](script_args, config)
     if trainer is None:
         return None
-    trainer.train(resume_from_checkpoint=_resume_arg(config.resume_from_checkpoint))
-    trainer.save_model(config.output_dir)
-    if trainer.eval_dataset is not None:
-        trainer.evaluate()
+    with trainer.output_dir_lock():  # the final model is the run's too: no other run writes it meanwhile
+        trainer.train(resume_from_checkpoint=_resume_arg(config.resume_from_checkpoint))
+        trainer.save_model(config.output_dir)
+        if trainer.eval_dataset is not None:
+            trainer.evaluate()
     if trainer.is_world_process_zero():
         print(f"posttrain {name}: model saved to {os.path.abspath(config.output_dir)}")
     return trainer
@@ -723,11 +724,14 @@ def quiet_known_noise():
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `posttrain` console script: 0 on success. Failures exit non-zero: 2 for a
-    usage error; 1 for a dataset or model that cannot be loaded or data that fits no format (one line
-    that names the file, its line and the column: `locate`) or any other exception (with its traceback,
-    an internal error). `--debug` anywhere on the line shows the traceback of every error."""
+    usage error; 1 for a dataset or model that cannot be loaded, data that fits no format (one line
+    that names the file, its line and the column: `locate`), an output_dir in use by another run, a damaged
+    checkpoint, a full disk or a run stopped by NaN or infinite gradients or weights (one line that says why)
+    or any other exception (with its traceback, an internal error). `--debug` anywhere on the line shows the
+    traceback of every error."""
     from posttrain.data.formats import FormatError
     from posttrain.models.loading import ModelLoadError
+    from posttrain.trainers.guards import CheckpointError, NonFiniteError, OutputDirInUseError, SaveError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_known_noise()
@@ -739,6 +743,11 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"posttrain: error: {' '.join(locate(str(err)).split())}", file=sys.stderr)
+        return 1
+    except (CheckpointError, NonFiniteError, OutputDirInUseError, SaveError) as err:  # about the run, not the data
+        if debug:
+            raise
+        print(f"posttrain: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     finally:
         close_process_group()

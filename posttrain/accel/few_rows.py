@@ -75,7 +75,13 @@ def kernels():
     try:
         if not target.exists():
             _compile(target)
-        return ctypes.CDLL(str(target))
+        try:
+            return ctypes.CDLL(str(target))
+        except OSError as e:  # a damaged cache entry (a truncated copy, a full disk): compiled again, once
+            logger.warning("cached decoding kernels %s cannot be loaded (%s): compiling them again", target, e)
+            target.unlink(missing_ok=True)
+            _compile(target)
+            return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("decoding kernels not built (decoding uses torch's ops): %s", detail.strip()[-500:])

@@ -69,6 +69,7 @@ __all__ = [
     "sharegpt_to_messages",
     "to_canonical",
     "validate",
+    "check_encodable",
 ]
 
 Data = Union[Dataset, list]  # a Dataset or a list of row dicts
@@ -323,6 +324,29 @@ def _numbers(value: Any) -> None:
             raise _Bad(f"expected a list of finite numbers, element {j} is {_describe(x)}")
 
 
+def _encodable(value: Any) -> None:
+    """A text (or the texts of messages) that UTF-8 can encode: no lone surrogate (a half of a UTF-16 pair, which
+    a bad decode leaves), on which the tokenizer would fail naming no row."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise _Bad(f"holds a lone surrogate character {value[err.start]!r} at position {err.start}, which "
+                       "cannot be encoded as UTF-8; clean the text (e.g. text.encode('utf-8', 'replace')"
+                       ".decode())") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _encodable(item.get("content") if isinstance(item, Mapping) else item)
+
+
+def check_encodable(value: Any) -> None:
+    """Raise ValueError for a text, or a list/messages of texts, holding a lone surrogate (see `_encodable`)."""
+    try:
+        _encodable(value)
+    except _Bad as err:
+        raise ValueError(str(err)) from None
+
+
 def _finite_number(value: Any) -> None:
     is_bool = isinstance(value, (bool, np.bool_))
     if is_bool or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
@@ -437,8 +461,9 @@ def _iter_rows(data: Data, columns: tuple[str, ...], max_rows: int | None) -> It
             yield dict(zip(columns, values))
 
 
-def validate(data: Data, info: FormatInfo | None = None, max_rows: int | None = None) -> FormatInfo:
+def validate(data: Data, info: FormatInfo | None = None, max_rows: int | None = None, start: int = 0) -> FormatInfo:
     """Check every row (or the first ``max_rows``) against the format; return its FormatInfo.
+    ``start``: the number of the first row in messages (rows of a stream read part by part).
 
     Raises FormatError naming the row, the column and the expected form of the first malformed
     value, or the first row that is standard where earlier ones are conversational (or the
@@ -454,7 +479,7 @@ def validate(data: Data, info: FormatInfo | None = None, max_rows: int | None = 
     else:  # rows may differ in their keys: each row's extras are read from the row itself
         extras = tuple(c for c in _EXTRA_CHECKS if c not in info.columns)
     first: tuple[int, str, str] | None = None  # (row, column, kind) that fixed the dataset's kind
-    for i, row in enumerate(_iter_rows(data, info.columns + extras, max_rows)):
+    for i, row in enumerate(_iter_rows(data, info.columns + extras, max_rows), start):
         for column in extras:
             if column in row:
                 try:
@@ -464,6 +489,7 @@ def validate(data: Data, info: FormatInfo | None = None, max_rows: int | None = 
         for column in info.columns:
             try:
                 kind = _CHECKS[column](row.get(column, _MISSING))
+                _encodable(row.get(column))
             except _Bad as e:
                 raise FormatError(f"row {i}, column {column!r}: {e}") from None
             if kind is None:
@@ -781,6 +807,25 @@ def _path(source: str, target: str) -> tuple[list[tuple[str, str]] | None, list[
     return path[::-1], reachable
 
 
+def _missing_columns(data: Data, goal: str) -> str:
+    """'. A <goal> dataset needs column(s) ...': the columns of `goal`'s layouts the data lacks, with the data's
+    columns that look like misspellings of them; '' when no layout of `goal` is one column short."""
+    import difflib
+
+    if isinstance(data, Dataset):
+        present = list(data.column_names)
+    else:
+        rows = [data] if isinstance(data, Mapping) else list(data)
+        present = list(dict.fromkeys(c for row in rows[:1] if isinstance(row, Mapping) for c in row))
+    wanted = [[c for c in required if c not in present] for name, required, _ in _LAYOUTS if name == goal]
+    missing = min(wanted, key=len, default=[])
+    if not missing:
+        return ""
+    hints = [f"{c!r} (is {close[0]!r} a misspelling?)" if (close := difflib.get_close_matches(c, present, 1, 0.6))
+             else repr(c) for c in missing]
+    return f". The {goal} format needs the column(s) {', '.join(hints)}; this one has {present}"
+
+
 def to_canonical(data: Data, target: str | None = None) -> tuple[Data, FormatInfo]:
     """Validate ``data`` and convert it to its canonical format, or to ``target`` when given.
 
@@ -805,7 +850,7 @@ def to_canonical(data: Data, target: str | None = None) -> tuple[Data, FormatInf
     if path is None:
         raise FormatError(
             f"cannot convert a {info.name} dataset to {goal}; from {info.name} the possible "
-            f"targets are {reachable or 'none'}"
+            f"targets are {reachable or 'none'}{_missing_columns(data, goal)}"
         )
     if not path:
         return data, info

@@ -97,6 +97,8 @@ def resolve(name: str, task: str = "causal-lm") -> str:
 
 def _from_pretrained(auto_cls, name: str, **kwargs):
     task = kwargs.pop("_task", "causal-lm")
+    # explicit, unless the user set it: left unset, transformers asks "run the custom code? [y/N]" on a terminal
+    kwargs.setdefault("trust_remote_code", False)
     path = resolve(name, task)
     base = builtin_adapter_base(path)
     if base is not None:  # an adapter of a built-in model: its base is resolved here, not on the hub

@@ -30,7 +30,7 @@ from posttrain.data.collate import pad
 from posttrain.data.tokenize import continuation_ids, encode_prompt
 from posttrain.data.tools import environment_tools, tool_schemas
 from posttrain.rollout.generate import Rollout
-from posttrain.rollout.tools import assistant_turn, parse_tool_calls, run_tool_calls, tools_by_name
+from posttrain.rollout.tools import assistant_turn, parse_tool_calls, run_tool_calls, tools_by_name, was_truncated
 
 __all__ = ["Episodes", "Tooling", "rollout_from_func"]
 
@@ -45,13 +45,15 @@ class Episodes:
     """
 
     def __init__(self, tokenizer, prompts: list[list[dict]], tools: list[Mapping[str, Callable]],
-                 schemas: list[list[dict] | None], max_iterations: int, timeout: float):
+                 schemas: list[list[dict] | None], max_iterations: int, timeout: float,
+                 max_call_chars: int | None = None, max_result_chars: int | None = None):
         self.tokenizer, self.prompts, self.tools, self.schemas = tokenizer, prompts, tools, schemas
         self.max_iterations, self.timeout = max_iterations, timeout
+        self.max_call_chars, self.max_result_chars = max_call_chars, max_result_chars
         N = len(prompts)
         self.turns: list[list[dict]] = [[] for _ in range(N)]  # messages after the prompt
         self.start = [0] * N  # where the current assistant turn begins in the row's completion ids
-        self.calls, self.failures, self.iterations = [0] * N, [0] * N, [0] * N
+        self.calls, self.failures, self.iterations, self.truncated = [0] * N, [0] * N, [0] * N, [0] * N
 
     def __call__(self, rows: list[int], tokens: list[list[int]]) -> list[list[int] | None]:
         """The ids to feed after each row's finished turn, or None where the episode ends."""
@@ -60,20 +62,22 @@ class Episodes:
         eos = self.tokenizer.eos_token_id
         for j, (i, ids) in enumerate(zip(rows, tokens)):
             text = self.tokenizer.decode(ids[self.start[i]:], skip_special_tokens=True)
-            message = assistant_turn(text)
+            message = assistant_turn(text, self.max_call_chars)
             self.turns[i].append(message)
-            calls, errors = parse_tool_calls(text)
+            calls, errors = parse_tool_calls(text, self.max_call_chars)
             # Only a turn closed by EOS continues: the template's continuation starts after that EOS, and a
             # stop string or stop token ends the completion as it does in a single-turn rollout.
             if ids and ids[-1] == eos and (calls or errors) and self.iterations[i] < self.max_iterations:
                 jobs.append((j, i, calls, errors))
         results = iter(run_tool_calls([c for _, _, calls, _ in jobs for c in calls],
-                                      [self.tools[i] for _, i, calls, _ in jobs for _ in calls], self.timeout))
+                                      [self.tools[i] for _, i, calls, _ in jobs for _ in calls], self.timeout,
+                                      self.max_result_chars))
         for j, i, calls, errors in jobs:
             replies = [next(results) for _ in calls]
             messages = [m for m, _ in replies] + [{"role": "tool", "name": "", "content": f"Error: {e}"} for e in errors]
             self.calls[i] += len(calls) + len(errors)
             self.failures[i] += sum(err is not None for _, err in replies) + len(errors)
+            self.truncated[i] += sum(was_truncated(m) for m, _ in replies)
             self.iterations[i] += 1
             ids = continuation_ids(self.tokenizer, self.prompts[i] + self.turns[i], messages, tools=self.schemas[i])
             self.turns[i] += messages
@@ -94,12 +98,15 @@ class Episodes:
     def metrics(self, gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> dict[str, float]:
         """Tool metrics over the rows of every process: `gather` takes this process's (N,) per-row counts to
         all processes' (the trainer's row gather; every process must call it, in the same order)."""
-        calls, failures, iterations = (gather(torch.tensor(v, dtype=torch.float32))
-                                       for v in (self.calls, self.failures, self.iterations))
+        calls, failures, iterations, truncated = (gather(torch.tensor(v, dtype=torch.float32))
+                                                  for v in (self.calls, self.failures, self.iterations, self.truncated))
         total = calls.sum().item()
-        return {"tools/calls_per_completion": calls.mean().item() if calls.numel() else 0.0,
-                "tools/failure_rate": failures.sum().item() / total if total else 0.0,
-                "tools/turns_per_episode": (iterations.mean().item() if iterations.numel() else 0.0) + 1}
+        out = {"tools/calls_per_completion": calls.mean().item() if calls.numel() else 0.0,
+               "tools/failure_rate": failures.sum().item() / total if total else 0.0,
+               "tools/turns_per_episode": (iterations.mean().item() if iterations.numel() else 0.0) + 1}
+        if self.max_result_chars is not None:  # results are cut only with a cap
+            out["tools/truncation_rate"] = truncated.sum().item() / total if total else 0.0
+        return out
 
 
 class Tooling:
@@ -112,7 +119,8 @@ class Tooling:
     """
 
     def __init__(self, tools: Sequence[Callable] | None = None, environment_factory=None,
-                 max_iterations: int = 10, timeout: float = 10.0):
+                 max_iterations: int = 10, timeout: float = 10.0, max_call_chars: int | None = None,
+                 max_result_chars: int | None = None):
         if tools and environment_factory is not None:
             raise ValueError("give tools= or environment_factory= (an environment's methods are its tools), not both")
         self.tools = tools_by_name(list(tools or []))
@@ -123,6 +131,7 @@ class Tooling:
                 raise TypeError(f"environment_factory[{name!r}] must be a callable returning an environment, "
                                 f"got {factory!r}")
         self.max_iterations, self.timeout = max_iterations, timeout
+        self.max_call_chars, self.max_result_chars = max_call_chars, max_result_chars
         self.prompt_from_reset = False  # set by `reset_dataset`: no train_dataset, reset() writes each prompt
         # the schemas of each environment kind, from one probe instance (same methods on every instance)
         self._schemas = ({name: tool_schemas(environment_tools(factory())) for name, factory in self.factories.items()}
@@ -218,7 +227,7 @@ class Tooling:
                 if max_prompt_length:
                     new_ids = [ids[-max_prompt_length:] for ids in new_ids]
         episodes = Episodes(tokenizer, prompts, tools, [self._schemas[k] for k in kinds], self.max_iterations,
-                            self.timeout)
+                            self.timeout, self.max_call_chars, self.max_result_chars)
         return episodes, env_list, new_ids
 
 

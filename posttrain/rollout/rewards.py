@@ -25,12 +25,14 @@ models, which run meanwhile in the calling thread.
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import inspect
 import math
 import numbers
 import os
 import re
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -161,7 +163,11 @@ class _Caller:
             self.params = None
 
     def arguments(self, available: dict[str, Any]) -> tuple[tuple, dict]:
-        """(args, kwargs) for this function, picked by name from `available`."""
+        """(args, kwargs) for this function, picked by name from `available`: copies of the prompts, the
+        completions and the columns, so a function that changes its arguments changes nothing the next function
+        or the completions log sees (`completion_ids`, token ids the trainer keeps nowhere else, is passed as it is)."""
+        available = {k: copy.deepcopy(v) if isinstance(v, list) and k != "completion_ids" else v
+                     for k, v in available.items()}
         params = self.params
         if params is None:
             return (available["completions"],), {}
@@ -200,7 +206,7 @@ class RewardScorer:
     """
 
     def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, *,
-                 tokenizer=None, device=None):
+                 tokenizer=None, device=None, timeout: float | None = None):
         specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not specs:
             raise ValueError("reward_funcs is empty: give at least one reward function or reward model")
@@ -229,6 +235,8 @@ class RewardScorer:
             raise ValueError(f"reward_processing_classes has {len(reward_processing_classes)} entries but there "
                              f"are {F} reward functions ({self.names})")
         self.device = torch.device(device) if device is not None else None
+        self.timeout = timeout  # seconds a reward function may take (None: no limit)
+        self._main_thread_only: set[int] = set()  # sync functions that need the main thread: called there
         self.tokenizer = tokenizer
         self.tokenizers: list = []
         for spec, func, proc in zip(specs, self.funcs, reward_processing_classes):
@@ -285,10 +293,7 @@ class RewardScorer:
                     results[i] = self._score_model(i, prompts, completions)
                     continue
                 args, kwargs = calls[i]
-                try:
-                    out = func(*args, **kwargs)
-                except Exception as err:
-                    raise RewardError(f"reward function {self.names[i]!r} raised {type(err).__name__}: {err}") from err
+                out = self._call(i, args, kwargs)
                 if inspect.isawaitable(out):
                     late[i] = self._guard_async(i, out)
                 else:
@@ -309,9 +314,46 @@ class RewardScorer:
             table, total = table.to(self.device), total.to(self.device)
         return table, total
 
+    def _call(self, i: int, args: tuple, kwargs: dict):
+        """Call sync reward function i; with a timeout, in a daemon thread that is given up on past it (Python
+        cannot stop a thread: a function stuck in a loop keeps it busy, but training ends with a clear error
+        instead of waiting forever)."""
+        box: dict[str, Any] = {}
+
+        def target():
+            try:
+                box["out"] = self.funcs[i](*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 -- re-raised below, naming the function
+                box["error"] = err
+
+        if self.timeout is None or i in self._main_thread_only:
+            target()
+        else:
+            thread = threading.Thread(target=target, daemon=True, name=f"reward-{self.names[i]}")
+            thread.start()
+            thread.join(self.timeout)
+            if thread.is_alive():
+                raise RewardError(f"reward function {self.names[i]!r} did not return within {self.timeout:g} s "
+                                  "(reward_timeout): it hangs, or needs a larger reward_timeout")
+            err = box.get("error")
+            if isinstance(err, ValueError) and "main thread" in str(err):  # signal.alarm timeouts (math_verify)
+                warnings.warn(f"reward function {self.names[i]!r} needs the main thread (it uses signals), so it runs "
+                              "there without reward_timeout", stacklevel=2)
+                self._main_thread_only.add(i)
+                return self._call(i, args, kwargs)
+        if "error" in box:
+            err = box["error"]
+            raise RewardError(f"reward function {self.names[i]!r} raised {type(err).__name__}: {err}") from err
+        return box.get("out")
+
     async def _guard_async(self, i: int, coroutine):
         try:
-            return await coroutine
+            if self.timeout is None:
+                return await coroutine
+            return await asyncio.wait_for(coroutine, self.timeout)
+        except asyncio.TimeoutError:
+            raise RewardError(f"reward function {self.names[i]!r} did not return within {self.timeout:g} s "
+                              "(reward_timeout): it hangs, or needs a larger reward_timeout") from None
         except Exception as err:
             raise RewardError(f"reward function {self.names[i]!r} raised {type(err).__name__}: {err}") from err
 

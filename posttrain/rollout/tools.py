@@ -7,8 +7,12 @@ it; the model calls it by writing, inside its turn, Hermes/Qwen-style blocks
     <tool_call>{"name": "calculate", "arguments": {"expression": "12 * 34"}}</tool_call>
 
 which is what the built-in chat template renders for an assistant message's `tool_calls`. A call
-never raises: a malformed block, an unknown tool, arguments the function refuses, an exception
-inside it or a timeout become an error text that goes back to the model as the `tool` message.
+never raises: a malformed block (JSON nested past Python's recursion limit included, as a collapsing
+policy's degenerate repetition writes), a block longer than `max_call_chars`, an unknown tool,
+arguments the function refuses, an exception inside it or a timeout become an error text that goes
+back to the model as the `tool` message. A result longer than `max_result_chars` is cut, with a
+note saying how much was cut (`was_truncated` tells), so one tool returning megabytes cannot make a
+step slow and large.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from typing import Any
 from posttrain.data.chat import TOOL_CALL_END, TOOL_CALL_START
 from posttrain.data.tools import tool_schemas  # noqa: F401  (its home is data.tools; public here as before)
 
-__all__ = ["assistant_turn", "parse_tool_calls", "run_tool_call", "run_tool_calls", "tool_schemas",
-           "tools_by_name"]
+__all__ = ["assistant_turn", "parse_tool_calls", "run_tool_call", "run_tool_calls", "still_running", "tool_schemas",
+           "tools_by_name", "was_truncated"]
 
+_TRUNCATED = re.compile(r"\n\[truncated: \d+ more characters\]\Z")  # the note `cap` ends a cut text with
 _BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 
 
@@ -44,37 +49,62 @@ def tools_by_name(tools: Sequence[Callable]) -> dict[str, Callable]:
     return out
 
 
-def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
+def _decode(text: str):
+    """json.loads, with nesting past Python's recursion limit reported as ValueError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to decode") from None
+
+
+def cap(text: str, limit: int | None) -> str:
+    """`text`, or its first `limit` characters and a note of how many more there were."""
+    if limit is None or len(text) <= limit:
+        return text
+    return f"{text[:limit]}\n[truncated: {len(text) - limit} more characters]"
+
+
+def was_truncated(message: Mapping) -> bool:
+    """Whether a `tool` message's content was cut by `cap` (max_result_chars)."""
+    return bool(_TRUNCATED.search(message.get("content") or ""))
+
+
+def parse_tool_calls(text: str, max_call_chars: int | None = None) -> tuple[list[dict], list[str]]:
     """(calls, errors) of the `<tool_call>{json}</tool_call>` blocks in `text`, in order.
 
     calls: `{"type": "function", "function": {"name": str, "arguments": dict}}`, the form of an
     assistant message's `tool_calls`; a JSON-string "arguments" is decoded, a missing one is {}.
-    errors: one text per malformed block (not JSON, not an object, no name, arguments not an
-    object, a block never closed), written for the model to read.
+    errors: one text per malformed block (not JSON, nested too deeply, not an object, no name,
+    arguments not an object, longer than `max_call_chars`, a block never closed), written for the
+    model to read; a quoted block is cut to 200 characters.
     """
     calls, errors = [], []
     for k, match in enumerate(_BLOCK.finditer(text)):
         body = match.group(1).strip()
+        if max_call_chars is not None and len(body) > max_call_chars:
+            errors.append(f"tool call {k} is {len(body)} characters long, over the limit of {max_call_chars} "
+                          f"(max_tool_call_chars); it was not run: {body[:200]!r}...")
+            continue
         try:
-            value = json.loads(body)
+            value = _decode(body)
         except ValueError as err:
-            errors.append(f"tool call {k} is not valid JSON ({err}): {body!r}")
+            errors.append(f"tool call {k} is not valid JSON ({err}): {cap(body, 200)!r}")
             continue
         if not isinstance(value, dict):
             errors.append(f"tool call {k} must be a JSON object {{\"name\": ..., \"arguments\": {{...}}}}, "
-                          f"got {body!r}")
+                          f"got {cap(body, 200)!r}")
             continue
         name, arguments = value.get("name"), value.get("arguments", {})
         if not isinstance(name, str) or not name:
-            errors.append(f"tool call {k} has no \"name\" (a non-empty string): {body!r}")
+            errors.append(f"tool call {k} has no \"name\" (a non-empty string): {cap(body, 200)!r}")
             continue
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = _decode(arguments)
             except ValueError:
                 pass  # reported below as not an object
         if not isinstance(arguments, dict):
-            errors.append(f"tool call {k} ({name}): \"arguments\" must be a JSON object, got {body!r}")
+            errors.append(f"tool call {k} ({name}): \"arguments\" must be a JSON object, got {cap(body, 200)!r}")
             continue
         calls.append({"type": "function", "function": {"name": name, "arguments": arguments}})
     tail = text[text.rfind(TOOL_CALL_END) + len(TOOL_CALL_END):] if TOOL_CALL_END in text else text
@@ -83,10 +113,10 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
     return calls, errors
 
 
-def assistant_turn(text: str) -> dict:
+def assistant_turn(text: str, max_call_chars: int | None = None) -> dict:
     """The assistant message of a sampled turn: its text outside the tool-call blocks as `content`,
-    and its well-formed calls as `tool_calls` (absent when there are none)."""
-    calls, _ = parse_tool_calls(text)
+    and its well-formed calls (of at most `max_call_chars`) as `tool_calls` (absent when there are none)."""
+    calls, _ = parse_tool_calls(text, max_call_chars)
     message: dict[str, Any] = {"role": "assistant", "content": _BLOCK.sub("", text).strip()}
     if calls:
         message["tool_calls"] = calls
@@ -98,8 +128,11 @@ def _as_text(value: Any) -> str:
         return value
     try:
         return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(value)
+    except (TypeError, ValueError, RecursionError):
+        try:
+            return str(value)
+        except Exception as err:  # noqa: BLE001 -- a result that cannot be printed is reported, never raised
+            return f"Error: the result ({type(value).__name__}) cannot be shown as text: {type(err).__name__}"
 
 
 def _start(fn: Callable, arguments: dict, timeout: float) -> tuple[threading.Thread, dict]:
@@ -137,7 +170,7 @@ def _prepare(call: Mapping, tools: Mapping[str, Callable]) -> tuple[str, Callabl
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _decode(arguments)
         except ValueError as err:
             return name, None, None, f"Error: the arguments of {name} are not valid JSON ({err})"
     if not isinstance(arguments, Mapping):
@@ -145,33 +178,38 @@ def _prepare(call: Mapping, tools: Mapping[str, Callable]) -> tuple[str, Callabl
     return name, tools[name], dict(arguments), None
 
 
-def _finish(name: str, thread: threading.Thread, box: dict, timeout: float) -> tuple[dict, str | None]:
+def _finish(name: str, thread: threading.Thread, box: dict, timeout: float,
+            max_result_chars: int | None = None) -> tuple[dict, str | None]:
     if thread.is_alive():
         error = f"Error: {name} did not return within {timeout:g} s"
     elif "error" in box:
         err = box["error"]
         kind = "timed out" if isinstance(err, (asyncio.TimeoutError, TimeoutError)) else "failed"
-        error = f"Error: {name} {kind}: {type(err).__name__}: {err}"
+        error = cap(f"Error: {name} {kind}: {type(err).__name__}: {_as_text(err)}", max_result_chars)
     else:
         error = None
-    content = error if error is not None else _as_text(box.get("value"))
+    content = error if error is not None else cap(_as_text(box.get("value")), max_result_chars)
     return {"role": "tool", "name": name, "content": content}, error
 
 
-def run_tool_call(call: Mapping, tools: Mapping[str, Callable], timeout: float = 10.0) -> tuple[dict, str | None]:
+def run_tool_call(call: Mapping, tools: Mapping[str, Callable], timeout: float = 10.0,
+                  max_result_chars: int | None = None) -> tuple[dict, str | None]:
     """Run one call; return (the `tool` message, the error text or None).
 
     call: a `parse_tool_calls` call (or a flat {"name", "arguments"}); arguments a dict or a JSON
     string. tools: `tools_by_name(...)`. The message is `{"role": "tool", "name", "content"}`:
     the function's result (a string as it is, anything else as JSON, else `str`), or, when the
     call fails, the same error text that is returned beside it (for failure counts). A sync
-    function still running at the timeout is left to finish in its daemon thread.
+    function still running at the timeout is left to finish in its daemon thread (Python cannot stop
+    a thread: a tool that loops forever keeps a CPU busy until the process ends, even after
+    `train()` returns; give such tools their own time limit, or make them async, which is cancelled).
+    A content longer than `max_result_chars` is cut (`cap`).
     """
-    return run_tool_calls([call], tools, timeout)[0]
+    return run_tool_calls([call], tools, timeout, max_result_chars)[0]
 
 
 def run_tool_calls(calls: Sequence[Mapping], tools: Mapping[str, Callable] | Sequence[Mapping[str, Callable]],
-                   timeout: float = 10.0) -> list[tuple[dict, str | None]]:
+                   timeout: float = 10.0, max_result_chars: int | None = None) -> list[tuple[dict, str | None]]:
     """`run_tool_call` for several calls at once (e.g. every row of a rollout step): each runs in
     its own thread from the same start, so slow or async tools overlap; results in call order.
 
@@ -193,5 +231,12 @@ def run_tool_calls(calls: Sequence[Mapping], tools: Mapping[str, Callable] | Seq
             continue
         thread, box = job
         thread.join(max(0.0, deadline - time.monotonic()))
-        results.append(_finish(name, thread, box, timeout))
+        results.append(_finish(name, thread, box, timeout, max_result_chars))
     return results
+
+
+def still_running() -> list[str]:
+    """Names of the tool and reward-function threads given up on at their timeout that are still running
+    (`tool-<name>`, `reward-<name>`): Python cannot stop them; they end with the process."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t.daemon and t.is_alive() and t.name.startswith(("tool-", "reward-")))

@@ -11,15 +11,18 @@ generators, running statistics: `posttrain_state.pt`, one per process) and, when
 A checkpoint is written under `tmp-checkpoint-N/` and renamed to `checkpoint-N` once complete, so
 a run killed mid-save never leaves a `checkpoint-N` that resuming would pick and fail on. A fresh
 run refuses an output_dir that holds an earlier run's checkpoints unless `overwrite_output_dir`.
+The guards of `guards.py` apply to every trainer from here: config numbers checked, NaN/inf
+gradients and weights stopped (`FiniteGuard`), output_dir locked for the run, each checkpoint's
+manifest written last and checked before resuming, failed writes explained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
 import os
-import re
 import shutil
 import warnings
 from collections import defaultdict
@@ -36,13 +39,16 @@ from posttrain.accel import lean, products
 from posttrain.accel.memory import keep_freed_memory, make_adam_state, own_file_backed
 from posttrain.callbacks import SyncRefModelCallback
 from posttrain.models import loading
+from posttrain.trainers.guards import (MANIFEST_FILE, RUN_SETTINGS, STAGING_PREFIX, STATE_FILE,  # noqa: F401
+                                       TRAINER_STATE, CheckpointError, FiniteGuard, NonFiniteError,
+                                       OutputDirInUseError, SaveError, check_checkpoint, check_finite_fields,
+                                       check_training_numbers, checkpoint_folders, explained_write_errors,
+                                       latest_checkpoint, output_dir_lock, read_manifest, write_manifest)
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "posttrain_state.pt"  # the `checkpointed` attributes; posttrain_state_<rank>.pt with several processes
 REF_MODEL_FILE = "ref_model.safetensors"  # a reference that training moves (sync_ref_model)
-STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N/checkpoint-N: a checkpoint being written
-TRAINER_STATE = "trainer_state.json"  # written last by transformers: a checkpoint without it is incomplete
+SECRET_FIELDS = {"hub_token", "push_to_hub_token"}  # config fields never written to disk
 
 
 @dataclass
@@ -90,6 +96,7 @@ class BaseConfig(TrainingArguments):
                           "False: the plain transformers modules (an earlier trainer's patch is undone)."})
 
     def __post_init__(self):
+        check_training_numbers(self)  # before transformers derives anything from them
         super().__post_init__()
         # transformers turns "none" into an empty list; keep that behaviour
         if self.trust_remote_code:  # every loader reads it from model_init_kwargs
@@ -98,15 +105,38 @@ class BaseConfig(TrainingArguments):
                                  "give one of them")
             self.model_init_kwargs = {**(self.model_init_kwargs or {}), "trust_remote_code": True}
         self._check()
+        check_finite_fields(self)  # after `_check`, whose messages are more specific where it has one
 
     def _check(self):
         """Subclasses raise ValueError here for invalid combinations of fields."""
+
+    def __getstate__(self):
+        """Pickled (transformers' `training_args.bin` in every checkpoint and output_dir) without the hub
+        token: whoever receives the folder must not receive the token. Copies keep it (`__copy__`)."""
+        state = dict(self.__dict__)
+        for name in SECRET_FIELDS & state.keys():
+            state[name] = None
+        return state
+
+    def __copy__(self):
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return twin
 
     def derive(self, name: str, value) -> None:
         """Set field `name`, left None by the user, to a value derived from other fields, and remember it: a
         copy of the config with other fields (a config field given to a trainer) derives it again."""
         setattr(self, name, value)
         self.__dict__.setdefault("_derived_fields", {})[name] = value
+
 
 
 def seed_run(args: TrainingArguments) -> None:
@@ -183,6 +213,24 @@ def map_datasets(fn, data, name: str | None = None):
     return fn(data) if name is None else fn(data, name)
 
 
+EVAL_SET = "evaluation set (eval_dataset)"
+
+
+@contextlib.contextmanager
+def errors_named(what: str):
+    """Prefix the row errors (FormatError, TokenizeError) raised in the block with `what`, e.g. `EVAL_SET`, so a
+    bad row of the evaluation data is not taken for one of the training data."""
+    from posttrain.data.formats import FormatError
+    from posttrain.data.tokenize import TokenizeError
+
+    try:
+        yield
+    except (FormatError, TokenizeError) as err:
+        if str(err).startswith(what):
+            raise
+        raise type(err)(f"{what}: {err}") from None
+
+
 def as_dataset(data, name: str = "train_dataset"):
     """A plain Python list of row dicts -> `datasets.Dataset` (a dict of them for a dict of lists); other
     data is returned as it is.
@@ -191,6 +239,8 @@ def as_dataset(data, name: str = "train_dataset"):
     failing inside pyarrow. Columns are the union of every row's keys (absent values are None).
     """
     from datasets import Dataset
+
+    from posttrain.data import formats
 
     if isinstance(data, Mapping) and any(isinstance(v, (list, tuple)) and v and isinstance(v[0], Mapping)
                                          for v in data.values()):
@@ -205,6 +255,10 @@ def as_dataset(data, name: str = "train_dataset"):
         for column, value in row.items():
             if value is None:
                 continue
+            try:
+                formats.check_encodable(value)
+            except ValueError as err:  # pyarrow would fail on it naming no row
+                raise formats.FormatError(f"{name}: row {i}, column {column!r}: {err}") from None
             kind = _value_kind(value)
             first = seen.setdefault(column, (i, kind))
             if first[1] != kind and "list" not in (first[1], kind):  # "list": empty, type unknown
@@ -280,32 +334,15 @@ def check_liger(args: TrainingArguments, model=None) -> None:
                          "use_liger_kernel, or install liger-kernel to have transformers patch the model's kernels")
 
 
-def checkpoint_folders(folder: str) -> list[tuple[int, str, bool]]:
-    """(step, path, complete) of every `checkpoint-N` folder in `folder`, by step; complete means that
-    transformers' last file (trainer_state.json) is there."""
-    if not os.path.isdir(folder):
-        return []
-    found = []
-    for name in os.listdir(folder):
-        match = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
-        path = os.path.join(folder, name)
-        if match and os.path.isdir(path):
-            found.append((int(match.group(1)), path, os.path.isfile(os.path.join(path, TRAINER_STATE))))
-    return sorted(found)
+def warn_still_running() -> None:
+    """Say which tool calls or reward functions given up on at their timeout still run (daemon threads that
+    Python cannot stop), so that a CPU kept busy after `train()` returns is explained."""
+    from posttrain.rollout.tools import still_running
 
-
-def latest_checkpoint(folder: str) -> str | None:
-    """The newest complete checkpoint in `folder` (None if there is none); newer incomplete ones (a run
-    killed while saving with an older posttrain, or a copy cut short) are skipped with a warning."""
-    found = checkpoint_folders(folder)
-    complete = [path for _, path, ok in found if ok]
-    latest = complete[-1] if complete else None
-    skipped = [os.path.basename(path) for step, path, ok in found
-               if not ok and (latest is None or step > int(latest.rsplit("-", 1)[1]))]
-    if skipped:
-        logger.warning(f"skipping incomplete checkpoint(s) {skipped} in {folder} (no {TRAINER_STATE}: the run was "
-                       f"stopped while saving); resuming from {latest and os.path.basename(latest)}")
-    return latest
+    if names := still_running():
+        logger.warning(f"{len(names)} tool call(s) or reward function(s) given up on at their timeout are still "
+                       f"running ({', '.join(names)}): Python cannot stop a thread, so they run until they return "
+                       "or the process ends. Make such functions return in time (or async, which is cancelled)")
 
 
 class BaseTrainer(Trainer):
@@ -360,6 +397,7 @@ class BaseTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
+        self.add_callback(FiniteGuard(self))
 
     def tag_model(self, model) -> None:
         """Tag the model `posttrain` and the trainer's own tag (`dpo`, `sft`, ...), as TRL tags its models, so that
@@ -376,8 +414,20 @@ class BaseTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints and resuming
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """transformers' train, plus: `True` resumes from the newest *complete* checkpoint; a fresh run refuses
-        (or with overwrite_output_dir clears) an earlier run's checkpoints; posttrain's own state is restored."""
+        """transformers' train, plus: output_dir is locked for the run (`output_dir_lock`); `True` resumes from
+        the newest *complete* checkpoint; a fresh run refuses (or with overwrite_output_dir clears) an earlier
+        run's checkpoints; posttrain's own state is restored."""
+        with self.output_dir_lock():
+            try:
+                return self._train(resume_from_checkpoint, *args, **kwargs)
+            finally:
+                warn_still_running()
+
+    def output_dir_lock(self):
+        """`output_dir_lock(output_dir)` on the process that saves; nothing on the others."""
+        return output_dir_lock(self.args.output_dir) if self.args.should_save else contextlib.nullcontext()
+
+    def _train(self, resume_from_checkpoint=None, *args, **kwargs):
         folder = self.args.output_dir
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_checkpoint(folder)
@@ -387,6 +437,7 @@ class BaseTrainer(Trainer):
             if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE)):
                 raise ValueError(f"cannot resume from {resume_from_checkpoint}: it has no {TRAINER_STATE}, so it is "
                                  "not a complete checkpoint (the run was stopped while saving it?)")
+            self.check_resume(resume_from_checkpoint)
             self.load_checkpoint_extras(resume_from_checkpoint)
         else:
             self._clear_earlier_run(folder)
@@ -432,15 +483,18 @@ class BaseTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self._staging_dir = staging
         try:
-            super()._save_checkpoint(model, trial)
+            with explained_write_errors(staging):
+                super()._save_checkpoint(model, trial)
+                self.save_checkpoint_extras(written)
         finally:
             self._staging_dir = None
-        self.save_checkpoint_extras(written)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             if self.state.best_model_checkpoint == written:  # this step is the best: name its final place
                 self.state.best_model_checkpoint = final
                 self.state.save_to_json(os.path.join(written, TRAINER_STATE))
+            with explained_write_errors(written):  # the last file: what resuming checks the others by
+                write_manifest(written, self.run_identity())
             replaced = staging + "-old"  # a tmp- name too: never resumed from, cleared by the next fresh run
             if os.path.exists(final):  # e.g. resumed from an earlier checkpoint of this run
                 os.rename(final, replaced)
@@ -449,6 +503,70 @@ class BaseTrainer(Trainer):
             shutil.rmtree(replaced, ignore_errors=True)
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
         self.accelerator.wait_for_everyone()
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # transformers' private hook, overridden because no public one sees the loaded keys: a weight tied to
+        # another (lm_head.weight to the embeddings) is not saved, so it is "missing" on every resume, and
+        # loaded all the same through its partner. Only other missing keys are worth a warning.
+        tied: dict[int, list[str]] = defaultdict(list)
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            tied[id(param)].append(name)
+        aliases = [name for names in tied.values() if len(names) > 1 for name in names]
+        missing = [k for k in load_result.missing_keys
+                   if not any(a == k or a.endswith("." + k) or k.endswith("." + a) for a in aliases)]
+        if hasattr(load_result, "_replace"):  # torch's _IncompatibleKeys, a namedtuple
+            load_result = load_result._replace(missing_keys=missing)
+        super()._issue_warnings_after_load(load_result)
+
+    def run_identity(self) -> dict:
+        """The model (its name, and a digest of its trained parameters' names and shapes) and the `RUN_SETTINGS`
+        (with the train_dataset's length and the number of processes) a checkpoint's manifest records."""
+        import hashlib
+
+        model = self.accelerator.unwrap_model(self.model)
+        shapes = [f"{n}:{tuple(getattr(p, 'ds_shape', p.shape))}" for n, p in model.named_parameters() if p.requires_grad]
+        settings = {n: getattr(self.args, n) for n in RUN_SETTINGS if hasattr(self.args, n)}
+        settings = {n: v if isinstance(v, (int, float, str, bool, type(None))) else str(getattr(v, "value", v))
+                    for n, v in settings.items()}
+        settings["processes"] = self.accelerator.num_processes
+        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
+            settings["train_dataset rows"] = len(self.train_dataset)
+        return {"model": {"name": self.model_name, "class": type(model).__name__, "trained_parameters": len(shapes),
+                          "shapes": hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]},
+                "settings": settings}
+
+    def check_resume(self, folder: str) -> None:
+        """Before anything is loaded from checkpoint `folder`: its files against its manifest (`check_checkpoint`,
+        on the main process; every process gets the verdict), then its model (another model's checkpoint is
+        refused) and its settings (a change is said, setting by setting)."""
+        problem = None
+        if self.accelerator.is_main_process:
+            try:
+                check_checkpoint(folder)
+            except CheckpointError as err:
+                problem = str(err)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            problem = broadcast_object_list([problem])[0]
+        if problem:
+            raise CheckpointError(problem)
+        run = (read_manifest(folder) or {}).get("run") or {}
+        if not run:
+            return
+        now, then = self.run_identity(), run
+        if then.get("model", {}).get("shapes") != now["model"]["shapes"]:
+            was, new = then.get("model", {}), now["model"]
+            raise CheckpointError(
+                f"cannot resume from {folder}: it belongs to another model ({was.get('name')}, {was.get('class')}, "
+                f"{was.get('trained_parameters')} trained tensors) than this run's ({new['name']}, {new['class']}, "
+                f"{new['trained_parameters']} trained tensors; their names or shapes differ). Resume with the "
+                "checkpoint's model, or start afresh")
+        changed = [f"{n}: {then['settings'][n]!r} -> {v!r}" for n, v in now["settings"].items()
+                   if n in then.get("settings", {}) and then["settings"][n] != v]
+        if changed:
+            logger.warning(f"resuming from {folder} with settings that differ from the run that wrote it ("
+                           f"{'; '.join(changed)}): the resumed run is not the one that was interrupted")
 
     def _sync_callback(self) -> SyncRefModelCallback | None:
         return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, SyncRefModelCallback)), None)
@@ -552,16 +670,19 @@ class BaseTrainer(Trainer):
             if isinstance(eval_dataset, Mapping):  # as transformers does, but each dataset is prepared once
                 metrics = {}
                 for name, data in eval_dataset.items():
-                    metrics.update(super().evaluate(self.prepare_eval_dataset(data, f"eval[{name}]"), ignore_keys,
-                                                    f"{metric_key_prefix}_{name}"))
+                    with errors_named(f"{EVAL_SET}[{name!r}]"):
+                        data = self.prepare_eval_dataset(data, f"eval[{name}]")
+                    metrics.update(super().evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}"))
                 return metrics
-            eval_dataset = self.prepare_eval_dataset(eval_dataset)
+            with errors_named(EVAL_SET):
+                eval_dataset = self.prepare_eval_dataset(eval_dataset)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     # ------------------------------------------------------------------ saving: model card
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """transformers' save_model, plus a model card (README.md) beside the weights, as TRL writes one."""
-        super().save_model(output_dir, _internal_call)
+        with explained_write_errors(output_dir or self.args.output_dir):
+            super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             folder = output_dir or self.args.output_dir
             os.makedirs(folder, exist_ok=True)

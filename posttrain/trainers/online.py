@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 import os
 import time
@@ -75,6 +76,8 @@ from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_datas
                                      classic_arguments, is_streamed, seed_run)
 from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options
 from posttrain.trainers.prompts import PromptBatches, _collate_streamed, _PromptStream, new_stream_position
+
+logger = logging.getLogger(__name__)
 
 
 def _prepare_policy(policy, args: OnlineConfig, peft_config, value_model, init_kwargs: dict):
@@ -104,7 +107,8 @@ def _tooling(args: OnlineConfig, tools, environment_factory, reward_funcs, train
         return None, reward_funcs, train_dataset
     tooling = Tooling(tools, environment_factory, max_iterations=args.max_tool_calling_iterations
                       if args.max_tool_calling_iterations is not None else 2 ** 31,
-                      timeout=args.tool_call_timeout)
+                      timeout=args.tool_call_timeout, max_call_chars=args.max_tool_call_chars,
+                      max_result_chars=args.max_tool_result_chars)
     env_rewards = tooling.environment_rewards()
     if env_rewards:
         given = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
@@ -127,6 +131,17 @@ def _sampling_config(args: OnlineConfig) -> SamplingConfig:
             key: tuple(v) if key in ("stop_strings", "stop_token_ids") else v
             for key, v in args.generation_kwargs.items() if key in GENERATION_KWARGS})
     return sampling
+
+
+def _positions(policy, args: OnlineConfig) -> int | None:
+    """The model's max_position_embeddings (None if it has none), warning when the configured limits reach past
+    it; prompts that do when max_prompt_length is None are warned about once they are seen (`_collate`)."""
+    positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    if positions and (args.max_prompt_length or 0) + args.max_completion_length > positions:
+        logger.warning(f"max_prompt_length={args.max_prompt_length} + max_completion_length="
+                       f"{args.max_completion_length} exceeds the model's max_position_embeddings="
+                       f"{positions}: sequences that long go past the positions it was trained on")
+    return positions
 
 
 class OnlineTrainer(BaseTrainer):
@@ -185,8 +200,10 @@ class OnlineTrainer(BaseTrainer):
         self.loss_is_scaled_for_ga = True  # our denominators already span the whole optimizer step
         self.tooling, self.rollout_func = tooling, rollout_func
         self.policy = policy
+        self._positions = _positions(policy, args)
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
-                                          tokenizer=processing_class, device=self.accelerator.device)
+                                          tokenizer=processing_class, device=self.accelerator.device,
+                                          timeout=args.reward_timeout)
         self.reward_processing_classes = reward_processing_classes  # as TRL's trainer exposes them
         if loading.shards_weights(self.accelerator):  # ZeRO-3 / FSDP2: reward models sharded like the policy
             self.reward_scorer.funcs = [loading.prepare_frozen(self.accelerator, f) if isinstance(f, torch.nn.Module)
@@ -272,6 +289,13 @@ class OnlineTrainer(BaseTrainer):
             prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
         if limit:
             prompt_ids = [ids[-limit:] for ids in prompt_ids]
+        positions, completion = getattr(self, "_positions", None), self.args.max_completion_length
+        longest = max(map(len, prompt_ids), default=0)
+        if positions and not limit and longest + completion > positions:
+            self._positions = None  # said once
+            logger.warning(f"a prompt of {longest} tokens + max_completion_length={completion} exceeds the model's "
+                           f"max_position_embeddings={positions}: max_prompt_length=None does not cut prompts, so "
+                           "training goes past the positions the model was trained on; set max_prompt_length")
         skip = ("prompt", "input_ids", "attention_mask")
         columns = {key: [row[key] for row in rows] for key in rows[0] if key not in skip}
         return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns}
@@ -768,12 +792,39 @@ class OnlineTrainer(BaseTrainer):
         sampling time so far (for `eps`). Between generation batches, nothing of the batch is kept."""
         pending = self._next_micro < len(self._buffer)
         return {"buffer": self._buffer if pending else [], "next_micro": self._next_micro if pending else 0,
-                "samples": self._samples if pending else None,
+                "samples": self._samples if pending else None, "plan": self._generation_plan(),
                 "elapsed": None if self._start_time is None else time.time() - self._start_time,
                 "metrics": {mode: dict(values) for mode, values in self._metrics.items()}}
 
+    def _generation_plan(self) -> dict[str, int]:
+        """The settings that cut a generation batch into micro-batches and optimizer steps."""
+        names = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+                 "num_iterations", "num_generations")
+        return {**{n: getattr(self.args, n) for n in names}, "processes": self.accelerator.num_processes}
+
+    def _check_generation_plan(self, state: dict):
+        """Refuse to finish a stored generation batch under settings that cut it otherwise (its micro-batches
+        would not match the steps left: transformers' loop would index past them)."""
+        plan, now = state.get("plan"), self._generation_plan()
+        if plan is None:  # written before plans were stored: the batch's length tells
+            expected = self.args.steps_per_generation * self.args.num_iterations
+            plan, now = {"micro-batches per generation batch": len(state["buffer"])}, \
+                {"micro-batches per generation batch": expected}
+        changed = {k: (v, now.get(k)) for k, v in plan.items() if now.get(k) != v}
+        if changed:
+            was = ", ".join(f"{k}={old}" for k, (old, _) in changed.items())
+            raise ValueError(
+                f"the checkpoint was taken inside a generation batch (micro-batch {state['next_micro']} of "
+                f"{len(state['buffer'])}) planned with {was}; this run has "
+                f"{', '.join(f'{k}={new}' for k, (_, new) in changed.items())}. Resume with the checkpoint's "
+                f"{was} to finish the stored batch (change it later from a checkpoint taken between generation "
+                "batches, i.e. save_steps a multiple of the optimizer steps per generation batch), or resume from "
+                "an earlier checkpoint taken between generation batches")
+
     @_generation_in_progress.setter
     def _generation_in_progress(self, state: dict):
+        if state["buffer"]:
+            self._check_generation_plan(state)
         self._buffer, self._next_micro, self._samples = state["buffer"], state["next_micro"], state["samples"]
         self._replay = None  # kept only within one optimizer step (old == current), never across a checkpoint
         self._start_time = None if state["elapsed"] is None else time.time() - state["elapsed"]

@@ -133,8 +133,20 @@ class OnlineConfig(BaseConfig):
                                                   "which the next turn ends it (None: until max_completion_length, "
                                                   "which counts the fed tool results too)."})
     tool_call_timeout: float = field(default=10.0, metadata={"help": "Seconds a tool call may run; past it the "
-                                     "tool message is an error text."})
+                                     "tool message is an error text. A sync tool still running is left in its "
+                                     "daemon thread (Python cannot stop a thread) until it returns or the process "
+                                     "ends; an async tool is cancelled."})
+    max_tool_call_chars: int | None = field(default=16384, metadata={"help": "A <tool_call> block longer than this "
+                                            "many characters is not parsed or run: its tool message is an error text "
+                                            "(a collapsing policy's degenerate repetitions stay cheap). None: no limit."})
+    max_tool_result_chars: int | None = field(default=16384, metadata={"help": "A tool result (or error) longer than "
+                                              "this many characters is cut, with a note of how much was cut, before "
+                                              "it is fed back (`tools/truncation_rate` counts them). None: no limit."})
     # ---- reward
+    reward_timeout: float | None = field(default=600.0, metadata={"help": "Seconds a reward function may take for "
+                                         "one batch; past it training stops with an error naming the function "
+                                         "(a sync function still running is left in its daemon thread). None: no "
+                                         "limit."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight per reward function (1.0)."})
     multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={"help": "With several "
                                              "rewards: 'sum_then_normalize' (weighted sum, then the advantage "
@@ -279,6 +291,11 @@ class OnlineConfig(BaseConfig):
             raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}")
         if not self.tool_call_timeout > 0:
             raise ValueError(f"tool_call_timeout must be > 0 seconds, got {self.tool_call_timeout}")
+        if self.reward_timeout is not None and not self.reward_timeout > 0:
+            raise ValueError(f"reward_timeout must be > 0 seconds (or None: no limit), got {self.reward_timeout}")
+        for name in ("max_tool_call_chars", "max_tool_result_chars"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 characters (or None: no limit), got {getattr(self, name)}")
         if self.generation_batch_size is not None:
             per_step = bs * self.world_size
             if self.generation_batch_size % per_step:

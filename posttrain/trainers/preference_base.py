@@ -41,8 +41,9 @@ from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.forward.completions import completion_logps
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout, eval_mode
-from posttrain.trainers.base import (BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
-                                     classic_arguments, is_streamed, latest_checkpoint, map_datasets)
+from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset,
+                                     check_datasets, classic_arguments, errors_named, is_streamed,
+                                     latest_checkpoint, map_datasets)
 
 logger = logging.getLogger(__name__)
 
@@ -294,6 +295,8 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
     before = len(dataset)
     dataset = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
                           desc=f"tokenising {name} data")
+    if paired and len(dataset):
+        warn_identical_pairs(name, dataset["chosen_ids"], dataset["rejected_ids"])
     dropped, truncated = before - len(dataset), sum(dataset["truncated"]) if len(dataset) else 0
     if dropped or truncated:
         unit = "pairs" if paired else "rows"
@@ -306,6 +309,16 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
     return dataset.remove_columns("truncated")
 
 
+def warn_identical_pairs(name: str, chosen: list, rejected: list) -> None:
+    """Warn when pairs have chosen == rejected (the same tokens): such a pair has no margin to learn from, and
+    data where every pair is one (a column copied into the other) trains nothing without a word."""
+    same = sum(c == r for c, r in zip(chosen, rejected))
+    if same:
+        every = "every pair has" if same == len(chosen) else f"{same} of {len(chosen)} pairs have"
+        logger.warning(f"{name} data: {every} chosen == rejected (the same tokens after truncation): such a pair "
+                       "gives the loss no margin to learn from; check the dataset's 'chosen' and 'rejected' columns")
+
+
 def _fit_pretokenised(dataset, tokenised: dict[str, list], keep: tuple[str, ...], limits: tuple, name: str):
     """`prepare_preference_dataset` for pairs given as token ids (`pretokenised_pairs`): fitted to the
     limits (max_length, max_prompt_length, max_completion_length, truncation_mode), columns in `keep` kept."""
@@ -316,6 +329,7 @@ def _fit_pretokenised(dataset, tokenised: dict[str, list], keep: tuple[str, ...]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise formats.FormatError(f"{name} data, row {i}, column 'margin': expected a finite number, "
                                       f"got {value!r}")
+    warn_identical_pairs(name, tokenised["chosen_ids"], tokenised["rejected_ids"])
     fitted = [_fit(p, [c, r], *limits) for p, c, r in zip(*tokenised.values())]
     kept = [i for i, f in enumerate(fitted) if f is not None]
     if not kept:
@@ -445,7 +459,8 @@ class PreferenceTrainer(BaseTrainer):
                              extra_completions=self.extra_completions)
         self.ref_precomputed = False
         train_dataset = prepare_preference_dataset(train_dataset, **self._prepare)
-        eval_dataset = map_datasets(self.prepare_eval_dataset, eval_dataset, name="eval")
+        with errors_named(EVAL_SET):
+            eval_dataset = map_datasets(self.prepare_eval_dataset, eval_dataset, name="eval")
         collator = data_collator or PreferenceCollator(tokenizer.pad_token_id, self.paired, self.kl_pairs, args.max_length,
                                                        self.extra_completions)
         super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,

@@ -14,6 +14,11 @@ import itertools
 
 import torch
 
+from posttrain.data import formats
+from posttrain.data.tokenize import TokenizeError
+
+PROMPT_ONLY = formats.FormatInfo("prompt_only", False, ("prompt",))
+
 
 class _PromptOrder(torch.utils.data.Sampler):
     """The batch sampler of `PromptBatches`: for each global batch of prompts, this process's dataset indices,
@@ -105,6 +110,11 @@ class _PromptStream(torch.utils.data.IterableDataset):
                 self.dataset.set_epoch(pos["passes"])
             rows, batches = itertools.islice(iter(self.dataset), pos["prompts"], None), 0
             while len(batch := list(itertools.islice(rows, size))) == size:
+                if "prompt" in batch[0]:  # named by its place in the stream, before it is tokenised
+                    try:
+                        formats.validate(batch, PROMPT_ONLY, start=pos["prompts"])
+                    except formats.FormatError as err:
+                        raise TokenizeError(f"streamed train_dataset (pass {pos['passes']}): {err}") from None
                 mine = batch[self.rank::self.num_processes]
                 for micro in range(pos["micro"], self.repeat):
                     last = micro == self.repeat - 1  # the position after this item: the next batch's start

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,8 +73,10 @@ from posttrain.forward.logprobs import attention_kind, linear_selective_log_soft
 from posttrain.models import loading
 from posttrain.models.modes import eval_mode
 from posttrain.models.offloading import OffloadActivations
-from posttrain.trainers.base import (BaseConfig, BaseTrainer, as_dataset, check_datasets, classic_arguments,
-                                     map_datasets, seed_run)
+from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, as_dataset, check_datasets,
+                                     classic_arguments, errors_named, map_datasets, seed_run)
+
+logger = logging.getLogger(__name__)
 
 DATASET_KWARGS = ("skip_prepare_dataset",)  # the `dataset_kwargs` keys SFT reads
 STREAM_PACK_ROWS = 1000  # a streamed dataset is packed this many rows at a time (bins never see further)
@@ -262,7 +265,8 @@ class SFTTrainer(BaseTrainer):
         self.formatting_func = formatting_func
         prepare = lambda data, pack: self.prepare_dataset(data, tokenizer, args, pack, formatting_func)  # noqa: E731
         train_dataset = prepare(train_dataset, args.packing)
-        eval_dataset = map_datasets(lambda data: prepare(data, args.eval_packing), eval_dataset)
+        with errors_named(EVAL_SET):
+            eval_dataset = map_datasets(lambda data: prepare(data, args.eval_packing), eval_dataset)
         attention = str(attention_kind(model) or "")  # document attention (a model trained before) counts as sdpa
         if args.padding_free is None and (args.packing or attention not in ("sdpa", "eager")):
             # flash (varlen kernels): flat packed rows; otherwise full bins, cheaper than one flat row
@@ -346,7 +350,15 @@ class SFTTrainer(BaseTrainer):
             elif args.dataset_text_field != "text" and args.dataset_text_field in columns:
                 dataset = dataset.rename_column(args.dataset_text_field, "text")
             truncate = not (packing and args.packing_strategy == "wrapped")
+            # posttrain counts what max_length cuts (below); the tokenizer's "indexing errors" line is not the news
+            tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
             dataset = SFTTrainer._tokenize(dataset, tokenizer, args, truncate=truncate)
+            if "truncated" in _column_names(dataset):  # not streamed: every row is tokenised now
+                if cut := sum(dataset["truncated"]):
+                    logger.warning(f"{cut} of {len(dataset)} rows are longer than max_length={args.max_length} "
+                                   "tokens and were cut to it (their ends are not trained on); raise max_length or "
+                                   "filter long rows")
+                dataset = dataset.remove_columns("truncated")
         if packing:
             if streamed:
                 return dataset.map(lambda batch: pack_rows(batch, args.max_length, args.packing_strategy),
@@ -386,7 +398,8 @@ class SFTTrainer(BaseTrainer):
                 if info.name == "language_modeling":
                     out = encode_text(tokenizer, row["messages"] if info.conversational else row["text"],
                                       assistant_only=assistant_only, tools=tools, template_kwargs=variables)
-                    return {"input_ids": out["input_ids"], "loss_mask": out["loss_mask"]}
+                    return {"input_ids": out["input_ids"], "loss_mask": out["loss_mask"],
+                            "truncated": max_length is not None and len(out["input_ids"]) > max_length}
                 out = encode_prompt_completion(tokenizer, row["prompt"], row["completion"], max_length, row=i,
                                                tools=tools, template_kwargs=variables)
                 n_prompt, n_completion = len(out["prompt_ids"]), len(out["completion_ids"])
@@ -396,7 +409,7 @@ class SFTTrainer(BaseTrainer):
                     full = encode_text(tokenizer, list(row["prompt"]) + list(row["completion"]), assistant_only=True,
                                        tools=tools, template_kwargs=variables)
                     mask = [m & a for m, a in zip(mask, full["loss_mask"])]
-                return {"input_ids": ids, "loss_mask": mask}
+                return {"input_ids": ids, "loss_mask": mask, "truncated": out["truncated"]}
             except TokenizeError as err:
                 message = str(err) if str(err).startswith("row ") else f"row {i}: {err}"
                 raise TokenizeError(message) from None
@@ -412,7 +425,7 @@ class SFTTrainer(BaseTrainer):
                 rows, info = canonical(rows)
             except formats.FormatError as err:  # the batch's row numbers -> the stream's
                 raise formats.FormatError(f"streamed rows {indices[0]}-{indices[-1]}: {err}") from None
-            out = [encode(row, indices[0] + k, info) for k, row in enumerate(rows)]
+            out = [encode(row, indices[0] + k, info) for k, row in enumerate(rows)]  # cuts not counted: a stream
             return {"input_ids": [o["input_ids"] for o in out], "loss_mask": [o["loss_mask"] for o in out]}
 
         return dataset.map(encode_batch, batched=True, with_indices=True, remove_columns=_column_names(dataset))

@@ -1,0 +1,367 @@
+"""The guards every posttrain run has, whatever the trainer: numbers in configs checked, NaN or infinite
+gradients and weights stopped, one run per output_dir, checkpoints checked before resuming, failed
+writes explained.
+
+* `check_training_numbers`, `check_finite_fields`: `BaseConfig.__post_init__` refuses a NaN, infinite
+  or out-of-range number in any field (transformers' included), naming it.
+* `FiniteGuard`: a callback that stops a run before a NaN/inf gradient reaches the optimizer step, or
+  after an update that made a weight NaN/inf, so such weights are never saved.
+* `output_dir_lock`: an flock on the output folder itself for the run's lifetime; the kernel drops the
+  lock of a dead process, so it is never stale.
+* `write_manifest` / `check_checkpoint`: each checkpoint's last file lists every file's size and sha256
+  (and the run's model and settings); resuming names a damaged or missing file and the newest intact
+  checkpoint.
+* `explained_write_errors`: a full disk while saving says so, naming the file.
+
+Departures from transformers/TRL: all of these are posttrain's own (see docs/migrating.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import re
+import shutil
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+try:
+    import fcntl
+except ImportError:  # Windows: output_dir is not locked
+    fcntl = None
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "posttrain_state.pt"  # the `checkpointed` attributes; posttrain_state_<rank>.pt with several processes
+MANIFEST_FILE = "posttrain_manifest.json"  # every file's size and sha256, and the run's settings: written last
+# settings that change what a resumed run computes; a resume that changes one says so (max_steps and
+# num_train_epochs may change: a resumed run is often made longer)
+RUN_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type",
+                "weight_decay", "max_grad_norm", "seed", "beta", "loss_type", "label_smoothing", "num_generations",
+                "max_completion_length", "max_prompt_length", "max_length", "steps_per_generation", "num_iterations",
+                "temperature", "epsilon", "packing", "completion_only_loss", "advantage_estimator", "scale_rewards")
+STAGING_PREFIX = "tmp-"  # tmp-checkpoint-N/checkpoint-N: a checkpoint being written
+TRAINER_STATE = "trainer_state.json"  # written last by transformers: a checkpoint without it is incomplete
+
+
+# transformers' numeric fields that a run reads: name -> (lowest, highest, lowest allowed, highest allowed).
+# NaN passes every comparison, so each rule is written as "inside the range" and NaN falls outside it.
+TRAINING_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "learning_rate": (0, None, True, False), "weight_decay": (0, None, True, False),
+    "adam_epsilon": (0, None, False, False), "adam_beta1": (0, 1, True, False), "adam_beta2": (0, 1, True, False),
+    "max_grad_norm": (0, None, True, False), "num_train_epochs": (0, None, True, False),
+    "warmup_steps": (0, None, True, False), "warmup_ratio": (0, 1, True, True),
+    "per_device_train_batch_size": (1, None, True, False), "per_device_eval_batch_size": (1, None, True, False),
+    "gradient_accumulation_steps": (1, None, True, False), "logging_steps": (0, None, False, False),
+    "save_steps": (0, None, False, False), "eval_steps": (0, None, False, False), "eval_delay": (0, None, True, False),
+    "label_smoothing_factor": (0, 1, True, False), "neftune_noise_alpha": (0, None, True, False),
+    "dataloader_num_workers": (0, None, True, False), "seed": (0, 2**32 - 1, True, True),
+    "data_seed": (0, 2**32 - 1, True, True), "save_total_limit": (0, None, True, False),
+}
+
+
+def _range_text(low, high, low_in: bool, high_in: bool) -> str:
+    if high is None:
+        return f"{'>=' if low_in else '>'} {low}"
+    return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def _in_range(value, low, high, low_in: bool, high_in: bool) -> bool:
+    above = value >= low if low_in else value > low
+    below = high is None or (value <= high if high_in else value < high)
+    return bool(above and below)
+
+
+def check_training_numbers(config) -> None:
+    """Refuse a transformers numeric field outside its range (NaN and infinities included), an output_dir
+    that is a file, and a run that would train nothing; naming the field, before anything loads."""
+    for name, (low, high, low_in, high_in) in TRAINING_RANGES.items():
+        value = getattr(config, name, None)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value) or not _in_range(value, low, high, low_in, high_in):
+            raise ValueError(f"{name} must be a finite number {_range_text(low, high, low_in, high_in)}, "
+                             f"got {value!r}")
+    if config.max_steps <= 0 and config.num_train_epochs <= 0:
+        raise ValueError(f"max_steps={config.max_steps} and num_train_epochs={config.num_train_epochs}: the run "
+                         "would train nothing and save the untrained model; set max_steps >= 1 or "
+                         "num_train_epochs > 0")
+    if config.output_dir is not None and os.path.isfile(config.output_dir):
+        raise ValueError(f"output_dir {config.output_dir!r} is a file; give a folder (it is created if missing)")
+
+
+def _non_finite(value) -> bool:
+    """Whether a float, or any float of a list/tuple, is NaN or infinite."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, (list, tuple)) and any(_non_finite(v) for v in value)
+
+
+def check_finite_fields(config) -> None:
+    """Refuse NaN or infinity in any numeric field of any config (one that means "no limit" takes None)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name, None)
+        if f.init and _non_finite(value):
+            what = "every entry of " if isinstance(value, (list, tuple)) else ""
+            none = " (or None)" if f.default is None else ""
+            raise ValueError(f"{what}{f.name} must be a finite number{none}, got {value!r}")
+
+
+def checkpoint_folders(folder: str) -> list[tuple[int, str, bool]]:
+    """(step, path, complete) of every `checkpoint-N` folder in `folder`, by step; complete means that
+    transformers' last file (trainer_state.json) is there."""
+    if not os.path.isdir(folder):
+        return []
+    found = []
+    for name in os.listdir(folder):
+        match = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+        path = os.path.join(folder, name)
+        if match and os.path.isdir(path):
+            found.append((int(match.group(1)), path, os.path.isfile(os.path.join(path, TRAINER_STATE))))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: str) -> str | None:
+    """The newest complete checkpoint in `folder` (None if there is none); newer incomplete ones (a run
+    killed while saving with an older posttrain, or a copy cut short) are skipped with a warning."""
+    found = checkpoint_folders(folder)
+    complete = [path for _, path, ok in found if ok]
+    latest = complete[-1] if complete else None
+    skipped = [os.path.basename(path) for step, path, ok in found
+               if not ok and (latest is None or step > int(latest.rsplit("-", 1)[1]))]
+    if skipped:
+        logger.warning(f"skipping incomplete checkpoint(s) {skipped} in {folder} (no {TRAINER_STATE}: the run was "
+                       f"stopped while saving); resuming from {latest and os.path.basename(latest)}")
+    return latest
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from: damaged, incomplete or another model's."""
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: str, run: dict) -> None:
+    """Write `MANIFEST_FILE` into a checkpoint folder whose every other file is written: each file's size and
+    sha256, and `run` (the model and the settings, see `BaseTrainer.run_identity`). Written to a temporary
+    name and renamed, so a manifest is whole or absent."""
+    import json
+
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel != MANIFEST_FILE:
+                files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    staging = os.path.join(folder, MANIFEST_FILE + ".tmp")
+    with open(staging, "w") as f:
+        json.dump({"files": files, "run": run}, f, indent=1, sort_keys=True)
+    os.replace(staging, os.path.join(folder, MANIFEST_FILE))
+
+
+def read_manifest(folder: str) -> dict | None:
+    import json
+
+    path = os.path.join(folder, MANIFEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError:
+        return {"files": {MANIFEST_FILE: {"size": -1, "sha256": ""}}, "run": {}}  # reported as damaged
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """What is wrong with a checkpoint folder, or None: no trainer_state.json, or a file its manifest lists that
+    is missing, of another size (truncated) or with other bytes (checksum)."""
+    if not os.path.isfile(os.path.join(folder, TRAINER_STATE)):
+        return f"{TRAINER_STATE} is missing (the run was stopped while saving it?)"
+    manifest = read_manifest(folder)
+    for rel, want in (manifest or {"files": {}})["files"].items():
+        path = os.path.join(folder, rel)
+        if rel == MANIFEST_FILE:
+            return f"{MANIFEST_FILE} cannot be read"
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            return f"{rel} has {size} bytes where {want['size']} were written (truncated or overwritten)"
+        if _sha256(path) != want["sha256"]:
+            return f"{rel} differs from what was written (its sha256 does not match the manifest: damaged bytes)"
+    return None
+
+
+def check_checkpoint(folder: str) -> None:
+    """Raise CheckpointError naming the bad file of `folder` and the newest intact checkpoint beside it. A
+    checkpoint without a manifest (an older posttrain's) is only checked for its optimizer and posttrain state."""
+    if read_manifest(folder) is None:
+        names = os.listdir(folder)
+        for stem in ("optimizer", STATE_FILE.removesuffix(".pt")):
+            if not any(n.startswith(stem) or n.startswith("global_step") for n in names):
+                logger.warning(f"{folder} has no {stem}*.pt (nor a {MANIFEST_FILE} to check it by): the resumed run "
+                               "will not continue the interrupted one exactly")
+    problem = checkpoint_problem(folder)
+    if problem is None:
+        return
+    match = re.search(r"-(\d+)$", os.path.normpath(folder))
+    step = int(match.group(1)) if match else None
+    older = [path for s, path, ok in reversed(checkpoint_folders(os.path.dirname(os.path.normpath(folder))))
+             if ok and (step is None or s < step)]
+    good = next((path for path in older if checkpoint_problem(path) is None), None)
+    offer = (f"The newest intact checkpoint is {good}: resume from it (resume_from_checkpoint={good!r})"
+             if good else "No intact checkpoint is left beside it: start afresh (overwrite_output_dir=True)")
+    raise CheckpointError(f"cannot resume from {folder}: {problem}. {offer}")
+
+
+class SaveError(OSError):
+    """Writing a checkpoint or the model failed (the disk full, most often): says which file and how much room."""
+
+
+_WRITE_FAILURES = ("iostream error", "file write failed", "No space left", "Disk quota exceeded")
+
+
+@contextlib.contextmanager
+def explained_write_errors(folder: str):
+    """Turn a failed write into `folder` (torch.save's C++ `basic_ios::clear: iostream error`, an OSError) into
+    a SaveError saying whether the disk is full, which file was being written and how much room is left."""
+    import errno
+
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        codes = (errno.ENOSPC, errno.EDQUOT)
+        if isinstance(err, SaveError) or not (getattr(err, "errno", None) in codes
+                                              or any(s in str(err) for s in _WRITE_FAILURES)):
+            raise
+        files = [os.path.join(root, n) for root, _, names in os.walk(folder) for n in names]
+        newest = max(files, key=os.path.getmtime, default=folder)
+        free = shutil.disk_usage(folder if os.path.exists(folder) else os.path.dirname(folder) or ".").free
+        full = getattr(err, "errno", None) in codes or free < 64 * 2**20
+        what = "the disk is full" if full else f"writing failed ({err})"
+        raise SaveError(errno.ENOSPC if full else errno.EIO,
+                        f"{what} while writing {newest} ({free / 2**20:.0f} MiB free on that disk). Earlier "
+                        "checkpoints are kept; make room (or lower save_total_limit) and resume") from err
+
+
+class OutputDirInUseError(RuntimeError):
+    """Another live run holds the output_dir's lock."""
+
+
+_held_locks: dict[str, list] = {}  # real path of an output_dir -> [lock file, depth]: re-entrant in a process
+
+
+def _lock_holder(fd: int) -> str:
+    """'pid N' of the process holding a flock on the file of `fd`, from /proc/locks (Linux); else 'a process'."""
+    st = os.fstat(fd)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError):
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if "FLOCK" in parts and device in parts:
+                    return f"pid {parts[parts.index(device) - 1]}"
+    return "a process"
+
+
+@contextlib.contextmanager
+def output_dir_lock(folder: str):
+    """Hold an exclusive lock on the folder `folder` itself (flock on its directory: no file is written) for the
+    block; another run into the same folder is refused, naming the holder. The kernel lets go of a lock when
+    its process dies, so a killed run's lock is never stale. Re-entrant within one process; without fcntl
+    (Windows) no lock is taken."""
+    key = os.path.realpath(folder)
+    if fcntl is None or key in _held_locks:
+        if key in _held_locks:
+            _held_locks[key][1] += 1
+        try:
+            yield
+        finally:
+            if key in _held_locks:
+                _held_locks[key][1] -= 1
+        return
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        raise OutputDirInUseError(
+            f"output_dir {folder} is in use by another run ({holder}): two runs writing into one folder replace "
+            "each other's checkpoints and model. Wait for that run to end, stop it, or choose another "
+            "output_dir") from None
+    _held_locks[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        _held_locks[key][1] -= 1
+        if _held_locks[key][1] == 0:
+            del _held_locks[key]
+            os.close(fd)  # lets go of the lock
+
+
+class NonFiniteError(RuntimeError):
+    """Gradients or weights became NaN or infinite: the run stopped instead of training on or saving them."""
+
+
+def first_non_finite(named) -> str | None:
+    """The name of the first tensor of (name, tensor) pairs holding a NaN or an infinity; None if all are finite.
+    One pass: the largest magnitude of each tensor (NaN propagates, and unlike a 2-norm it cannot overflow)."""
+    # a DTensor (FSDP2) is checked by its local shard: no collective here; ZeRO-3's empty placeholders are skipped
+    named = [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named if t is not None]
+    named = [(n, t) for n, t in named if t.numel() > 0]
+    if not named:
+        return None
+    peaks = torch._foreach_norm([t.detach() for _, t in named], float("inf"))
+    if bool(torch.stack([p.float().to(peaks[0].device) for p in peaks]).isfinite().all()):
+        return None
+    return next(name for (name, _), peak in zip(named, peaks) if not torch.isfinite(peak))
+
+
+class FiniteGuard(TrainerCallback):
+    """Stop a run whose gradients (before the optimizer step) or weights (after it) are NaN or infinite,
+    with an error naming the parameter, the step and the newest checkpoint: transformers would log
+    `grad_norm: nan`, go on and save a model whose every weight is NaN."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def _trained(self):
+        return [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+
+    def _newest(self, args) -> str:
+        complete = [path for _, path, ok in checkpoint_folders(args.output_dir) if ok]
+        return (f"The newest checkpoint, {complete[-1]}, holds weights from before it." if complete
+                else "No checkpoint was saved.")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if getattr(self.trainer.accelerator, "scaler", None) is not None:
+            return  # float16 loss scaling: an overflowing step is expected, and skipped by the scaler itself
+        if name := first_non_finite((n, p.grad) for n, p in self._trained()):
+            raise NonFiniteError(
+                f"step {state.global_step + 1}: the gradient of {name} is NaN or infinite (the loss or a reward "
+                "was?): stopped before the optimizer step, so the weights stay finite and nothing of this step is "
+                f"saved. {self._newest(args)} Check the data and rewards for extreme values, lower learning_rate, "
+                "or train in float32")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if name := first_non_finite(self._trained()):
+            raise NonFiniteError(
+                f"step {state.global_step + 1}: after the optimizer step, {name} holds NaN or infinite values (the "
+                "update overflowed: learning rate or optimizer settings too large?): stopped, and the weights are "
+                f"not saved. {self._newest(args)} Lower learning_rate or check the optimizer's settings")
