@@ -18,7 +18,7 @@ from datasets import Dataset
 
 from posttrain.cli import close_process_group
 from posttrain.models.loading import load_causal_lm
-from posttrain.rollout import generate as generate_module
+from posttrain.forward import completions as completions_module
 from posttrain.rollout.generate import generate
 from posttrain.tasks.environments import GuessNumberEnv
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
@@ -60,8 +60,8 @@ class PerPromptSeededGRPO(GRPOTrainer):
 
 def main(out_path: str, per_device_batch: int, kind: str, weights_path: str):
     replayed = []
-    real = generate_module.replaying
-    generate_module.replaying = lambda *a: replayed.append(1) or real(*a)
+    real = completions_module.replaying
+    completions_module.replaying = lambda *a: replayed.append(1) or real(*a)
     args = GRPOConfig(output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch, num_generations=4,
                       max_completion_length=48, max_tool_calling_iterations=2, learning_rate=1e-2, max_steps=1,
                       optim="sgd",

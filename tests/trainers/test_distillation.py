@@ -213,8 +213,8 @@ def test_demo_distill_stage_runs_every_trainer_and_the_sft_baseline(tmp_path):
     plan.steps = dict.fromkeys(demo.STEPS, 2)
     plan.eval_size, plan.rl_batch_size, plan.distill_batch_size = 8, 8, 8
     rows = demo.run(plan)
-    # no online stage was asked for: GRPO trains the teacher first
-    assert [r["stage"] for r in rows] == ["base", "grpo", *demo.DISTILLERS]
+    # the stage starts from the SFT checkpoint (run first); no online stage was asked for: GRPO trains the teacher
+    assert [r["stage"] for r in rows] == ["base", "sft", "grpo", *demo.DISTILLERS]
     assert plan.distill_tokens and plan.distill_tokens > 0  # the SFT baseline's budget, from the distillation run
     assert all(0.0 <= r["after"] <= 1.0 for r in rows)
     assert "| sft on teacher samples |" in (tmp_path / "report.md").read_text()
