@@ -32,7 +32,7 @@ def two(x: float) -> str:
 
 def test_the_demo_table_is_the_recorded_run():
     body = _script().section(README, "What `posttrain demo` shows")
-    rows = re.findall(r"^\| (\w+) \| [^|]+ \| ([0-9.]+) -> ([0-9.]+) \|$", body, flags=re.M)
+    rows = re.findall(r"^\| (\w[\w ]*?) \| [^|]+ \| ([0-9.]+) -> ([0-9.]+) \|$", body, flags=re.M)
     recorded = {stage: ba for stage, ba in figures("demo").items() if ba[0] is not None}
     assert {stage for stage, *_ in rows} == set(recorded), "the README's demo table lists other stages"
     for stage, before, after in rows:
