@@ -295,6 +295,13 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
     before = len(dataset)
     dataset = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
                           desc=f"tokenising {name} data")
+    _report_tokenised(dataset, before, name, paired, max_length, max_prompt_length, max_completion_length)
+    return dataset.remove_columns("truncated")
+
+
+def _report_tokenised(dataset, before: int, name: str, paired: bool, max_length, max_prompt_length,
+                      max_completion_length) -> None:
+    """Once per dataset: warn of identical pairs and of dropped or truncated rows; refuse an emptied dataset."""
     if paired and len(dataset):
         warn_identical_pairs(name, dataset["chosen_ids"], dataset["rejected_ids"])
     dropped, truncated = before - len(dataset), sum(dataset["truncated"]) if len(dataset) else 0
@@ -306,7 +313,6 @@ def prepare_preference_dataset(dataset, tokenizer, *, paired: bool, max_length: 
     if len(dataset) == 0:
         raise ValueError(f"no {name} rows are left after tokenisation: every prompt reaches max_length={max_length} "
                          f"(raise max_length, set max_prompt_length, or truncation_mode='keep_end' to cut prompts)")
-    return dataset.remove_columns("truncated")
 
 
 def warn_identical_pairs(name: str, chosen: list, rejected: list) -> None:
