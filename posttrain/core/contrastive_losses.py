@@ -91,6 +91,20 @@ def margin_loss(name: str, z: Tensor, *, beta: float, label_smoothing: float = 0
     return spec.fn(z, beta=beta, **options)
 
 
+def check_margin_options(loss_type: str, loss_types, label_smoothing: float, shown: list[str], smoothed: str,
+                         bc_name: str, bc_weight: float) -> None:
+    """A config's choice of pair loss (one of `loss_types`, `shown` in the message), its label smoothing (only
+    where the loss has a smoothed form, `smoothed` names them) and its behaviour-cloning weight `bc_name` >= 0."""
+    if loss_type not in loss_types:
+        raise ValueError(f"loss_type must be one of {shown}, got {loss_type!r}")
+    if not 0 <= label_smoothing <= 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing}")
+    if label_smoothing and not MARGIN_LOSSES[loss_type].smoothable:
+        raise ValueError(f"loss_type {loss_type!r} has no label-smoothed form; set label_smoothing=0 or use {smoothed}")
+    if bc_weight < 0:
+        raise ValueError(f"{bc_name} must be >= 0, got {bc_weight}")
+
+
 def alphapo_rewards(logps: Tensor, alpha: float) -> Tensor:
     """AlphaPO's reward (1 - p^(-α)) / α of p = exp(logps), computed as -expm1(-α logps) / α; at α = 0 the
     log-prob itself."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.core.contrastive_losses import MARGIN_LOSSES, alphapo_rewards, margin_loss, token_mean_nll
+from posttrain.core.contrastive_losses import (MARGIN_LOSSES, alphapo_rewards, check_margin_options, margin_loss,
+                                               token_mean_nll)
 from posttrain.trainers.preference_base import TRUNCATION_MODES, PairDataConfig, ReferenceFreePairTrainer
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
@@ -60,15 +61,8 @@ class CPOConfig(PairDataConfig):
 
     def _check(self):
         super()._check()
-        if self.loss_type not in CPO_LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {[*CPO_LOSS_TYPES, 'alphapo']}, got {self.loss_type!r}")
-        if not 0 <= self.label_smoothing <= 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5], got {self.label_smoothing}")
-        if self.label_smoothing and not MARGIN_LOSSES[self.loss_type].smoothable:
-            raise ValueError(f"loss_type {self.loss_type!r} has no label-smoothed form; set label_smoothing=0 "
-                             "or use 'sigmoid' or 'simpo'")
-        if self.cpo_alpha < 0:
-            raise ValueError(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
+        check_margin_options(self.loss_type, CPO_LOSS_TYPES, self.label_smoothing, [*CPO_LOSS_TYPES, "alphapo"],
+                             "'sigmoid' or 'simpo'", "cpo_alpha", self.cpo_alpha)
 
 
 class CPOTrainer(ReferenceFreePairTrainer):

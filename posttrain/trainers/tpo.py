@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.core.contrastive_losses import MARGIN_LOSSES, margin_loss, token_mean_nll
+from posttrain.core.contrastive_losses import MARGIN_LOSSES, check_margin_options, margin_loss, token_mean_nll
 from posttrain.forward.completions import completion_logps
 from posttrain.trainers.preference_base import TRUNCATION_MODES, PairDataConfig, ReferenceFreePairTrainer
 
@@ -50,15 +50,8 @@ class TPOConfig(PairDataConfig):
 
     def _check(self):
         super()._check()
-        if self.loss_type not in TPO_LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {list(TPO_LOSS_TYPES)}, got {self.loss_type!r}")
-        if not 0 <= self.label_smoothing <= 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5], got {self.label_smoothing}")
-        if self.label_smoothing and not MARGIN_LOSSES[self.loss_type].smoothable:
-            raise ValueError(f"loss_type {self.loss_type!r} has no label-smoothed form; set label_smoothing=0 "
-                             "or use 'sigmoid' or 'tpo-l'")
-        if self.tpo_alpha < 0:
-            raise ValueError(f"tpo_alpha must be >= 0, got {self.tpo_alpha}")
+        check_margin_options(self.loss_type, TPO_LOSS_TYPES, self.label_smoothing, list(TPO_LOSS_TYPES),
+                             "'sigmoid' or 'tpo-l'", "tpo_alpha", self.tpo_alpha)
 
 
 class TPOTrainer(ReferenceFreePairTrainer):
