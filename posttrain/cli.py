@@ -662,7 +662,8 @@ def run(argv: list[str]):
         print(f"posttrain {posttrain.__version__}")
         return None
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        lines = [f"  {n:<8} {getattr(fn, 'help', '')}" for n, fn in COMMANDS.items()]
+        width = max(map(len, COMMANDS))
+        lines = [f"  {n:<{width}}  {getattr(fn, 'help', '')}" for n, fn in COMMANDS.items()]
         usage = ("usage: posttrain <command> [--config file.yaml] [--field value ...] [--debug]\n"
                  "       posttrain --version\n\ncommands:\n" + "\n".join(lines) +
                  "\n\n`posttrain <command> --help` lists the command's flags; --debug shows the traceback of an error.")
