@@ -4,8 +4,13 @@ A run stopped after step k and resumed from `checkpoint-k` must end with the sam
 same numbers as the run that was never interrupted: bit-identical on CPU.
 """
 
+import json
 import math
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
@@ -92,3 +97,41 @@ def assert_same_run(resumed, expected_state: dict, expected_logs: list, *, max_s
     mismatched = [(s, k, a, b) for (s, k, a), (_, _, b) in zip(logs, expected_logs)
                   if not (a == b or (math.isnan(a) and math.isnan(b)))]
     assert not mismatched, f"logged numbers that differ after resuming (step, key, resumed, uninterrupted): {mismatched[:8]}"
+
+
+KILLED_AT_SAVE = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}, {root!r}]
+import torch
+torch.set_num_threads({threads})
+from transformers import TrainerCallback
+from tests.helpers.resume import run_fields
+{imports}
+
+
+class KillOnSave(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == {step}:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+trainer = {build}
+trainer.add_callback(KillOnSave())
+trainer.train()
+"""
+
+
+def killed_at_save(tmp_path, tests_dir: str, imports: str, build: str, step: int = 2) -> Path:
+    """Run `build` (an expression that may use `output_dir` and the names `imports` brings from the test module in
+    `tests_dir`) in a child process that SIGKILLs itself right after writing checkpoint-`step`; assert it died so
+    with that checkpoint complete, and return its output_dir to resume from."""
+    root = str(Path(__file__).resolve().parents[2])
+    output_dir = tmp_path / "killed"
+    script = tmp_path / "killed_run.py"
+    script.write_text(KILLED_AT_SAVE.format(tests=tests_dir, root=root, threads=torch.get_num_threads(), step=step,
+                                            imports=imports, build=build.replace("output_dir", repr(str(output_dir)))))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    state = json.loads((output_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    assert state["global_step"] == step
+    return output_dir

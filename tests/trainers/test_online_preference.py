@@ -2,17 +2,14 @@
 logged; the pair loss is offline DPO's on the sampled pairs; judges rank pairs; β schedules per epoch; LoRA,
 streaming, resume (SIGKILL included) and the CLI."""
 
-import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from datasets import IterableDataset
 from tests.helpers.online import ONLINE_METRICS, first_token_reward, online_args, prompts, train_and_check
-from tests.helpers.resume import assert_resumes_identically, assert_same_run, logged_numbers, run_fields, trained_state
+from tests.helpers.resume import (assert_resumes_identically, assert_same_run, killed_at_save, logged_numbers,
+                                  run_fields, trained_state)
 
 from posttrain import cli
 from posttrain.core.preference_losses import PreferenceInput, dpo_loss
@@ -158,40 +155,13 @@ def test_resumes_identically(tmp_path, name):
     assert_resumes_identically(lambda **f: make(name, prompts(6), **f), tmp_path, max_steps=3, stop_at=1)
 
 
-KILLED_RUN = """
-import os, signal, sys
-sys.path[:0] = [{tests!r}, {root!r}]
-import torch
-torch.set_num_threads({threads})
-from transformers import TrainerCallback
-from tests.helpers.resume import run_fields
-from test_online_preference import make, prompts
-
-
-class KillOnSave(TrainerCallback):
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-trainer = make("xpo", prompts(6), **run_fields({output_dir!r}, 3, 2))
-trainer.add_callback(KillOnSave())
-trainer.train()
-"""
-
-
 def test_xpo_resumes_after_sigkill(tmp_path):
     full = make("xpo", prompts(6), **run_fields(tmp_path / "full", 3, 2))
     full.train()
     expected_state, expected_logs = trained_state(full), logged_numbers(full, 2)
     del full
-    script = tmp_path / "killed_run.py"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    script.write_text(KILLED_RUN.format(tests=os.path.dirname(__file__), root=root, threads=torch.get_num_threads(),
-                                        output_dir=str(tmp_path / "killed")))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root)
-    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
-    assert json.loads((tmp_path / "killed" / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    killed_at_save(tmp_path, os.path.dirname(__file__), 'from test_online_preference import make, prompts',
+                   'make("xpo", prompts(6), **run_fields(output_dir, 3, 2))')
     resumed = make("xpo", prompts(6), **run_fields(tmp_path / "killed", 3, 2))
     resumed.train(resume_from_checkpoint=True)
     assert_same_run(resumed, expected_state, expected_logs, max_steps=3, stop_at=2)

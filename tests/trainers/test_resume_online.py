@@ -7,16 +7,13 @@ unless it says otherwise; cases with several optimizer steps per generation batc
 one, from the micro-batches the checkpoint keeps.
 """
 
-import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from tests.helpers.online import first_token_reward, online_args, prompts
-from tests.helpers.resume import assert_resumes_identically, assert_same_run, logged_numbers, run_fields, trained_state
+from tests.helpers.resume import (assert_resumes_identically, assert_same_run, killed_at_save, logged_numbers,
+                                  run_fields, trained_state)
 
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.base import STATE_FILE
@@ -134,42 +131,14 @@ def test_reinforce_pp_resumes(tmp_path):
     assert_resumes_identically(make, tmp_path, max_steps=3, stop_at=1)
 
 
-KILLED_RUN = """
-import os, signal, sys
-sys.path[:0] = [{tests!r}, {root!r}]
-import torch
-torch.set_num_threads({threads})
-from transformers import TrainerCallback
-from tests.helpers.resume import run_fields
-from test_resume_online import grpo
-
-
-class KillOnSave(TrainerCallback):
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-trainer = grpo(**run_fields({output_dir!r}, 3, 2))
-trainer.add_callback(KillOnSave())
-trainer.train()
-"""
-
-
 def test_grpo_resumes_after_sigkill(tmp_path):
     full = grpo(**run_fields(tmp_path / "full", 3, 2))
     full.train()
     expected_state, expected_logs = trained_state(full), logged_numbers(full, 2)
     del full
 
-    script = tmp_path / "killed_run.py"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    script.write_text(KILLED_RUN.format(tests=os.path.dirname(__file__), root=root, threads=torch.get_num_threads(),
-                                        output_dir=str(tmp_path / "killed")))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root)
-    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
-    checkpoint = tmp_path / "killed" / "checkpoint-2"
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+    killed_at_save(tmp_path, os.path.dirname(__file__), 'from test_resume_online import grpo',
+                   'grpo(**run_fields(output_dir, 3, 2))')
 
     resumed = grpo(**run_fields(tmp_path / "killed", 3, 2))
     resumed.train(resume_from_checkpoint=True)  # the latest checkpoint: checkpoint-2
