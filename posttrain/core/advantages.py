@@ -18,6 +18,10 @@
                         first on a tie, as TRL ranks them), -1 for the rejected (in a larger group:
                         the best and the worst, 0 for the rest). A label, not a baseline-corrected
                         return: the pair losses read its sign.
+  preference_or_tie     XPO's pairs (policy sample against reference sample): as preference_pair, but a
+                        group whose scores all tie gets 0 everywhere, no preference; the pair losses
+                        then take the loss expected under a fair coin's label (the paper labels a pair
+                        by P(y ≻ ỹ), which is 1/2 for equal rewards).
   optimal_advantage     A*-PO (Brantley et al. 2025): the score as given is the advantage, r - V*(x),
                         the trainer having subtracted the prompt's optimal value (`optimal_value`).
   nash_md               Nash-MD (Munos et al. 2023): in each pair (policy sample, mixture sample),
@@ -287,6 +291,16 @@ def preference_pair(inp: AdvantageInput):
     signs[rows, g.argmax(dim=1)] = 1.0  # argmax: the first of equal maxima
     signs[rows, k - 1 - g.flip(1).argmin(dim=1)] = -1.0  # the last of equal minima (a tie: the other row)
     return _broadcast(_ungroup(signs, inp.layout), inp.mask), None
+
+
+@register_advantage("preference_or_tie", per_token=False, critic=False, min_group=2)
+def preference_or_tie(inp: AdvantageInput):
+    """preference_pair's labels, except in a group whose scores are all equal: 0 on every completion (a tie
+    states no preference; ranking the first above the second would be an arbitrary label)."""
+    advantages, _ = preference_pair(inp)
+    g = group_view(inp.scores, inp.group_size, inp.layout)  # (P, k)
+    tied = _ungroup((g == g[:, :1]).all(dim=1, keepdim=True).expand_as(g), inp.layout)  # (B,)
+    return torch.where(tied.unsqueeze(-1), 0.0, advantages), None
 
 
 @register_advantage("nash_md", per_token=False, critic=False, min_group=2)

@@ -44,7 +44,8 @@ with u = π/π_ref (`F_DIVERGENCES`); reverse KL gives h = ρ_w - ρ_l.
 
 Losses that need a reference raise when it is missing; for reference-free DPO pass zeros.
 Online pair losses (the online preference trainers, `trainers/online_dpo.py`, `xpo.py`, `nash_md.py`):
-`xpo_exploration` (XPO's bonus, Xie et al. 2024) and `nash_md_loss` (Nash-MD's policy gradient, Munos et
+`xpo_exploration` (XPO's bonus, Xie et al. 2024), `tied_pair_loss` (a pair without a preference, under a
+fair coin's label) and `nash_md_loss` (Nash-MD's policy gradient, Munos et
 al. 2023); Online DPO applies the pairwise losses above to the policy's own sampled pairs.
 
 `bco_loss`, `kto_loss`, `apo_zero_unpaired_loss` (`UNPAIRED_LOSSES`) and `pairwise_reward_loss`
@@ -454,6 +455,15 @@ def pairwise_reward_loss(
     if center_rewards_coefficient:
         loss = loss + center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
     return loss
+
+
+def tied_pair_loss(inp: PreferenceInput, loss_type: str | Sequence[str], beta: float, **options) -> Tensor:
+    """The loss (B,) of pairs that state no preference (tied scores), expected under a fair coin's label:
+    ½ (loss(w ≻ l) + loss(l ≻ w)). For the sigmoid loss ½ (-log σ(βh) - log σ(-βh)), smallest at h = 0: a
+    tie pulls the two completions' log-ratios together instead of pushing an arbitrary one up."""
+    swapped = PreferenceInput(inp.rejected_logps, inp.chosen_logps, inp.ref_rejected_logps, inp.ref_chosen_logps,
+                              inp.rejected_lengths, inp.chosen_lengths)
+    return 0.5 * (dpo_loss(inp, loss_type, beta, **options) + dpo_loss(swapped, loss_type, beta, **options))
 
 
 def xpo_exploration(ref_sample_logps: Tensor, alpha: float) -> Tensor:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from posttrain.core.masked import masked_sum
-from posttrain.core.preference_losses import DPO_LOSSES, PreferenceInput, dpo_loss
+from posttrain.core.preference_losses import DPO_LOSSES, PreferenceInput, dpo_loss, tied_pair_loss
 from posttrain.rollout.generate import Rollout, generate
 from posttrain.trainers.online import OnlineConfig, OnlineTrainer
 from posttrain.trainers.online_config import estimator_help, resolve_aliases
@@ -145,6 +145,7 @@ class Pairs:
     first_chosen: Tensor  # (P,) bool: the pair's first row is the chosen one
     valid: Tensor  # (P,) bool: both rows have tokens in the loss (mask_truncated_completions may drop one)
     preference: PreferenceInput  # chosen / rejected sums and lengths
+    tied: Tensor  # (P,) bool: the estimator labelled neither row (a tie, `preference_or_tie`): no preference
 
     @staticmethod
     def of(logp: Tensor, ref_logp: Tensor, mask: Tensor, signs: Tensor) -> Pairs:
@@ -159,7 +160,8 @@ class Pairs:
         preference = PreferenceInput(pick(logps, True), pick(logps, False), pick(ref_logps, True),
                                      pick(ref_logps, False), pick(lengths, True), pick(lengths, False))
         in_loss = mask.sum(1) > 0
-        return Pairs(logps, ref_logps, first, in_loss[0::2] & in_loss[1::2], preference)
+        tied = (signs[0::2] == 0) & (signs[1::2] == 0)
+        return Pairs(logps, ref_logps, first, in_loss[0::2] & in_loss[1::2], preference, tied)
 
 
 class OnlineDPOTrainer(OnlineTrainer):
@@ -223,8 +225,12 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     # ------------------------------------------------------------------ loss
     def pair_losses(self, pairs: Pairs, logp: Tensor, inputs: dict) -> tuple[Tensor, dict]:
-        """(loss per pair (P,), metrics): the configured DPO-family loss of each pair."""
+        """(loss per pair (P,), metrics): the configured DPO-family loss of each pair; for a pair without a preference
+        (tied scores under `preference_or_tie`), the loss expected under a fair coin's label."""
         losses = dpo_loss(pairs.preference, self.args.loss_type, self.args.beta)
+        if bool(pairs.tied.any()):
+            tied = tied_pair_loss(pairs.preference, self.args.loss_type, self.args.beta)
+            losses = torch.where(pairs.tied, tied, losses)
         return losses, {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

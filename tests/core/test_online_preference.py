@@ -7,7 +7,7 @@ import torch
 
 from posttrain.core.advantages import AdvantageInput, compute_advantages
 from posttrain.core.policy_losses import POLICY_LOSSES
-from posttrain.core.preference_losses import nash_md_loss, xpo_exploration
+from posttrain.core.preference_losses import PreferenceInput, nash_md_loss, tied_pair_loss, xpo_exploration
 from posttrain.rollout.backends import GeometricMixture, SamplerBackend
 
 
@@ -24,6 +24,33 @@ def test_preference_pair_in_larger_groups_marks_the_best_and_the_worst():
     scores = torch.tensor([1.0, 3.0, 3.0, 0.0, 2.0, 2.0, 2.0, 2.0])
     adv, _ = compute_advantages("preference_pair", AdvantageInput(scores, torch.ones(8, 1), group_size=4))
     assert adv[:, 0].tolist() == [0.0, 1.0, 0.0, -1.0, 1.0, 0.0, 0.0, -1.0]  # ties: first best, last worst
+
+
+def test_preference_or_tie_labels_no_completion_of_a_tied_pair():
+    scores = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0, -1.0])  # pairs: second wins, tie, first wins
+    mask = torch.tensor([[1, 1, 0]] * 6)
+    adv, returns = compute_advantages("preference_or_tie", AdvantageInput(scores, mask, group_size=2))
+    assert returns is None
+    assert adv[:, 0].tolist() == [-1.0, 1.0, 0.0, 0.0, 1.0, -1.0]
+    assert (adv[:, 2] == 0).all()  # padding
+    big = torch.tensor([1.0, 3.0, 3.0, 0.0, 2.0, 2.0, 2.0, 2.0])  # a larger group ties only when all its scores do
+    adv, _ = compute_advantages("preference_or_tie", AdvantageInput(big, torch.ones(8, 1), group_size=4))
+    assert adv[:, 0].tolist() == [0.0, 1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_tied_pair_loss_is_the_fair_coin_expectation_float64():
+    f64 = dict(dtype=torch.float64)
+    inp = PreferenceInput(torch.tensor([-2.0, -5.0], **f64), torch.tensor([-4.0, -1.0], **f64),
+                          torch.tensor([-3.0, -2.0], **f64), torch.tensor([-3.5, -2.5], **f64))
+    h = [(-2.0 + 3.0) - (-4.0 + 3.5), (-5.0 + 2.0) - (-1.0 + 2.5)]  # 1.5, -4.5
+    beta = 0.5
+    log_sigmoid = lambda z: -math.log1p(math.exp(-z))  # noqa: E731
+    expected = [0.5 * (-log_sigmoid(beta * x) - log_sigmoid(-beta * x)) for x in h]
+    torch.testing.assert_close(tied_pair_loss(inp, "sigmoid", beta), torch.tensor(expected, **f64))
+    # ipo: ((h - 1/(2 beta))^2 + (-h - 1/(2 beta))^2) / 2 = h^2 + 1/(4 beta^2), the same whichever row is "chosen"
+    torch.testing.assert_close(tied_pair_loss(inp, "ipo", beta), torch.tensor([x * x + 1.0 for x in h], **f64))
+    swapped = PreferenceInput(inp.rejected_logps, inp.chosen_logps, inp.ref_rejected_logps, inp.ref_chosen_logps)
+    torch.testing.assert_close(tied_pair_loss(swapped, "sigmoid", beta), tied_pair_loss(inp, "sigmoid", beta))
 
 
 def test_nash_md_estimator_is_win_probability_minus_half_on_the_policy_row():

@@ -82,6 +82,35 @@ def test_online_dpo_loss_is_dpo_on_the_sampled_pairs(tmp_path):
     torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_xpo_trains_tied_pairs_on_the_fair_coin_loss(tmp_path):
+    """A reward that ties every pair: no pair is ranked (preference_or_tie), each trains on ½ (ℓ(h) + ℓ(-h)), plus
+    α log π(ỹ) of the reference's sample; TRL's rule (the policy's completion wins) stays one field away."""
+    def same(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    args = XPOConfig(**online_args(tmp_path, learning_rate=1e-2, beta=0.5, alpha=0.01, gradient_accumulation_steps=1))
+    trainer = XPOTrainer(MODEL, reward_funcs=same, args=args, train_dataset=prompts(8))
+    assert trainer.args.advantage_estimator == "preference_or_tie"
+    model = trainer.model
+    with torch.no_grad():  # move the policy off the reference, so that the margins matter
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    mb = trainer.make_experience(next(iter(trainer.get_train_dataloader())))[0]
+    assert (mb["advantages"] == 0).all()
+    loss = trainer.compute_loss(model, mb)
+    logp, _, _ = trainer.forward(model, mb)
+    mask = mb["loss_mask"]
+    seq, ref = (logp * mask).sum(1).double(), (mb["ref_logp"] * mask).sum(1).double()
+    h = (seq[0::2] - ref[0::2]) - (seq[1::2] - ref[1::2])  # policy's sample (even rows) against the reference's
+    coin = 0.5 * (-torch.nn.functional.logsigmoid(0.5 * h) - torch.nn.functional.logsigmoid(-0.5 * h))
+    expected = (coin + 0.01 * seq[1::2]).mean()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-4)
+    trl_rule = XPOTrainer(MODEL, reward_funcs=same, train_dataset=prompts(8),
+                          args=XPOConfig(**online_args(tmp_path, advantage_estimator="preference_pair")))
+    mb = trl_rule.make_experience(next(iter(trl_rule.get_train_dataloader())))[0]
+    assert (mb["advantages"][0::2].sum(1) > 0).all()  # ties: the policy's completion is the chosen one
+
+
 class FirstIsLonger(PairwiseJudge):
     def compare(self, prompts, pairs):
         return [0 if len(a) >= len(b) else 1 for a, b in pairs]
