@@ -76,6 +76,7 @@ _EXPORTS = {
     "PRMConfig": "posttrain.trainers.prm", "PRMTrainer": "posttrain.trainers.prm",
     "ProcessRewardFunction": "posttrain.rollout.process_rewards",
     "task_stepwise_dataset": "posttrain.tasks.builtin",
+    "GFPOConfig": "posttrain.trainers.gfpo", "GFPOTrainer": "posttrain.trainers.gfpo",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -3,6 +3,9 @@
   group_norm            GRPO (Shao et al. 2024, DeepSeekMath): reward minus the group mean,
                         divided by the group std; `scale_rewards="none"` is Dr. GRPO
                         (Liu et al. 2025), `"batch"` divides by the batch std instead.
+  group_filtered_norm   GFPO (Shrivastava et al. 2025, "Sample More to Think Less: Group Filtered Policy
+                        Optimization"): group_norm over the completions each group's filter kept
+                        (AdvantageInput.kept), 0 on the others.
   leave_one_out         RLOO (Ahmadian et al. 2024; Kool et al. 2019): reward minus the mean
                         reward of the other completions of the same prompt.
   opo                   OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"):
@@ -73,6 +76,7 @@ class AdvantageInput:
     # per token add the score at the last masked token
     token_rewards: Tensor | None = None
     values: Tensor | None = None  # (B, T) critic values V(s_t)
+    kept: Tensor | None = None  # (B,) bool: the completions a group filter kept (GFPO); None: all of them
 
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor | None]]
@@ -195,6 +199,30 @@ def group_norm(inp: AdvantageInput, *, scale_rewards: str | bool = "group"):
         centred = centred / (g.std(dim=1, keepdim=True) + GROUP_STD_EPS)
     elif scale_rewards == "batch":
         centred = centred / (scores.std() + GROUP_STD_EPS)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', not {scale_rewards!r}")
+    return _broadcast(_ungroup(centred, inp.layout), inp.mask), None
+
+
+@register_advantage("group_filtered_norm", per_token=False, critic=False, min_group=2)
+def group_filtered_norm(inp: AdvantageInput, *, scale_rewards: str | bool = "group"):
+    """group_norm computed over each group's kept completions only (`inp.kept`): their mean is the baseline and
+    their sample std ("group"; "batch": the std of every kept score; "none": no division) the scale; the
+    filtered-out completions get 0. Without `kept`, group_norm itself."""
+    if inp.kept is None:
+        return group_norm(inp, scale_rewards=scale_rewards)
+    if isinstance(scale_rewards, bool):
+        scale_rewards = "group" if scale_rewards else "none"
+    k, scores = inp.group_size, inp.scores
+    g = group_view(scores, k, inp.layout)  # (P, k)
+    keep = group_view(inp.kept.to(scores.device), k, inp.layout).to(scores.dtype)
+    n = keep.sum(dim=1, keepdim=True)
+    centred = (g - (g * keep).sum(dim=1, keepdim=True) / n.clamp(min=1)) * keep
+    if scale_rewards == "group":
+        std = ((centred ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        centred = centred / (std + GROUP_STD_EPS)
+    elif scale_rewards == "batch":
+        centred = centred / (scores[inp.kept.bool()].std() + GROUP_STD_EPS)
     elif scale_rewards != "none":
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', not {scale_rewards!r}")
     return _broadcast(_ungroup(centred, inp.layout), inp.mask), None

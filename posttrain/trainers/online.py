@@ -436,6 +436,10 @@ class OnlineTrainer(BaseTrainer):
             loss_mask = loss_mask * (1 - rollout.tool_mask.to(device))
         if args.mask_truncated_completions:
             loss_mask[truncated] = 0
+        kept = self.kept_rows(rollout, scores)
+        if kept is not None:  # a group filter's left-out completions: out of the loss and the advantages
+            kept = kept.to(device)
+            loss_mask[~kept] = 0
         batch["loss_mask"] = loss_mask
         scores = scores.to(device).float()
         if self.needs_reference:
@@ -453,7 +457,8 @@ class OnlineTrainer(BaseTrainer):
                                logp=g["old_logp"], ref_logp=g.get("ref_logp"))
         self._record_rollout(g, shaped.penalized_scores, g_truncated)
         inp = AdvantageInput(scores=shaped.scores, mask=mask, group_size=args.num_generations, layout="prompt_major",
-                             token_rewards=shaped.token_rewards, values=g.get("old_values"))
+                             token_rewards=shaped.token_rewards, values=g.get("old_values"),
+                             kept=None if kept is None else self._gather_rows(kept))
         advantages, returns = compute_advantages(args.advantage_estimator, inp, **self._options("advantage_estimator"))
         mine = slice(acc.process_index * N, (acc.process_index + 1) * N)
         batch["advantages"] = advantages[mine, :C].float()
@@ -463,6 +468,11 @@ class OnlineTrainer(BaseTrainer):
             batch.pop("ref_logp", None)  # the KL is in the advantages already
         self._episodes += mask.shape[0]
         return self._micro_batches(batch)
+
+    def kept_rows(self, rollout: Rollout, scores: Tensor) -> Tensor | None:
+        """(N,) bool: the completions of this process's batch to train on, or None for all of them (GFPO's group
+        filter keeps some of each group)."""
+        return None
 
     def reward_shaping(self) -> RewardShaping:
         """The config's reward-shaping switches (`core.shaping`), read when a batch is shaped (PPO's adaptive

@@ -7,12 +7,13 @@ samples ỹ; the ranker orders the pair, and the loss is the DPO loss of the ord
 the policy to explore beyond them (α = 1e-5 by default, as TRL's: a gentle push).
 
 Ties. The paper labels each pair by a draw from the preference, P(y ≻ ỹ), which is 1/2 when the rewards
-tie. TRL instead lets the policy's completion win every tie, and here that rule, not the bonus, decides
-what XPO learns: a tie (about 30% of the pairs on the built-in `reverse` task) then lowers log π(ỹ) with
-weight β/2, some 10^4 times the bonus α, whatever ỹ is, the reference's right answers included; from the
-demo's SFT checkpoint held-out accuracy fell (0.25 -> 0.17 in 40 steps). So ties state no preference
-(the `preference_or_tie` estimator) and train on the loss expected under a fair coin's label
-(`core.preference_losses.tied_pair_loss`), which pulls the two log-ratios together;
+tie. TRL instead lets the policy's completion win every tie, and that rule, not the bonus, is what such a
+run learns most: a tie (about 30% of the pairs on the built-in `reverse` task, mostly two wrong answers of
+equal partial credit) raises the policy's own answer and lowers the reference's with weight about β/2 =
+0.05, 5000 times α. From a partly SFT'd tiny model, 40 steps on `reverse` took held-out greedy accuracy
+from 0.18 to 0.06 under TRL's rule, to 0.30 (0.24 with another seed) with ties as no preference. So ties
+state no preference (the `preference_or_tie` estimator) and train on the loss expected under a fair
+coin's label (`core.preference_losses.tied_pair_loss`), which pulls the two log-ratios together;
 advantage_estimator="preference_pair" restores TRL's rule.
 
 A preset of `OnlineDPOTrainer`: the pair's second completion comes from the reference
