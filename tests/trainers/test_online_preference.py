@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 from datasets import IterableDataset
-from tests.helpers.online import ONLINE_METRICS, first_token_reward, online_args, prompts, train_and_check
+from tests.helpers.online import (ONLINE_METRICS, first_token_reward, heldout_scores, learning_args, online_args,
+                                  prompts, train_and_check)
 from tests.helpers.resume import (assert_resumes_identically, assert_same_run, killed_at_save, logged_numbers,
                                   run_fields, trained_state)
 
@@ -194,6 +195,26 @@ def test_xpo_resumes_after_sigkill(tmp_path):
     resumed = make("xpo", prompts(6), **run_fields(tmp_path / "killed", 3, 2))
     resumed.train(resume_from_checkpoint=True)
     assert_same_run(resumed, expected_state, expected_logs, max_steps=3, stop_at=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PAIR_TRAINERS))
+def test_pair_trainers_raise_heldout_reward(sft_reverse_path, tmp_path, name):
+    """From the partially SFT-trained tiny model, 60 steps of 32 pairs ranked by `reverse`'s digit_match reward:
+    the sampled held-out reward rises and greedy accuracy does not fall (measured, seed 42: Online DPO 0.18 ->
+    0.24 / 0.432 -> 0.542, XPO 0.18 -> 0.29 / 0.432 -> 0.555, Nash-MD 0.18 -> 0.19 / 0.432 -> 0.465)."""
+    from posttrain.tasks.builtin import digit_match_reward, task_dataset
+
+    config, trainer_cls = PAIR_TRAINERS[name]
+    train = task_dataset("reverse", "train").remove_columns("completion")
+    trainer = trainer_cls(sft_reverse_path, reward_funcs=digit_match_reward, train_dataset=train,
+                          args=config(**learning_args(tmp_path, max_steps=60, logging_steps=20)))
+    before = heldout_scores(trainer)
+    trainer.train()
+    after = heldout_scores(trainer)
+    print(f"{name} held-out greedy accuracy {before[0]:.2f} -> {after[0]:.2f}, "
+          f"sampled reward {before[1]:.3f} -> {after[1]:.3f}")
+    assert after[1] > before[1] + 0.02 and after[0] >= before[0], (before, after)
 
 
 GROUP_COMMANDS = ("gmpo", "gspo_token", "grpo_with_replay_buffer")
