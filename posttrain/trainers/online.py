@@ -458,7 +458,7 @@ class OnlineTrainer(BaseTrainer):
         self._record_rollout(g, shaped.penalized_scores, g_truncated)
         inp = AdvantageInput(scores=shaped.scores, mask=mask, group_size=args.num_generations, layout="prompt_major",
                              token_rewards=shaped.token_rewards, values=g.get("old_values"),
-                             kept=None if kept is None else self._gather_rows(kept))
+                             kept=None if kept is None else self._gather_rows(kept.long()).bool())
         advantages, returns = compute_advantages(args.advantage_estimator, inp, **self._options("advantage_estimator"))
         mine = slice(acc.process_index * N, (acc.process_index + 1) * N)
         batch["advantages"] = advantages[mine, :C].float()
