@@ -83,17 +83,13 @@ class GFPOTrainer(GRPOTrainer):
                              "rank each group's completions")
         if group_filter_func is not None and self.num_remains_in_group is None:
             logger.warning("group_filter_func is not used: num_remains_in_group is not set (GFPO trains as GRPO)")
-        self._prompts = []
-
-    def make_experience(self, inputs: dict) -> list[dict]:
-        self._prompts = list(inputs["prompt"])  # the filter gets completions as the reward functions do
-        return super().make_experience(inputs)
 
     def kept_rows(self, rollout: Rollout, scores: Tensor) -> Tensor | None:
         n, k = self.num_remains_in_group, self.args.num_generations
         if n is None or self.group_filter_func is None:
             return None
-        prompts = [p for p in self._prompts for _ in range(k)]
+        # the completions as the reward functions got them (chat messages for chat prompts)
+        prompts = self.batch_prompts or [""] * rollout.completion_ids.shape[0]
         _, completions, _ = self.decode(rollout, prompts)
         groups = len(completions) // k
         ranked = self.group_filter_func(group_completions=[completions[i * k:(i + 1) * k] for i in range(groups)],
