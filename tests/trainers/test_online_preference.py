@@ -214,7 +214,10 @@ def test_pair_trainers_raise_heldout_reward(sft_reverse_path, tmp_path, name):
     after = heldout_scores(trainer)
     print(f"{name} held-out greedy accuracy {before[0]:.2f} -> {after[0]:.2f}, "
           f"sampled reward {before[1]:.3f} -> {after[1]:.3f}")
-    assert after[1] > before[1] + 0.02 and after[0] >= before[0], (before, after)
+    rise = {"online_dpo": 0.05, "xpo": 0.05, "nash_md": 0.02}[name]  # Nash-MD's P - 0.5 is a weaker signal
+    assert after[1] > before[1] + rise and after[0] >= before[0] - 0.03, (before, after)
+    if name == "xpo":  # TRL's policy-wins-ties rule took it to 0.06 (xpo.py)
+        assert after[0] > before[0] + 0.05, (before, after)
 
 
 GROUP_COMMANDS = ("gmpo", "gspo_token", "grpo_with_replay_buffer")
