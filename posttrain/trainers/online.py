@@ -156,6 +156,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
 
     config_class = OnlineConfig
     samples_in_background = True  # max_staleness > 0 may sample with a copy of the policy (online_async.py)
+    batch_prompts: list | None = None  # the prompts (one per completion) of the batch make_experience builds
     prompts_required = True  # a train_dataset (or environments that supply prompts); PPO's manual loop needs none
     _tag = "online"
 
@@ -245,7 +246,6 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         self.optimizer_steps_per_generation = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         self._stream_pos, self._stream_resumed = new_stream_position(), False  # a streamed train_dataset's place
         self.rollouts = self._async_rollouts(train_dataset)
-        self.batch_prompts: list | None = None  # the prompts of the batch being built (make_experience)
         if train_dataset is not None and not is_streamed(train_dataset) and len(self.get_train_dataloader()) == 0:
             raise ValueError(f"train_dataset has {len(train_dataset)} prompts, fewer than one generation batch needs "
                              f"({per_generation // args.num_generations}); add prompts or lower "
