@@ -109,8 +109,8 @@ def test_resumes_identically(tmp_path):
 @pytest.mark.slow
 def test_gfpo_raises_heldout_reward(sft_reverse_path, tmp_path):
     """GFPO (8 samples a prompt, the 4 shortest trained on) from the partially SFT-trained tiny model raises
-    held-out greedy accuracy and sampled reward (measured: 0.15 -> 0.31 and 0.424 -> 0.542 in 100 steps; keeping
-    the shortest also keeps truncated answers out, so the rise is smaller than GRPO's)."""
+    held-out greedy accuracy and sampled reward (measured: 0.15 -> 0.31 and 0.424 -> 0.542 in 100 steps, less
+    than GRPO's rise with all 8 trained on)."""
     from posttrain.tasks.builtin import digit_match_reward, task_dataset
 
     train = task_dataset("reverse", "train").remove_columns("completion")
