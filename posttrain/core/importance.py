@@ -18,8 +18,9 @@ clip_min, clip_max) -> weights (B, T)`: old_logp (B, T) log π_old of the sample
 behaviour_logp (B, T) the sampler's log-prob of the same tokens, mask (B, T) 1 on the completion tokens; the
 weights are 0 on padding and carry no gradient. The engine multiplies each token's policy loss by them.
 
-Departure: the ratio is bounded in log space (log w clamped to [log clip_min, log clip_max], or tested against
-them), so a long sequence whose summed log-ratio is large gives the cap (or a 0), never exp(...) = inf.
+Departure: the log-ratio is capped at log clip_max before it is exponentiated (and the mask modes test it against
+log clip_min, log clip_max), so a long sequence whose summed log-ratio is large gives the cap (or a 0), never
+exp(...) = inf.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ def importance_weights(old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, c
     log_ratio = log_importance_ratio(old_logp, behaviour_logp, mask, level).double()
     low = -math.inf if not clip_min else math.log(clip_min)  # clip_min 0 or None: no lower bound
     high = math.log(clip_max)
+    ratio = torch.exp(log_ratio.clamp(max=high))  # never inf; the clamp below gives the bounds exactly
     if constraint == "truncate":
-        weights = torch.exp(log_ratio.clamp(low, high))
+        weights = ratio.clamp(min=clip_min or None, max=clip_max)
     else:
-        weights = torch.where((log_ratio >= low) & (log_ratio <= high), torch.exp(log_ratio.clamp(max=high)), 0.0)
+        weights = torch.where((log_ratio >= low) & (log_ratio <= high), ratio, 0.0)
     return torch.where(mask.bool(), weights.expand_as(mask).to(old_logp.dtype), 0.0)
 
 

@@ -70,20 +70,28 @@ def test_too_many_generation_batches_is_a_clear_error(tmp_path):
 def test_dynamic_sampling_needs_groups(tmp_path):
     with pytest.raises(ValueError, match="filter_groups_enable drops the groups .* set num_generations >= 2"):
         GRPOConfig(output_dir=str(tmp_path), num_generations=1, per_device_train_batch_size=2,
-                   filter_groups_enable=True)
+                   advantage_estimator="reinforce_pp", filter_groups_enable=True)  # an estimator without groups
+
+
+def drew_more_after(trainer, step: int) -> bool:
+    """Whether a step after `step` drew more than one generation batch (so the top-up cursor's place mattered)."""
+    return any(e["dynamic_sampling/gen_batches"] > 1 for e in trainer.state.log_history
+               if e.get("step", 0) > step and "dynamic_sampling/gen_batches" in e)
 
 
 def test_resume_with_dynamic_sampling_is_identical(tmp_path):
-    # stopped after step 2, inside the first epoch (16 prompts, 2 a step); the top-up cursor's place is saved
-    assert_resumes_identically(lambda **f: grpo(**f), tmp_path, max_steps=4, stop_at=2)
-    saved = torch.load(tmp_path / "stopped" / "checkpoint-2" / STATE_FILE, weights_only=True)
+    # stopped after step 1, inside the first epoch (16 prompts, 2 a step); the top-up cursor's place is saved
+    resumed = assert_resumes_identically(lambda **f: grpo(**f), tmp_path, max_steps=3, stop_at=1)
+    saved = torch.load(tmp_path / "stopped" / "checkpoint-1" / STATE_FILE, weights_only=True)
     assert saved["_top_up_position"]["prompts"] > 0
+    assert drew_more_after(resumed, 1)
 
 
 def test_resume_from_a_stream_with_dynamic_sampling_is_identical(tmp_path):
     rows = list(prompts(10))
     data = IterableDataset.from_generator(lambda: iter(rows))
-    assert_resumes_identically(lambda **f: grpo(data, **f), tmp_path, max_steps=4, stop_at=2)
+    resumed = assert_resumes_identically(lambda **f: grpo(data, **f), tmp_path, max_steps=4, stop_at=2)
+    assert drew_more_after(resumed, 2)
 
 
 def test_overlong_shaping_next_to_masked_truncated_completions(tmp_path):
