@@ -227,12 +227,7 @@ class OnlineTrainer(BaseTrainer):
         self.loss_mode, self.global_denominator = args.loss_aggregation()
         # the policy can move between sampling and training only with several optimizer steps or passes
         self.old_is_current = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
-        # ... and then the sampler's linear outputs are the training forward's (accel/replay.py)
-        self.replays = (args.replay_linear_outputs and self.old_is_current and not ADVANTAGES[
-                        args.advantage_estimator].critic and not (args.bf16 or args.fp16 or args.torch_compile
-                                                                  or args.gradient_checkpointing) and _no_dropout(policy))
-        # (not with dynamic sampling: its batch joins rows of several rollouts, the record indexes one)
-        self.replays = self.replays and not args.filter_groups_enable
+        self.replays = _replays(args, policy, self.old_is_current)
         self._replay = None  # the current generation batch's LinearRecord while its micro-batches train
         self._buffer: list[dict] = []  # the current generation batch's micro-batches, in training order
         self._next_micro = 0  # index in `_buffer` of the next micro-batch to train on
@@ -911,6 +906,15 @@ class OnlineTrainer(BaseTrainer):
             unwrapped.load_critic(resume_from_checkpoint)
         else:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+
+def _replays(args: OnlineConfig, policy, old_is_current: bool) -> bool:
+    """Whether the training forward takes the sampler's linear outputs (accel/replay.py): only when the policy
+    cannot have moved since sampling, in float32 without dropout, compile or checkpointing, and not with dynamic
+    sampling (its batch joins rows of several rollouts; the record indexes one)."""
+    return (args.replay_linear_outputs and old_is_current and not ADVANTAGES[args.advantage_estimator].critic
+            and not (args.bf16 or args.fp16 or args.torch_compile or args.gradient_checkpointing)
+            and _no_dropout(policy) and not args.filter_groups_enable)
 
 
 def _no_dropout(model) -> bool:
