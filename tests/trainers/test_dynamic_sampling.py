@@ -133,3 +133,12 @@ def test_grpo_with_dynamic_sampling_raises_heldout_reward(sft_reverse_path, tmp_
     assert_learns(trainer, "GRPO + dynamic sampling")
     assert sum(logged(trainer, "dynamic_sampling/groups_dropped")) > 0
     assert logged(trainer, "frac_reward_zero_std") and max(logged(trainer, "frac_reward_zero_std")) == 0.0
+
+
+def test_overlong_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match=r"overlong_buffer_len \(tokens of the overlong buffer\) must be >= 1, got 0"):
+        GRPOConfig(output_dir=str(tmp_path), overlong_buffer_len=0)
+    with pytest.raises(ValueError, match="overlong_buffer_len=300 must be <= max_completion_length=256"):
+        GRPOConfig(output_dir=str(tmp_path), overlong_buffer_len=300)
+    with pytest.raises(ValueError, match=r"overlong_penalty_factor must be >= 0, got -1.0"):
+        GRPOConfig(output_dir=str(tmp_path), overlong_buffer_len=16, overlong_penalty_factor=-1.0)
