@@ -142,3 +142,8 @@ def test_overlong_settings_are_checked(tmp_path):
         GRPOConfig(output_dir=str(tmp_path), overlong_buffer_len=300)
     with pytest.raises(ValueError, match=r"overlong_penalty_factor must be >= 0, got -1.0"):
         GRPOConfig(output_dir=str(tmp_path), overlong_buffer_len=16, overlong_penalty_factor=-1.0)
+
+
+def test_dynamic_sampling_is_refused_with_asynchronous_rollouts(tmp_path):
+    with pytest.raises(ValueError, match="filter_groups_enable .* max_staleness > 0 .* set one of them off"):
+        GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, filter_groups_enable=True, max_staleness=1)
