@@ -27,9 +27,8 @@ conversation as a prefix of its continuation (`continuation_ids` checks it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 

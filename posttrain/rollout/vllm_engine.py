@@ -167,9 +167,10 @@ def lora_rank(policy) -> int:
         raise ValueError(f"vllm_sync_strategy='lora_adapter' syncs a LoRA adapter, and this policy has none: give "
                          f"peft_config=LoraConfig(...), {fix}")
     config = policy.peft_config[policy.active_adapter]
-    if str(getattr(config.peft_type, "value", config.peft_type)) != "LORA" or getattr(config, "use_dora", False):
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    if kind != "LORA" or getattr(config, "use_dora", False):
         raise ValueError(f"vllm_sync_strategy='lora_adapter': vLLM loads plain LoRA adapters only, this one is "
-                         f"{config.peft_type}{' with DoRA' if getattr(config, 'use_dora', False) else ''}; {fix}")
+                         f"{kind}{' with DoRA' if getattr(config, 'use_dora', False) else ''}; {fix}")
     if config.modules_to_save:
         raise ValueError(f"vllm_sync_strategy='lora_adapter': modules_to_save={config.modules_to_save} are trained "
                          f"whole, which a vLLM LoRA adapter cannot carry; {fix}")
@@ -408,6 +409,15 @@ class _ServerClient:
         """fn(*args) under the deadline (NCCL calls and joins block without one of their own)."""
         return _Background(fn, *args).result(self.request_timeout, what)
 
+    def _broadcast(self, tensors: list[Tensor], src: int, barrier: bool = False) -> None:
+        for tensor in tensors:  # NCCL sends numel elements from data_ptr(): a view must be made contiguous
+            tensor = tensor.contiguous()
+            self.communicator.broadcast(tensor, src=src)
+            if tensor.is_cuda:  # NCCL returns once the transfer is queued: wait for it here, under the deadline
+                torch.cuda.current_stream(tensor.device).synchronize()
+        if barrier:
+            self.communicator.group.barrier()
+
     def wait_until_healthy(self, timeout: float) -> None:
         _wait_for(self.base_url, self.health_path, timeout)
 
@@ -541,15 +551,6 @@ class ServerEngine(_ServerClient):
         self._within(f"broadcasting {len(chunk)} weights ({chunk[0][0]} ...) to the server's workers",
                      self._broadcast, [t for _, t in chunk], 0)
         answer.result(self.request_timeout, f"POST {self.base_url}/update_weights")
-
-    def _broadcast(self, tensors: list[Tensor], src: int, barrier: bool = False) -> None:
-        for tensor in tensors:  # NCCL sends numel elements from data_ptr(): a view must be made contiguous
-            tensor = tensor.contiguous()
-            self.communicator.broadcast(tensor, src=src)
-            if tensor.is_cuda:  # NCCL returns once the transfer is queued: wait for it here, under the deadline
-                torch.cuda.current_stream(tensor.device).synchronize()
-        if barrier:
-            self.communicator.group.barrier()
 
     def close(self) -> None:
         """Drop the weight-transfer group (the protocol has no endpoint to close it)."""

@@ -57,14 +57,25 @@ def _same_rollout(mine, reference):
     torch.testing.assert_close(mine.logprobs, reference.logprobs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("max_new_tokens", [40, 9])  # 9: rows cut inside FED and right after it
-def test_colocate_turns_equal_the_samplers_multi_turn_rollout(model, tok, fake_vllm, tmp_path, max_new_tokens):
+def _reference(model, tok, max_new_tokens):
+    prompts, sampling = _prompts_and_sampling(tok, max_new_tokens)
+    script = Script()
+    return generate(model, prompts, sampling, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                    continue_turn=script), script
+
+
+# past: the completion budget, as tokens past the shortest first turn (None: 40, no row cut by it); 2: cut inside
+# the fed ids; 5: the fed ids fill the budget exactly; 7: two tokens sampled after them
+@pytest.mark.parametrize("past", [None, 2, 5, 7])
+def test_colocate_turns_equal_the_samplers_multi_turn_rollout(model, tok, fake_vllm, tmp_path, past):
     engine = ColocateEngine("posttrain/tiny-qwen2", colocate_args(tmp_path), 1, 0, tok.pad_token_id, tok.eos_token_id)
     engine.load_weights(policy_weights(model))  # vLLM's copy of the policy
+    max_new_tokens = 40
+    if past is not None:
+        max_new_tokens = min(n for _, n in _reference(model, tok, 40)[1].calls) + past
     prompts, sampling = _prompts_and_sampling(tok, max_new_tokens)
-    reference_script, script = Script(), Script()
-    reference = generate(model, prompts, sampling, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                         continue_turn=reference_script)
+    reference, reference_script = _reference(model, tok, max_new_tokens)
+    script = Script()
     mine = engine_turns(engine.generate, prompts, sampling, script, tok.pad_token_id, tok.eos_token_id)
     _same_rollout(mine, reference)
     assert sorted(script.calls) == sorted(reference_script.calls)  # the same turns ended, at the same lengths
@@ -76,10 +87,9 @@ def test_colocate_turns_equal_the_samplers_multi_turn_rollout(model, tok, fake_v
         assert fields["n"] == 1
         for request in sent:
             ids = request["prompt_token_ids"]
-            assert any(ids[len(p):][-len(FED):] == FED for p in prompts if ids[:len(p)] == p)
-            assert fields["max_tokens"] == max_new_tokens - (len(ids) - next(len(p) for p in prompts
-                                                                              if ids[:len(p)] == p))
-    if max_new_tokens == 9:
+            prompt = next(p for p in prompts if ids[:len(p)] == p)
+            assert ids[-len(FED):] == FED and fields["max_tokens"] == max_new_tokens - (len(ids) - len(prompt))
+    if past is not None:
         assert mine.is_truncated.any()
 
 
@@ -105,11 +115,13 @@ def test_sampled_turns_keep_the_fed_ids_masked(model, tok, fake_vllm, tmp_path):
     firsts = {}
     for row, length in script.calls:
         firsts.setdefault(row, length)
-    assert len(firsts) == 6
-    for i, first in firsts.items():
-        fed = slice(first, first + len(FED))
-        assert r.completion_ids[i, fed].tolist() == FED and r.tool_mask[i, fed].tolist() == [1] * len(FED)
-        assert (r.logprobs[i, fed] == 0).all() and r.tool_mask[i].sum() == len(FED)
+    assert len(firsts) >= 4  # rows whose first turn ended within the budget (the others were cut: no FED)
+    for i in range(6):
+        first = firsts.get(i, 40)
+        fed = slice(first, min(first + len(FED), 40))  # FED, cut where the budget ends
+        assert r.completion_ids[i, fed].tolist() == FED[:fed.stop - fed.start]
+        assert r.tool_mask[i, fed].tolist() == [1] * (fed.stop - fed.start) == r.tool_mask[i].tolist()[fed]
+        assert (r.logprobs[i, fed] == 0).all() and r.tool_mask[i].sum() == fed.stop - fed.start
         sampled = r.completion_mask[i].bool() & ~r.tool_mask[i].bool()
         assert (r.logprobs[i][sampled] < 0).all()
 

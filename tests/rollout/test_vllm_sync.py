@@ -192,7 +192,8 @@ def test_colocate_generates_with_the_adapter_alone(tmp_path, fake_vllm, monkeypa
     lora_module.LoRARequest = LoRARequest
     monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", lora_module)
-    args = GRPOConfig(**online_args(tmp_path, num_generations=4), use_vllm=True, vllm_sync_strategy="lora_adapter")
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, beta=0.05), use_vllm=True,
+                      vllm_sync_strategy="lora_adapter")
     trainer = GRPOTrainer(TINY, first_token_reward, args=args, train_dataset=prompts(16),
                           peft_config=LoraConfig(**LORA))
     llm = FakeLLM.instances[0]
@@ -238,7 +239,7 @@ def test_server_loads_each_adapter_and_unloads_the_last(tmp_path, monkeypatch):
     server = LoraServer()
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setattr(vllm_engine, "cuda_available", lambda: True)
-    args = GRPOConfig(**online_args(tmp_path, num_generations=4), use_vllm=True, vllm_mode="server",
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, beta=0.05), use_vllm=True, vllm_mode="server",
                       vllm_server_base_url=server.url, vllm_sync_strategy="lora_adapter")
     trainer = GRPOTrainer(TINY, first_token_reward, args=args, train_dataset=prompts(16),
                           peft_config=LoraConfig(**LORA))
