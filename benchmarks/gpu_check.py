@@ -223,7 +223,7 @@ def bench_stage(args) -> int:
                 failed += "error" in result
                 print(f"{workload:5s} {side:9s} " + (f"ERROR {result['error']}" if "error" in result else
                       f"{result['seconds_per_step']:.3f} s/step  {result['items_per_second']:.1f} {unit}/s  "
-                      f"peak GPU {result['peak_gpu_mib'] or 0:.0f} MiB  peak RSS {result['peak_rss_mib']:.0f} MiB"),
+                      f"peak GPU {mib(result['peak_gpu_mib'])} MiB  peak RSS {result['peak_rss_mib']:.0f} MiB"),
                       flush=True)
     table = markdown(results, args)
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -232,8 +232,12 @@ def bench_stage(args) -> int:
     return 1 if failed else 0
 
 
+def mib(value) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
 def markdown(results: dict, args) -> str:
-    lines = [f"| workload | side | s/step | items/s | vs TRL | peak GPU MiB | peak RSS MiB |",
+    lines = ["| workload | side | s/step | items/s | vs TRL | peak GPU MiB | peak RSS MiB |",
              "|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         workload, side = key.split("/")
@@ -243,7 +247,7 @@ def markdown(results: dict, args) -> str:
         peer = results.get(f"{workload}/trl", {})
         ratio = f"{r['items_per_second'] / peer['items_per_second']:.2f}x" if "items_per_second" in peer else ""
         lines.append(f"| {workload} | {side} | {r['seconds_per_step']:.3f} | {r['items_per_second']:.1f} | "
-                     f"{ratio if side == 'posttrain' else ''} | {r['peak_gpu_mib'] or 0:.0f} | {r['peak_rss_mib']:.0f} |")
+                     f"{ratio if side == 'posttrain' else ''} | {mib(r['peak_gpu_mib'])} | {r['peak_rss_mib']:.0f} |")
     size = "tiny-qwen2 shape (--small)" if args.small else "Qwen2.5-0.5B shape, random weights"
     return "\n".join([f"{size}, {args.device}, {args.steps or (2 if args.small else 10)} steps per run", ""] + lines)
 

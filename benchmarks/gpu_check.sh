@@ -16,7 +16,9 @@ PYTHON="${PYTHON:-python}"
 OUT="${OUT:-gpu_check_out}"
 SMALL=""
 DEVICE="cuda"
-if [[ "${1:-}" == "--small" ]]; then SMALL="--small"; DEVICE="cpu"; fi
+BF16="--bf16"
+# --small: on the CPU in float32 (GRPO in bf16 autocast fails on the CPU: the lean decoder takes float32 only)
+if [[ "${1:-}" == "--small" ]]; then SMALL="--small"; DEVICE="cpu"; BF16=""; fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 status=0
@@ -25,10 +27,10 @@ start=$SECONDS
 echo "== wheels needed beyond torch and transformers"
 "$PYTHON" benchmarks/gpu_check.py wheels
 
-echo "== 1. device-independent trainer tests on $DEVICE in bf16"
-TESTS=(tests/trainers tests/rollout/test_vllm_multiturn.py)
+echo "== 1. device-independent trainer tests on $DEVICE ${BF16:+in bf16}"
+TESTS=(tests/trainers)
 [[ -n "$SMALL" ]] && TESTS=(tests/trainers/test_sft.py tests/trainers/test_grpo.py)  # a sample of them, for speed
-"$PYTHON" -m pytest -q -p no:cacheprovider -m device_independent --device "$DEVICE" --bf16 "${TESTS[@]}" \
+"$PYTHON" -m pytest -q -p no:cacheprovider -m device_independent --device "$DEVICE" $BF16 "${TESTS[@]}" \
     2>&1 | tee "$OUT/tests.log" | tail -n 15
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
