@@ -259,7 +259,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="cuda (default when one is there) or cpu")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 10; --small 2)")
     parser.add_argument("--trl-python", default=None, help="the TRL environment's python (or $TRL_PYTHON)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per run")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: all cores; "
+                        "--small: 1, tiny models gain nothing from more)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds one training run may take")
     parser.add_argument("--out", default=str(ROOT / "gpu_check_out"), help="folder for results.json and table.md")
     args = parser.parse_args(argv)
@@ -270,6 +271,7 @@ def main(argv=None) -> int:
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.threads = args.threads or (1 if args.small else os.cpu_count() or 1)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda, but torch sees no CUDA GPU")
     return sampler_stage(args) if args.stage == "sampler" else bench_stage(args)
