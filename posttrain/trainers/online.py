@@ -105,6 +105,10 @@ def _tooling(args: OnlineConfig, tools, environment_factory, reward_funcs, train
     its class; without a train_dataset, the environments' reset() supplies the prompts."""
     if not tools and environment_factory is None:
         return None, reward_funcs, train_dataset
+    if args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
+        raise ValueError("tools= / environment_factory= with vLLM make one request per turn, and the processes "
+                         "sharing a colocated engine (vllm_tensor_parallel_size > 1) would make different numbers "
+                         "of them: use vllm_tensor_parallel_size=1 or vllm_mode='server'")
     tooling = Tooling(tools, environment_factory, max_iterations=args.max_tool_calling_iterations
                       if args.max_tool_calling_iterations is not None else 2 ** 31,
                       timeout=args.tool_call_timeout, max_call_chars=args.max_tool_call_chars,
@@ -174,10 +178,6 @@ class OnlineTrainer(BaseTrainer):
         if rollout_func is not None and tooling is not None:
             raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
                              "rollout_func or tools= / environment_factory=, not both")
-        if tooling is not None and args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
-            raise ValueError("tools= / environment_factory= with vLLM make one request per turn, and the processes "
-                             "sharing a colocated engine (vllm_tensor_parallel_size > 1) would make different numbers "
-                             "of them: use vllm_tensor_parallel_size=1 or vllm_mode='server'")
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
             raise ValueError("reward_funcs is required: reward functions, reward models, or model names "
                              "(or set reward_model_path, or give an environment_factory whose environments "

@@ -149,6 +149,7 @@ def test_tools_with_vllm_train_and_sync_before_each_generation(caller, tmp_path,
     assert episode[0]["tool_calls"][0]["function"]["name"] == "ping" and episode[1]["role"] == "tool"
 
 
+@pytest.mark.slow  # a minute on a busy 2-core machine; the tools test above runs the same loop colocated
 def test_environment_with_vllm_server(caller, tmp_path, vllm_server, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setattr(vllm_engine, "cuda_available", lambda: True)
