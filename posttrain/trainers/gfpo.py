@@ -8,7 +8,7 @@ highest-scored of each group are kept, and the advantages are GRPO's computed ov
 teaches concise answers without a length penalty in the reward.
 
 A preset of the online engine: GRPO's fields plus `num_remains_in_group`, the `group_filtered_norm`
-advantage estimator (core.advantages) and the engine's `kept_rows` hook. Without `num_remains_in_group`
+advantage estimator (core.advantages) and the engine's `rows_in_loss` hook. Without `num_remains_in_group`
 (TRL's default, None) it trains as GRPO.
 
 group_filter_func(group_completions, group_rewards) -> group_scores: lists per group (prompt) of its
@@ -17,7 +17,8 @@ higher is kept. Evaluation is not filtered, as in TRL.
 
 Departures: the left-out completions stay in the batch with no tokens in the loss (TRL drops them), so the
 logged rewards and completions are all of the sampled ones (TRL logs the kept ones); per_device_train_batch_size
-counts every sampled completion. A multi-turn rollout's completions reach the filter as text.
+counts every sampled completion. A multi-turn rollout's completions, and with DAPO's dynamic sampling
+(filter_groups_enable) every completion, reach the filter as text.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class GFPOTrainer(GRPOTrainer):
         if group_filter_func is not None and self.num_remains_in_group is None:
             logger.warning("group_filter_func is not used: num_remains_in_group is not set (GFPO trains as GRPO)")
 
-    def kept_rows(self, rollout: Rollout, scores: Tensor) -> Tensor | None:
+    def rows_in_loss(self, rollout: Rollout, scores: Tensor) -> Tensor | None:
         n, k = self.num_remains_in_group, self.args.num_generations
         if n is None or self.group_filter_func is None:
             return None
