@@ -12,7 +12,8 @@ run learns most: a tie (about 30% of the pairs on the built-in `reverse` task, m
 equal partial credit) raises the policy's own answer and lowers the reference's with weight about β/2 =
 0.05, 5000 times α. The demo's XPO stage (40 steps from its SFT checkpoint) took held-out accuracy from
 0.25 to 0.17 under TRL's rule and to 0.29 with ties as no preference (the test fixture's checkpoint: 0.18
-to 0.06, and to 0.30; 0.24 with another seed). So ties
+to 0.06, and to 0.30; 0.24 with another seed; greedy accuracy is noisy at this size, the slow test's run
+ended at 0.15 -> 0.12 with its sampled reward up, 0.424 -> 0.473). So ties
 state no preference (the `preference_or_tie` estimator) and train on the loss expected under a fair
 coin's label (`core.preference_losses.tied_pair_loss`), which pulls the two log-ratios together;
 advantage_estimator="preference_pair" restores TRL's rule.
