@@ -27,12 +27,14 @@ from posttrain.core.divergences import LinearLogits
 from posttrain.core.log_softmax import length_groups, sequence_logprobs
 from posttrain.forward.logprobs import (attention_kind, last_hidden_states, linear_selective_log_softmax, pack_groups,
                                         pack_pairs, packed_logps, plain_lm_head, token_logprobs)
+from posttrain.forward.vision import IMAGE_GROUP, forward_inputs
 from posttrain.models.modes import unwrap
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                        replay: tuple[LinearRecord, Tensor] | tuple[LinearRecord, Tensor, bool] | None = None):
+                        replay: tuple[LinearRecord, Tensor] | tuple[LinearRecord, Tensor, bool] | None = None,
+                        vision: dict[str, Tensor] | None = None):
     """Log-probs (R, C) of the completion tokens under softmax(logits / temperature), and their
     entropies (R, C) or None, computing each distinct prompt once.
 
@@ -53,12 +55,18 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     (`accel/replay.py`) instead of computing them; rows (R,) are the rollout rows of these completions, and
     the record must come from the current weights. (record, rows, True): this forward is the record's
     last use, and each layer's part of it is let go as soon as the forward has read it.
+
+    vision: the rows' prompt images (`forward.vision.row_inputs`, a micro-batch's `row_part`), or None. Rows
+    share a prompt when their token ids and their image group agree; the packed forward then encodes each
+    prompt's images once, the plain one each row's.
     """
     R, C = completion_ids.shape
     P = prompt_ids.shape[1]
     first: dict[tuple, int] = {}  # prompt -> index of its sequence, by first appearance
     owner, block, taken = [], [], {}  # per row: its sequence and its completion block within it
-    for key in map(tuple, torch.cat([prompt_ids, prompt_mask], 1).tolist()):
+    keys = torch.cat([prompt_ids, prompt_mask] + ([vision[IMAGE_GROUP][:, None].to(prompt_ids.device)]
+                                                  if vision is not None else []), 1)
+    for key in map(tuple, keys.tolist()):
         u = first.setdefault(key, len(first))
         taken[u] = taken.get(u, -1) + 1
         owner.append(u)
@@ -74,9 +82,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     if attn not in ("sdpa", "eager") or k == 1 or cost(U, P + k * B) >= cost(R, P + C):  # little or no sharing
         ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
         head = plain_lm_head(unwrap(model), ids)  # fused into the log-softmax where plain: no (R, C, V) logits
+        images = {} if vision is None else forward_inputs(vision, torch.arange(R))
         with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
             logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
-                                              with_entropy=with_entropy, exact_positions=True, head=head)
+                                              with_entropy=with_entropy, exact_positions=True, head=head, **images)
         return logp, entropy
     device = completion_ids.device
     rows = torch.tensor(owner, device=device) * k + torch.tensor(block, device=device)  # (R,) slot of each row
@@ -94,8 +103,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         slots[rows.cpu()] = rollout_rows
         return record.layout(slots.view(U, k), P, B)
 
+    images = {} if vision is None else forward_inputs(vision, lead)  # each distinct prompt's images, once
     with _replayed(replay, known):
-        logps, entropy, _ = packed_logps(model, packed, head, temperature=temperature, with_entropy=with_entropy)
+        logps, entropy, _ = packed_logps(model, packed, head, temperature=temperature, with_entropy=with_entropy,
+                                         **images)
     return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
 
 

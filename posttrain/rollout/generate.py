@@ -47,6 +47,7 @@ from torch import Tensor
 
 from posttrain.core.log_softmax import selective_log_softmax
 from posttrain.data.collate import pad
+from posttrain.forward.vision import prompt_inputs, row_inputs
 from posttrain.models.modes import unwrap
 from posttrain.rollout.backends import ModelForward, SamplerBackend, model_device
 from posttrain.rollout.cpu_backend import cpu_backend
@@ -103,6 +104,8 @@ class Rollout:
     # with continue_turn: (N, C) 1 on tokens fed rather than sampled (tool results, the template between
     # turns); they are context (completion_mask 1) with log-prob 0, never trained on
     tool_mask: Tensor | None = None
+    # with image prompts: the rows' images and image group (`forward.vision.row_inputs`), for the training forward
+    vision: dict[str, Tensor] | None = None
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
@@ -192,7 +195,7 @@ def _keep_pace(backend: SamplerBackend, tokens: Tensor, t: int, attention: Tenso
 def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pad_token_id: int,
              eos_token_id: int | list[int] | None, tokenizer=None,
              generator: torch.Generator | None = None, record_linears: bool = False,
-             continue_turn=None) -> Rollout:
+             continue_turn=None, vision: list[dict[str, Tensor]] | None = None) -> Rollout:
     """Sample `sampling.num_generations` completions for each prompt (token-id lists, no padding).
 
     model: a causal LM, decoded by `default_backend(model)` and put in eval mode for the duration (then
@@ -206,8 +209,13 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     finishes) or the token ids to feed next (a tool result and the next assistant header). Those ids
     are fed one per step, as if sampled, so they go into the row's own KV cache after its earlier
     tokens (nothing is prefilled again) while the other rows go on decoding; `tool_mask` marks them.
+
+    vision: image prompts (a vision-language model): per prompt, its processor outputs besides the ids
+    (`pixel_values`, ...; {} for a prompt without images). The prefill takes them (the vision tower encodes
+    each prompt's images once, whatever num_generations), the decoding steps read the image tokens from
+    the cache, and the rollout keeps them per row (`Rollout.vision`) for the training forward.
     """
-    _check_inputs(prompt_ids, sampling, tokenizer)
+    _check_inputs(prompt_ids, sampling, tokenizer, vision)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     G, max_new = sampling.num_generations, sampling.max_new_tokens
     B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
@@ -227,7 +235,9 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     pending: dict[int, list[int]] = {}  # row -> ids still to feed (continue_turn)
     with backend:
         # 1. prefill: each prompt once -> (B, V) logits after its last token
-        logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0))
+        # (with images: the vision tower encodes each prompt's images here, once, into the cache)
+        logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0),
+                                 **({} if vision is None else {"vision": prompt_inputs(vision)}))
         # 2. expand: each prompt's state becomes its G rows', with room for the whole completion
         backend.expand(G, P + max_new)
         logits = logits.repeat_interleave(G, dim=0)  # (A, V)
@@ -277,6 +287,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         is_truncated=~finished,
         linear_outputs=backend.linear_outputs,
         tool_mask=torch.stack(fed_masks, dim=1).long() if continue_turn is not None else None,
+        vision=None if vision is None else row_inputs(vision, G),
     )
 
 
@@ -293,9 +304,12 @@ def _prompt_batch(prompt_ids: list[list[int]], pad_token_id: int, G: int, max_ne
     return prompts, prompt_mask, attention, lengths.repeat_interleave(G)[:, None]
 
 
-def _check_inputs(prompt_ids: list[list[int]], sampling: SamplingConfig, tokenizer) -> None:
+def _check_inputs(prompt_ids: list[list[int]], sampling: SamplingConfig, tokenizer, vision) -> None:
     if not prompt_ids:
         raise ValueError("generate() got no prompts")
+    if vision is not None and len(vision) != len(prompt_ids):
+        raise ValueError(f"generate() got {len(vision)} prompts' images (vision=) for {len(prompt_ids)} prompts: "
+                         "give one dict per prompt ({} for a prompt without images)")
     for i, ids in enumerate(prompt_ids):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")

@@ -66,10 +66,13 @@ from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewa
 from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.forward.completions import completion_logprobs
 from posttrain.forward.logprobs import token_logprobs
+from posttrain.forward.vision import PIXELS, forward_inputs, has_images, row_part
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, generate
+from posttrain.rollout.images import (check_image_prompts, encode_image_prompts, has_image_prompts, load_policy,
+                                      text_tokenizer)
 from posttrain.rollout.multiturn import Tooling, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
@@ -162,8 +165,9 @@ class OnlineTrainer(BaseTrainer):
                                                    kwargs)
         seed_run(args)  # before any weights are made here (a LoRA adapter's, a critic's head), as BaseTrainer does
         init_kwargs = dict(args.model_init_kwargs or {})
-        policy = loading.load_causal_lm(model, **init_kwargs)
-        processing_class = loading.load_tokenizer(processing_class, model=model if isinstance(model, str) else policy)
+        # a vision-language model comes with its processor (rollout/images.py); a text-only one with its tokenizer
+        policy, processing_class, self.vision = load_policy(model, processing_class, train_dataset,
+                                                            type(self).__name__, init_kwargs)
         policy, wrapped = _prepare_policy(policy, args, peft_config, value_model, init_kwargs)
         if reward_funcs is None and args.reward_model_path:
             reward_funcs = [args.reward_model_path]
@@ -187,7 +191,10 @@ class OnlineTrainer(BaseTrainer):
         self._check_dataset(train_dataset, "train_dataset")
         for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if data is not None and not isinstance(data, dict) and not is_streamed(data):  # here, not at a step
-                check_prompts(data, processing_class, what)  # (a stream's prompts: when they are tokenised)
+                if self.vision:
+                    check_image_prompts(data, processing_class, what)
+                else:
+                    check_prompts(data, processing_class, what)  # (a stream's prompts: when they are tokenised)
         if args.total_episodes:  # before transformers asks a stream for max_steps; steps_per_generation
             per_generation = args.per_process_generation * args.world_size  # need not divide into accumulation
             args.max_steps = math.ceil(math.ceil(args.total_episodes / per_generation) * args.steps_per_generation
@@ -202,7 +209,7 @@ class OnlineTrainer(BaseTrainer):
         self.policy = policy
         self._positions = _positions(policy, args)
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
-                                          tokenizer=processing_class, device=self.accelerator.device,
+                                          tokenizer=text_tokenizer(processing_class), device=self.accelerator.device,
                                           timeout=args.reward_timeout)
         self.reward_processing_classes = reward_processing_classes  # as TRL's trainer exposes them
         if loading.shards_weights(self.accelerator):  # ZeRO-3 / FSDP2: reward models sharded like the policy
@@ -278,8 +285,16 @@ class OnlineTrainer(BaseTrainer):
 
     def _collate(self, rows: list[dict]) -> dict:
         """Prompts (as given, for reward functions), their token ids (left-cut to max_prompt_length), other columns."""
-        tok, limit = self.processing_class, self.args.max_prompt_length
-        if "prompt" in rows[0]:
+        tok, limit = text_tokenizer(self.processing_class), self.args.max_prompt_length
+        vision = None
+        if "prompt" in rows[0] and has_image_prompts(rows):  # image prompts: ids with the image tokens, and pixels
+            if self.tooling is not None:
+                raise ValueError("tools= / environment_factory= with image prompts are not supported yet: the tool "
+                                 "schemas and tool turns are rendered by the text chat template")
+            prompts = [row["prompt"] for row in rows]
+            prompt_ids, vision = encode_image_prompts(self.processing_class, rows, self.args.chat_template_kwargs,
+                                                      limit)
+        elif "prompt" in rows[0]:
             prompts = [row["prompt"] for row in rows]
             prompt_ids = [encode_prompt(tok, p, tools=self.tooling.schemas_for(row) if self.tooling else None,
                                         template_kwargs=self.args.chat_template_kwargs)
@@ -298,7 +313,9 @@ class OnlineTrainer(BaseTrainer):
                            "training goes past the positions the model was trained on; set max_prompt_length")
         skip = ("prompt", "input_ids", "attention_mask")
         columns = {key: [row[key] for row in rows] for key in rows[0] if key not in skip}
-        return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns}
+        if vision is None:
+            return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns}
+        return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns, "vision": vision}
 
     def get_train_dataloader(self):
         args = self.args
@@ -319,11 +336,13 @@ class OnlineTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ rollout
     def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None,
-                           continue_turn=None) -> Rollout:
+                           continue_turn=None, vision: list[dict] | None = None) -> Rollout:
         """Generate `num_generations` completions per prompt with the current policy. With the training
         sampling settings (`sampling` None) and `self.replays`, the rollout keeps the linear outputs.
-        continue_turn: a multi-turn rollout's `Episodes` (see `generate`)."""
-        tok = self.processing_class
+        continue_turn: a multi-turn rollout's `Episodes`; vision: image prompts' processor outputs (see `generate`)."""
+        tok = text_tokenizer(self.processing_class)
+        if self.vllm is not None and vision is not None:
+            raise ValueError("use_vllm=True does not take image prompts here: posttrain's sampler does (use_vllm=False)")
         if self.vllm is not None:
             if self.state.global_step != self._vllm_synced_step:  # the policy moved since vLLM's weights were set
                 from posttrain.rollout.vllm_engine import policy_weights
@@ -334,7 +353,7 @@ class OnlineTrainer(BaseTrainer):
             return self.vllm.generate(prompt_ids, sampling or self.sampling)
         return generate(self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
                         eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator,
-                        record_linears=self.replays and sampling is None, continue_turn=continue_turn)
+                        record_linears=self.replays and sampling is None, continue_turn=continue_turn, vision=vision)
 
     def roll_out(self, inputs: dict, prompts: list, columns: dict, sampling: SamplingConfig | None = None,
                  mode: str = "train"):
@@ -343,14 +362,15 @@ class OnlineTrainer(BaseTrainer):
         The user's `rollout_func(prompts, trainer)` when given (its extra fields join `columns`); else the
         sampler, multi-turn with tools or environments (each row's environment joins `columns` as
         `environments`, for `get_reward`)."""
-        tok = self.processing_class
+        tok = text_tokenizer(self.processing_class)
         if self.rollout_func is not None:
             rollout, extra = rollout_from_func(self.rollout_func(prompts, self), len(prompts), tok.pad_token_id,
                                                tok.eos_token_id)
             columns.update(extra)
             return rollout, None
+        vision = inputs.get("vision")
         if self.tooling is None:
-            return self.sample_completions(inputs["prompt_ids"], sampling), None
+            return self.sample_completions(inputs["prompt_ids"], sampling, vision=vision), None
         G = (sampling or self.sampling).num_generations
         episodes, environments, prompt_ids = self.tooling.episodes(tok, prompts, columns, G, self.args.max_prompt_length)
         if environments is not None:
@@ -389,7 +409,7 @@ class OnlineTrainer(BaseTrainer):
         episode's assistant turns, tool calls and tool results), token-id lists)."""
         lengths = rollout.completion_mask.sum(1).tolist()
         ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]
-        texts = self.processing_class.batch_decode(ids, skip_special_tokens=True)
+        texts = text_tokenizer(self.processing_class).batch_decode(ids, skip_special_tokens=True)
         if episodes is not None:
             return texts, episodes.completions(rollout), ids
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
@@ -421,7 +441,7 @@ class OnlineTrainer(BaseTrainer):
         device = acc.device
         batch = {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask,
                  "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
-                 "old_logp": rollout.logprobs.float()}
+                 "old_logp": rollout.logprobs.float(), **(rollout.vision or {})}  # image prompts: their rows' images
         batch = {k: v.to(device) for k, v in batch.items()}
         if self.vllm is not None:  # vLLM's log-probs are not the policy's: kept for the importance weights only
             batch["vllm_logp"] = batch["old_logp"]
@@ -535,13 +555,14 @@ class OnlineTrainer(BaseTrainer):
                 record = (self._replay, mb["rollout_row"], bool(mb.get("last_of_generation")))
             logp, entropy = completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                 mb["completion_mask"], self.args.temperature, with_entropy,
-                                                replay=record)
+                                                replay=record, vision=row_part(mb))
             return logp, entropy, None
         ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
         attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
         C = mb["completion_ids"].shape[1]
+        images = forward_inputs(mb, torch.arange(len(ids))) if has_images(mb) else {}  # each row's images
         logp, entropy, _, out = token_logprobs(model, ids, attention, num_scored=C, temperature=self.args.temperature,
-                                               with_entropy=with_entropy, return_outputs=True)
+                                               with_entropy=with_entropy, return_outputs=True, **images)
         values = out.value[:, -(C + 1):-1].float() if with_values else None
         return logp, entropy, values
 
@@ -615,7 +636,7 @@ class OnlineTrainer(BaseTrainer):
     # ------------------------------------------------------------------ metrics and samples
     def _record_rollout(self, g: dict, scores: Tensor, truncated: Tensor):
         mask = g["loss_mask"]
-        k, eos = self.args.num_generations, self.processing_class.eos_token_id
+        k, eos = self.args.num_generations, text_tokenizer(self.processing_class).eos_token_id
         groups = scores.view(-1, k)
         group_std = groups.std(1) if k > 1 else torch.zeros_like(groups[:, 0])
         metrics = {"reward": scores.mean(), "reward_std": group_std.mean() if k > 1 else scores.std(),
@@ -737,6 +758,7 @@ class OnlineTrainer(BaseTrainer):
         args, device = self.args, self.accelerator.device
         batch = {key: getattr(rollout, key).to(device)
                  for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        batch.update({key: v.to(device) for key, v in (rollout.vision or {}).items()})  # image prompts' images
         mask = batch["completion_mask"] * (1 - rollout.tool_mask.to(device) if rollout.tool_mask is not None else 1)
         logp = self._no_grad_forward(self.policy, batch)
         scores = scores.to(device).float()
@@ -862,7 +884,7 @@ def _trim(mb: dict, multiple: int | None = None) -> dict:
     for key, value in mb.items():
         if key.startswith("prompt"):
             out[key] = value[:, start:]
-        elif value.dim() == 2:
+        elif value.dim() == 2 and not key.startswith(PIXELS):  # (a row's images are not columns)
             out[key] = value[:, :width]
         else:
             out[key] = value
