@@ -126,7 +126,7 @@ def _num_scored(completion_mask: Tensor) -> int:
 
 
 def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
-                     paired: bool = False, per_forward: int | None = None):
+                     paired: bool = False, per_forward: int | None = None, model_inputs: dict | None = None):
     """Summed completion log-probs (N,), completion lengths (N,) and mean logits (N,) of [prompt | completion]
     rows (N, T), right-padded (the preference trainers' batches); the mean logits are detached.
 
@@ -140,17 +140,23 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
     uneven length then go through the model in groups of similar length (`length_groups`, `per_forward`
     = 16 tokens by default), so that less of the work is padding; on GPUs (`per_forward` None there) the
     batch stays whole.
+
+    model_inputs: what else the forward takes for these rows (a vision-language model's pixel_values,
+    image_grid_thw, ...); the rows then go through the model as they are, without pair packing (the image
+    tokens of a row must meet its image features in one sequence).
     """
     T, K = input_ids.shape[1], _num_scored(completion_mask)
+    model_inputs = model_inputs or {}
     head = plain_lm_head(model, input_ids)
-    if paired and head is not None and attention_kind(model) in ("sdpa", "eager"):
+    if paired and head is not None and attention_kind(model) in ("sdpa", "eager") and not model_inputs:
         return _paired_completion_logps(model, head, input_ids, attention_mask, completion_mask, per_forward)
     if head is None:
-        logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
+        logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True,
+                                          **model_inputs)
         with torch.no_grad():
             token_mean_logits = logits.mean(-1)  # (N, K)
     else:  # the model stops at its hidden states; the output layer is fused into the log-softmax
-        hidden = last_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask)
+        hidden = last_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask, **model_inputs)
         hidden = hidden[:, T - K - 1:T - 1]  # (N, K, H): position t scores token t + 1
         logps = linear_selective_log_softmax(hidden, head.weight, input_ids[:, T - K:])[0]
         with torch.no_grad():  # mean over the vocabulary of hidden @ W.T
@@ -189,14 +195,16 @@ def _paired_forward(model, head, input_ids: Tensor, attention_mask: Tensor, comp
     return sequence_logprobs(logps, mask), lengths, mean_logits.float()
 
 
-def completion_token_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor):
+def completion_token_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
+                           model_inputs: dict | None = None):
     """Per-token log-probs (N, K) of the last K columns (as `completion_logps` scores them), the
     completion mask of those columns (N, K) and the logits that scored them (N, K, V).
 
     For losses that weight tokens (LD-DPO) or read the whole next-token distribution (WPO); unlike
-    `completion_logps` it builds the (N, K, V) logits whole."""
+    `completion_logps` it builds the (N, K, V) logits whole. model_inputs: as for `completion_logps`."""
     T, K = input_ids.shape[1], _num_scored(completion_mask)
-    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
+    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True,
+                                      **(model_inputs or {}))
     return logps, completion_mask[:, T - K:], logits
 
 
