@@ -68,6 +68,7 @@ class SamplingConfig:
     num_generations: int = 1  # samples per prompt
     stop_token_ids: tuple[int, ...] = ()   # besides EOS
     stop_strings: tuple[str, ...] = ()     # decoded-text stops (needs the tokenizer)
+    suppress_token_ids: tuple[int, ...] = ()  # never sampled (a VLM's image tokens: no image stands behind them)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -85,6 +86,7 @@ class SamplingConfig:
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.suppress_token_ids = tuple(int(t) for t in self.suppress_token_ids)
         self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if any(not s for s in self.stop_strings):
             raise ValueError("stop_strings must not contain an empty string")
@@ -377,8 +379,11 @@ def _embeddable_pad(input_vocab_size: int | None, pad_token_id: int | None, eos:
 
 
 def _pick(scaled: Tensor, sampling: SamplingConfig, seen: Tensor | None, u: Tensor | None) -> Tensor:
-    """Each row's token from its (A, V) logits / temperature: the repetition penalty on the tokens `seen` (A, V),
-    then top-k / top-p / min-p, then inverse-CDF sampling with the uniforms u (A,); the argmax for greedy."""
+    """Each row's token from its (A, V) logits / temperature: the suppressed tokens out, the repetition penalty on
+    the tokens `seen` (A, V), then top-k / top-p / min-p, then inverse-CDF sampling with the uniforms u (A,); the
+    argmax for greedy."""
+    if sampling.suppress_token_ids:  # a filter like top-k: the log-probs stay those of the whole distribution
+        scaled = scaled.index_fill(-1, torch.tensor(sampling.suppress_token_ids, device=scaled.device), float("-inf"))
     if seen is not None:
         scaled = _penalise(scaled, seen, sampling.repetition_penalty)
     if not sampling.do_sample:

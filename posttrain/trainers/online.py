@@ -63,6 +63,7 @@ from posttrain.core.masked import (AGGREGATIONS, aggregate_loss, count_tokens, m
                                    top_quantile_mask)
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus, truncated_importance_weights
 from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewards
+from posttrain.data.multimodal import image_token_ids
 from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.forward.completions import completion_logprobs
 from posttrain.forward.logprobs import token_logprobs
@@ -90,6 +91,7 @@ def _prepare_policy(policy, args: OnlineConfig, peft_config, value_model, init_k
         disable_dropout(policy)
     if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
         policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
+    peft_config = BaseTrainer.vision_parts(policy, args, peft_config)  # a VLM: parts frozen, LoRA on its LM only
     policy = loading.apply_peft(policy, peft_config, args.gradient_checkpointing)
     if ADVANTAGES[args.advantage_estimator].critic:  # the critic trains with the policy, in one module
         critic = value_model if value_model is None else loading.load_sequence_classifier(
@@ -217,6 +219,9 @@ class OnlineTrainer(BaseTrainer):
                                         else f for f in self.reward_scorer.funcs]
         self._set_reference(ref_model, policy, args)
         self.sampling = _sampling_config(args)
+        if self.vision:  # an image token sampled into a completion would have no image for the training forward
+            self.sampling = dataclasses.replace(self.sampling, suppress_token_ids=tuple(sorted(
+                image_token_ids(processing_class))))
         self.vllm, self._vllm_synced_step = None, None  # with use_vllm: the engine, and the step its weights are of
         if args.use_vllm:
             from posttrain.rollout.vllm_engine import make_engine

@@ -114,3 +114,23 @@ def test_generate_refuses_images_for_a_different_number_of_prompts(vlm):
     ids, vision = encode_image_prompts(processor, rows(2))
     with pytest.raises(ValueError, match="got 1 prompts' images"):
         generate(model, ids, SamplingConfig(max_new_tokens=2), pad_token_id=0, eos_token_id=1, vision=vision[:1])
+
+
+def test_suppressed_tokens_are_never_sampled_and_log_probs_stay_the_whole_distributions(vlm):
+    model, processor = vlm
+    ids, vision = encode_image_prompts(processor, rows(2))
+    tok = processor.tokenizer
+
+    def sample(**kw):
+        return generate(model, ids, SamplingConfig(max_new_tokens=3, do_sample=False, **kw),
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, vision=vision)
+
+    free = sample()
+    first = tuple(sorted(set(free.completion_ids[:, 0].tolist())))
+    held = sample(suppress_token_ids=first)
+    assert not set(held.completion_ids[:, 0].tolist()) & set(first)
+    with torch.no_grad():  # the kept log-prob is under softmax(logits / T) over every token, as the trainer computes it
+        logp, _ = completion_logprobs(model, held.prompt_ids, held.prompt_mask, held.completion_ids,
+                                      held.completion_mask, vision=held.vision)
+    mask = held.completion_mask.bool()
+    torch.testing.assert_close(logp[mask], held.logprobs[mask], atol=1e-5, rtol=1e-5)
