@@ -237,6 +237,10 @@ def load_sequence_classifier(model, num_labels: int = 1, dtype=None, *, warn_unt
             return causal_lm_as_classifier(model, num_labels)
         check_num_labels(model, num_labels)
         return model
+    if is_vision_checkpoint(model):  # a vision-language model: its body under a score head (models/vision.py)
+        from posttrain.models.vision import load_vision_scorer
+
+        return load_vision_scorer(model, num_labels, dtype=_init_dtype(dtype, kwargs), **kwargs)
     from transformers import AutoModelForSequenceClassification
 
     loaded, info = _from_pretrained(AutoModelForSequenceClassification, model, _task="seq-cls", num_labels=num_labels,

@@ -68,3 +68,86 @@ def language_model_only_lora(peft_config, model):
         return peft_config
     pattern = "^(" + "|".join(p.replace(".", r"\.") for p in parts) + r")(\..*)?$"
     return dataclasses.replace(peft_config, exclude_modules=pattern)
+
+
+# --------------------------------------------------------------------------- a VLM with a score head
+
+def _scorer_class():
+    """VisionScorer, defined on first use (transformers is imported lazily)."""
+    global VisionScorer
+    if "VisionScorer" in globals():
+        return VisionScorer
+    import torch
+    from transformers import AutoModel, PreTrainedModel
+    from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+    class VisionScorer(PreTrainedModel):
+        """A vision-language model's body (vision tower, projector, language model: `AutoModel` of its config)
+        under a linear score head read at each row's last non-padding token: a reward model for image-text
+        rows, as `...ForSequenceClassification` is for text. Saved and loaded with `save_pretrained` /
+        `load_vision_scorer`; `config.num_labels` outputs."""
+
+        base_model_prefix = "model"
+        _supports_sdpa = True
+        _supports_attention_backend = True
+
+        def __init__(self, config, body=None):
+            super().__init__(config)
+            self.model = body if body is not None else AutoModel.from_config(config)
+            text = getattr(config, "text_config", config)
+            self.score = torch.nn.Linear(text.hidden_size, config.num_labels, bias=False)
+            self.post_init()
+
+        def get_input_embeddings(self):
+            return self.model.get_input_embeddings()
+
+        def forward(self, input_ids=None, attention_mask=None, output_hidden_states=None, **kwargs):
+            kwargs.pop("use_cache", None)
+            kwargs.pop("return_dict", None)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                             output_hidden_states=output_hidden_states, **kwargs)
+            scores = self.score(out.last_hidden_state)  # (B, T, num_labels)
+            pad = self.config.pad_token_id
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            real = input_ids != pad if pad is not None else torch.ones_like(input_ids, dtype=torch.bool)
+            last = (positions * real).argmax(-1)  # each row's last token that is not padding
+            return SequenceClassifierOutputWithPast(logits=scores[torch.arange(len(last)), last],
+                                                    hidden_states=out.hidden_states)
+
+    globals()["VisionScorer"] = VisionScorer
+    return VisionScorer
+
+
+def vision_scorer(model, num_labels: int = 1):
+    """`model` as a VisionScorer: a VisionScorer object as it is; a vision-language model (object) with its body
+    and a new score head of `num_labels` outputs (untrained: an UntrainedHeadWarning says so)."""
+    import copy
+    import warnings
+
+    from posttrain.models.loading import UntrainedHeadWarning
+
+    scorer_class = _scorer_class()
+    if isinstance(model, scorer_class):
+        return model
+    config = copy.deepcopy(model.config)
+    config.num_labels = num_labels
+    config.architectures = [scorer_class.__name__]
+    body = model.model if hasattr(model, "model") else model.get_base_model()
+    scorer = scorer_class(config, body=body).to(dtype=next(model.parameters()).dtype)
+    warnings.warn(f"posttrain: {getattr(config, '_name_or_path', '') or type(model).__name__!r} is trained as a "
+                  f"vision-language reward model: its body with a new, randomly initialised score head "
+                  f"({num_labels} output(s))", UntrainedHeadWarning, stacklevel=3)
+    return scorer
+
+
+def load_vision_scorer(path: str, num_labels: int = 1, **kwargs):
+    """A VisionScorer saved by `save_pretrained` (a trained vision reward model), or a vision-language checkpoint
+    given a new score head (`vision_scorer`)."""
+    from transformers import AutoConfig
+
+    from posttrain.models.loading import load_vision_lm, resolve
+
+    config = AutoConfig.from_pretrained(resolve(path))
+    if (config.architectures or [None])[0] == "VisionScorer":
+        return _scorer_class().from_pretrained(resolve(path), config=config, **kwargs)
+    return vision_scorer(load_vision_lm(path, **kwargs), num_labels)

@@ -385,7 +385,8 @@ class BaseTrainer(Trainer):
         self.processing_class_ = processing_class = loading.load_tokenizer(
             processing_class, model=model_name or model, trust_remote_code=init_kwargs.get("trust_remote_code", False))
         if model_kind != "causal-lm" and getattr(model.config, "pad_token_id", None) is None:
-            model.config.pad_token_id = processing_class.pad_token_id  # sequence scores read the last non-pad token
+            # sequence scores read the last non-pad token (a processor's tokenizer has the pad token)
+            model.config.pad_token_id = getattr(processing_class, "tokenizer", processing_class).pad_token_id
         if args.gradient_checkpointing and hasattr(model, "config"):
             model.config.use_cache = False
         self.tag_model(model)

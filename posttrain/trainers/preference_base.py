@@ -43,6 +43,7 @@ from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.forward.completions import completion_logps
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout, eval_mode
+from posttrain.models.vision import vision_scorer
 from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset,
                                      check_datasets, classic_arguments, errors_named, is_streamed,
                                      latest_checkpoint, map_datasets)
@@ -480,7 +481,12 @@ class PreferenceTrainer(BaseTrainer):
         self.vision = multimodal.vision_run(model, train_dataset, type(self).__name__)
         if self.vision:
             check_vision_pair_options(args, self.extra_completions)
-            model = loading.load_vision_lm(model, **(args.model_init_kwargs or {}))
+            if model_kind == "seq-cls":  # a reward model: the VLM's body under a score head
+                model = model if not isinstance(model, str) else loading.load_sequence_classifier(
+                    model, **(args.model_init_kwargs or {}))
+                model = vision_scorer(model)
+            else:
+                model = loading.load_vision_lm(model, **(args.model_init_kwargs or {}))
             tokenizer = loading.load_processor(processing_class, model=model, trust_remote_code=trust)
         else:
             tokenizer = loading.load_tokenizer(processing_class, model=model, trust_remote_code=trust)

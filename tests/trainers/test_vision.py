@@ -44,6 +44,37 @@ def processor():
     return loading.load_processor(None, VLM)
 
 
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory) -> str:
+    """Folder of a second architecture built from a config: a tiny Idefics3 (SmolVLM's family: SigLIP-style
+    tower, pixel-shuffle connector, Llama), whose processor surrounds each image's tokens with marker tokens
+    (<fake_token_around_image><global-img>...) that the chat template never wrote."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from posttrain.data.chat import vision_chat_template
+    from posttrain.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 32},
+                                       max_image_size={"longest_edge": 32})
+    proc = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
+                             chat_template=vision_chat_template("<image>"))
+    tok.chat_template = proc.chat_template
+    config = Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=192,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id),
+        image_token_id=proc.image_token_id, scale_factor=2, tie_word_embeddings=True, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("idefics3")
+    Idefics3ForConditionalGeneration(config).save_pretrained(folder)
+    proc.save_pretrained(folder)
+    return str(folder)
+
+
 # ------------------------------------------------------------------ the tiny VLM
 
 
@@ -238,3 +269,55 @@ def test_vision_sft_resumes_bit_identically_after_sigkill(tmp_path):
     resumed = vision_sft(**run_fields(tmp_path / "killed", 3, 2))
     resumed.train(resume_from_checkpoint=True)
     assert_same_run(resumed, expected_state, expected_logs, max_steps=3, stop_at=2)
+
+
+# ------------------------------------------------------------------ a second architecture
+
+
+def test_a_second_architecture_idefics3_trains_with_sft_dpo_and_kto(tmp_path, idefics3):
+    proc = loading.load_processor(None, idefics3)
+    data = vision_dataset("train", 8)
+    trainer = SFTTrainer(idefics3, args=SFTConfig(**fields(tmp_path)), train_dataset=data)
+    assert type(trainer.model).__name__ == "Idefics3ForConditionalGeneration"
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    targets = [proc.tokenizer.decode([t for t in row.tolist() if t != IGNORE_INDEX]) for row in batch["labels"]]
+    assert targets == [f"{data[i]['answer']}<|im_end|>\n" for i in range(2)]  # markers and image tokens untrained
+    assert "pixel_attention_mask" in batch["model_inputs"]
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed(before, trainer.model) == []
+    pairs = vision_preference_dataset("train", 8)
+    for trainer in (DPOTrainer(idefics3, args=DPOConfig(**fields(tmp_path)), train_dataset=pairs),
+                    KTOTrainer(idefics3, args=KTOConfig(**fields(tmp_path)), train_dataset=pairs)):
+        before = snapshot(trainer.model)
+        trainer.train()
+        assert changed(before, trainer.model) == []
+
+
+# ------------------------------------------------------------------ Reward
+
+
+def test_vision_reward_model_is_the_vlm_body_under_a_score_head_and_trains_every_parameter(tmp_path):
+    from posttrain.models.loading import UntrainedHeadWarning, load_sequence_classifier
+    from posttrain.trainers.reward import RewardConfig, RewardTrainer
+
+    pairs = vision_preference_dataset("train", 8)
+    with pytest.warns(UntrainedHeadWarning, match="new, randomly initialised score head"):
+        trainer = RewardTrainer(VLM, args=RewardConfig(**fields(tmp_path)), train_dataset=pairs)
+    model = trainer.model
+    assert type(model).__name__ == "VisionScorer" and model.config.num_labels == 1
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    with torch.no_grad():
+        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       **batch["model_inputs"]).logits
+        blind = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      pixel_values=torch.zeros_like(batch["model_inputs"]["pixel_values"])).logits
+    assert scores.shape == (4, 1) and not torch.allclose(scores, blind)  # the score reads the image
+    before = snapshot(model)
+    trainer.train()
+    assert changed(before, model) == []
+    assert [e for e in trainer.state.log_history if "accuracy" in e]
+    trainer.save_model(str(tmp_path / "rm"))
+    again = load_sequence_classifier(str(tmp_path / "rm"))
+    assert type(again).__name__ == "VisionScorer"
+    assert all(torch.equal(p, again.state_dict()[n]) for n, p in model.state_dict().items())
