@@ -27,6 +27,8 @@ Workloads (default: all but the long ones; --long adds those):
                TRL 1.16's trl.experimental (its batch counts prompts, posttrain's completions: 2 and 4)
   sft-long     SFT, batch 2, max_length 2048 (documents of 512-3072 tokens cut to 2048)       [--long]
   grpo-long    GRPO with completions of <= 256 tokens                                      [--long]
+  vlm_grpo     GRPO on the tiny vision-language model (posttrain/tiny-llava: LLaVA, 16 image tokens per 32x32
+               image) with the visual task's images: 2 prompts x 4 completions x <= 32 tokens per step, beta 0
   grpo_tools   multi-turn GRPO with a calculator tool (`tools=`): 2 prompts x 4 episodes x <= 3 tool turns,
                temperature 0.3, SmolLM2 fitted once to call it; vs_trl_tools_worker.py (details: its docstring)
   ppo          PPO, 8 prompts x <= 32 tokens per update, 2 PPO epochs x 2 mini-batches of 4, value and reward model
@@ -101,6 +103,10 @@ WORKLOADS = {
     "grpo-long": dict(trainer="grpo", data="prompts", unit="samples", long=True, config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=256, learning_rate=1e-6,
         temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
+    # vision-language: prompts with one image each (the visual task's, saved as PNG files the worker opens)
+    "vlm_grpo": dict(trainer="grpo", data="vision-prompts", unit="samples", model="vlm", config=dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
+        temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
     "grpo_tools": dict(trainer="grpo", data="tool-prompts", unit="samples", model="tools",
                        worker="vs_trl_tools_worker.py", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=256, max_tool_calling_iterations=3,
@@ -133,7 +139,7 @@ def prepare_models(cache: Path) -> dict[str, str]:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from posttrain.models.loading import smollm2_path
+    from posttrain.models.loading import resolve, smollm2_path
 
     causal = smollm2_path()
     seqcls = cache / "smollm2-135m-instruct-seqcls"
@@ -146,7 +152,8 @@ def prepare_models(cache: Path) -> dict[str, str]:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(seqcls)
-    return {"causal": str(causal), "seqcls": str(seqcls), "teacher": str(perturbed_teacher(cache, causal))}
+    return {"causal": str(causal), "seqcls": str(seqcls), "teacher": str(perturbed_teacher(cache, causal)),
+            "vlm": resolve("posttrain/tiny-llava")}
 
 
 def perturbed_teacher(cache: Path, causal) -> Path:
@@ -199,6 +206,36 @@ def pairs(n: int) -> list[dict]:
              "rejected": [{"role": "assistant", "content": text(rng.randint(2, 4))}]} for _ in range(n)]
 
 
+def vision_prompts(cache: Path, n: int = 64) -> list[dict]:
+    """Prompt rows of the visual task (`posttrain.tasks.vision`), each image saved once as a PNG file under `cache`
+    and named by its path in `images`: JSON holds no images, and both workers open the same files."""
+    from posttrain.tasks.vision import vision_dataset
+
+    folder = cache / "vision-images"
+    folder.mkdir(exist_ok=True)
+    rows = []
+    for i, row in enumerate(vision_dataset("train", n, seed=SEED)):
+        path = folder / f"{i}.png"
+        if not path.exists():
+            row["images"][0].save(path)
+        rows.append({"prompt": row["prompt"], "images": [str(path)]})
+    return rows
+
+
+def vision_prompt_tokens(model_dir: str, rows: list[dict]) -> float:
+    """Mean prompt length in tokens, each image's tokens included, as the model's processor makes them."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    lengths = []
+    for row in rows[:8]:
+        text = processor.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        images = [Image.open(p).convert("RGB") for p in row["images"]]
+        lengths.append(processor(text=[text], images=[images], return_tensors="pt")["input_ids"].shape[1])
+    return sum(lengths) / len(lengths)
+
+
 def prepare_data(cache: Path, model_dir: str) -> tuple[dict[str, str], dict[str, float]]:
     """Write every data set as JSON rows both workers read; return their paths and their mean lengths
     (tokens per SFT document and its attention context, tokens per preference sequence, per prompt)."""
@@ -210,7 +247,8 @@ def prepare_data(cache: Path, model_dir: str) -> tuple[dict[str, str], dict[str,
             "pairs": pairs(256),
             "prompts": [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 64,
             "messages": [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "Sure."}]}
-                         for p in PROMPTS] * 64}
+                         for p in PROMPTS] * 64,
+            "vision-prompts": vision_prompts(cache)}
     paths = {}
     for name, rows in sets.items():
         paths[name] = str(cache / f"{name}.json")
@@ -232,12 +270,14 @@ def prepare_data(cache: Path, model_dir: str) -> tuple[dict[str, str], dict[str,
     return paths, lengths
 
 
+
 def linear_params(model_dir: str) -> tuple[int, int, int, int]:
     """Weights that take part in a matrix product per token (every linear layer and the output layer),
     the output layer's share, the layer count and the attention width, from the model's config."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
+    c = getattr(c, "text_config", None) or c  # a vision-language model: its language model (the tower's are not counted)
     head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
@@ -467,6 +507,9 @@ def main():
 
         models["tools"], data["tool-prompts"], lengths["tool-prompts/tokens"] = vs_trl_tools_worker.prepare(
             cache, models["causal"])
+    if any(WORKLOADS[n].get("model") == "vlm" for n in names):  # prompt tokens with each image's tokens
+        lengths["vision-prompts/tokens"] = vision_prompt_tokens(models["vlm"], json.loads(Path(data["vision-prompts"])
+                                                                                          .read_text()))
     model_shape = linear_params(models["causal"])
     peak_before = matmul_peak(args.threads)
     load_before = os.getloadavg()[0]
@@ -535,7 +578,8 @@ def main():
             ok, note = same_work(workload, trl[0], ours[0])
             all_same &= ok
             completion = statistics.mean(r["completion_len"] or 0 for r in trl + ours)
-            flops = flops_per_item(workload, lengths, model_shape, completion)
+            shape = linear_params(models["vlm"]) if WORKLOADS[workload].get("model") == "vlm" else model_shape
+            flops = flops_per_item(workload, lengths, shape, completion)
             fraction = {c: med[c]["steady"] * flops / (peak * 1e9) for c in ("trl", column)}
             unit = WORKLOADS[workload]["unit"]
             peer = trl[0]["versions"].get("trl")  # the header names the first workload's TRL; PPO and BCO run 1.12

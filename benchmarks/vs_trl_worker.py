@@ -238,6 +238,10 @@ def main():
     side, kind, cfg = spec["side"], spec["trainer"], spec["config"]
     Config, Trainer = trainer_classes(side, kind)
     rows = json.load(open(spec["data"]))
+    if rows and "images" in rows[0]:  # vision rows name their images' files: both sides get the same PIL images
+        from PIL import Image
+
+        rows = [{**row, "images": [Image.open(path).convert("RGB") for path in row["images"]]} for row in rows]
     data = Dataset.from_list(rows)
     common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
                   save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False,

@@ -13,6 +13,8 @@ from tests.helpers.online import ONLINE_METRICS, online_args, train_and_check
 from tests.helpers.resume import (assert_resumes_identically, assert_same_run, killed_at_save, logged_numbers,
                                   run_fields, trained_state)
 
+from tests.trainers.test_vision import idefics3  # noqa: F401 (the second architecture, a fixture)
+
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
@@ -155,3 +157,21 @@ def test_cli_trains_the_tiny_vlm_on_the_visual_task(tmp_path, command):
                    "--report_to", "none", "--disable_tqdm", "true"])
     assert trainer.state.global_step == 1 and trainer.vision
     assert (tmp_path / "processor_config.json").exists()  # the processor is saved with the model
+
+
+def test_a_second_architecture_idefics3_trains_with_grpo(tmp_path, idefics3):
+    from posttrain.forward.completions import completion_logprobs
+
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, beta=0.1))
+    trainer = GRPOTrainer(idefics3, image_reward, args=args, train_dataset=image_prompts(8))
+    assert type(trainer.policy).__name__ == "Idefics3ForConditionalGeneration"
+    batch = trainer._collate([trainer.train_dataset[i] for i in range(2)])
+    assert batch["vision"][0]["pixel_values"].dim() == 5  # Idefics3's (1, images, 3, H, W) per prompt
+    rollout = trainer.sample_completions(batch["prompt_ids"], vision=batch["vision"])
+    with torch.no_grad():  # the sampler decoded from the image tokens the training forward sees
+        logp, _ = completion_logprobs(trainer.policy, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                      rollout.completion_mask, vision=rollout.vision)
+    mask = rollout.completion_mask.bool()
+    torch.testing.assert_close(logp[mask], rollout.logprobs[mask], atol=1e-5, rtol=1e-5)
+    freeze_unread(trainer)
+    train_and_check(trainer, reward_names=("image_reward",))
