@@ -277,7 +277,7 @@ def linear_params(model_dir: str) -> tuple[int, int, int, int]:
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
-    c = getattr(c, "text_config", None) or c  # a vision-language model: its language model (the tower's are not counted)
+    c = getattr(c, "text_config", None) or c  # a VLM: its language model (the vision tower is not counted)
     head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size

@@ -1,7 +1,8 @@
 """The demo's `vision` stage (`posttrain demo --stages vision`): the built-in tiny VLM on the visual task.
 
 SFT from the untrained model on the task's training images, then each later row from the SFT
-checkpoint: DPO on pairs of the right answer and a wrong answer of the same kind. Every row reports
+checkpoint: DPO on pairs of the right answer and a wrong answer of the same kind; GRPO sampling 8
+answers per image and rewarding the exact ones (`tasks.vision.vision_reward`). Every row reports
 greedy exact-match accuracy on held-out images (never seen in training, `tasks.vision`).
 
 A row is one function registered with `@vision_row(name)`: it takes the `VisionContext` (the plan,
@@ -17,7 +18,9 @@ from pathlib import Path
 
 VISION_MODEL = "posttrain/tiny-llava"
 # measured on the tiny VLM (docs/vision.md): steps, learning rate, batch size
-VISION_RECIPES = {"sft": dict(steps=300, lr=2e-3, batch=32), "dpo": dict(steps=100, lr=2e-4, batch=16, beta=0.1)}
+VISION_RECIPES = {"sft": dict(steps=300, lr=2e-3, batch=32), "dpo": dict(steps=100, lr=2e-4, batch=16, beta=0.1),
+                  # GRPO: batch counts completions, 8 prompts x 8 samples of at most 4 tokens (an answer and EOS)
+                  "grpo": dict(steps=30, lr=1e-4, batch=64, generations=8)}
 VISION_TRAIN, VISION_EVAL = 2000, 200
 
 
@@ -88,6 +91,20 @@ def run_vision_dpo(ctx: VisionContext):
     trainer = DPOTrainer(ctx.start, args=args, train_dataset=pairs, processing_class=ctx.processor)
     trainer.train()
     path = _finish(trainer, ctx, "dpo")
+    return path, ("held-out accuracy", ctx.start_acc, ctx.accuracy(trainer.model))
+
+
+@vision_row("grpo")
+def run_vision_grpo(ctx: VisionContext):
+    from posttrain.tasks.vision import vision_reward
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(**ctx.args("grpo", num_generations=VISION_RECIPES["grpo"]["generations"],
+                                 max_completion_length=4, temperature=1.0, beta=0.0, num_sample_generations=0))
+    trainer = GRPOTrainer(ctx.start, vision_reward, args=args, train_dataset=ctx.train.remove_columns("completion"),
+                          processing_class=ctx.processor)
+    trainer.train()
+    path = _finish(trainer, ctx, "grpo")
     return path, ("held-out accuracy", ctx.start_acc, ctx.accuracy(trainer.model))
 
 

@@ -25,6 +25,12 @@ depends only on the seed and the row. With sharded weights (FSDP, ZeRO-3) every 
 collective, so the processes decode in lock-step until all have stopped (`backends.decodes_in_lockstep`,
 `_keep_pace`); a rollout is the same as without it.
 
+Image prompts (a vision-language model, `generate(..., vision=...)`: per prompt, its processor's outputs
+besides the ids, {} for a prompt without images): the prefill takes each prompt's pixel values, so the
+vision tower encodes a prompt's images once whatever num_generations, the steps read the image tokens
+from the cache, and the rollout keeps each row's images (`Rollout.vision`, `forward/vision.py`) for the
+training forward. A VLM's image tokens are suppressed (`SamplingConfig.suppress_token_ids`).
+
 `forward.completions.completion_logprobs` is the teacher-forced counterpart the trainers use: the
 log-probs of given completions, computing each distinct prompt once per forward (with gradients under
 autograd). With `generate(..., record_linears=True)` the sampler also keeps every decoder layer's linear
@@ -211,17 +217,11 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     finishes) or the token ids to feed next (a tool result and the next assistant header). Those ids
     are fed one per step, as if sampled, so they go into the row's own KV cache after its earlier
     tokens (nothing is prefilled again) while the other rows go on decoding; `tool_mask` marks them.
-
-    vision: image prompts (a vision-language model): per prompt, its processor outputs besides the ids
-    (`pixel_values`, ...; {} for a prompt without images). The prefill takes them (the vision tower encodes
-    each prompt's images once, whatever num_generations), the decoding steps read the image tokens from
-    the cache, and the rollout keeps them per row (`Rollout.vision`) for the training forward.
     """
     _check_inputs(prompt_ids, sampling, tokenizer, vision)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    G, max_new = sampling.num_generations, sampling.max_new_tokens
-    B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-    N = B * G
+    G, max_new, B = sampling.num_generations, sampling.max_new_tokens, len(prompt_ids)
+    P, N = max(len(p) for p in prompt_ids), B * G
     backend = model if isinstance(model, SamplerBackend) else default_backend(
         model, (B, P, G, max_new) if record_linears else None)
     device = backend.device
@@ -237,7 +237,6 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     pending: dict[int, list[int]] = {}  # row -> ids still to feed (continue_turn)
     with backend:
         # 1. prefill: each prompt once -> (B, V) logits after its last token
-        # (with images: the vision tower encodes each prompt's images here, once, into the cache)
         logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0),
                                  **({} if vision is None else {"vision": prompt_inputs(vision)}))
         # 2. expand: each prompt's state becomes its G rows', with room for the whole completion

@@ -124,13 +124,15 @@ def _tooling(args: OnlineConfig, tools, environment_factory, reward_funcs, train
     return tooling, reward_funcs, train_dataset
 
 
-def _sampling_config(args: OnlineConfig) -> SamplingConfig:
-    """The sampler's settings from the config, `generation_kwargs` over the fields."""
+def _sampling_config(args: OnlineConfig, processor=None) -> SamplingConfig:
+    """The sampler's settings from the config, `generation_kwargs` over the fields. With a VLM's `processor`, its
+    image tokens are never sampled: a completion's image token would have no image for the training forward."""
     sampling = SamplingConfig(
         max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, num_generations=args.num_generations,
         stop_token_ids=tuple(args.stop_token_ids or ()), stop_strings=tuple(args.stop_strings or ()),
-        repetition_penalty=args.repetition_penalty)
+        repetition_penalty=args.repetition_penalty,
+        suppress_token_ids=tuple(sorted(image_token_ids(processor))) if processor is not None else ())
     if args.generation_kwargs:  # keys checked by the config; tuples where SamplingConfig keeps tuples
         sampling = dataclasses.replace(sampling, **{
             key: tuple(v) if key in ("stop_strings", "stop_token_ids") else v
@@ -167,7 +169,6 @@ class OnlineTrainer(BaseTrainer):
                                                    kwargs)
         seed_run(args)  # before any weights are made here (a LoRA adapter's, a critic's head), as BaseTrainer does
         init_kwargs = dict(args.model_init_kwargs or {})
-        # a vision-language model comes with its processor (rollout/images.py); a text-only one with its tokenizer
         policy, processing_class, self.vision = load_policy(model, processing_class, train_dataset,
                                                             type(self).__name__, init_kwargs)
         policy, wrapped = _prepare_policy(policy, args, peft_config, value_model, init_kwargs)
@@ -193,10 +194,7 @@ class OnlineTrainer(BaseTrainer):
         self._check_dataset(train_dataset, "train_dataset")
         for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if data is not None and not isinstance(data, dict) and not is_streamed(data):  # here, not at a step
-                if self.vision:
-                    check_image_prompts(data, processing_class, what)
-                else:
-                    check_prompts(data, processing_class, what)  # (a stream's prompts: when they are tokenised)
+                (check_image_prompts if self.vision else check_prompts)(data, processing_class, what)
         if args.total_episodes:  # before transformers asks a stream for max_steps; steps_per_generation
             per_generation = args.per_process_generation * args.world_size  # need not divide into accumulation
             args.max_steps = math.ceil(math.ceil(args.total_episodes / per_generation) * args.steps_per_generation
@@ -218,10 +216,7 @@ class OnlineTrainer(BaseTrainer):
             self.reward_scorer.funcs = [loading.prepare_frozen(self.accelerator, f) if isinstance(f, torch.nn.Module)
                                         else f for f in self.reward_scorer.funcs]
         self._set_reference(ref_model, policy, args)
-        self.sampling = _sampling_config(args)
-        if self.vision:  # an image token sampled into a completion would have no image for the training forward
-            self.sampling = dataclasses.replace(self.sampling, suppress_token_ids=tuple(sorted(
-                image_token_ids(processing_class))))
+        self.sampling = _sampling_config(args, processing_class if self.vision else None)
         self.vllm, self._vllm_synced_step = None, None  # with use_vllm: the engine, and the step its weights are of
         if args.use_vllm:
             from posttrain.rollout.vllm_engine import make_engine
