@@ -8,8 +8,9 @@ images (or image patches) along dim 0. Three places need them:
   prompt order (`prompt_inputs`), so the vision tower encodes each prompt's images once per group, and the
   KV cache the group's samples decode from already holds the image tokens;
 * the micro-batches of the online trainers: one row per completion, so each image tensor is kept per row,
-  padded along its image dim to the longest row, with each row's count (`row_inputs`); rows are indexed,
-  shuffled and checkpointed like the other per-row tensors. `IMAGE_GROUP` numbers the prompt of each row:
+  padded along its image dim to the longest row and given a trailing dim of 1 (never 2-D, so never taken
+  for completion columns when a micro-batch is trimmed), with each row's count (`row_inputs`); rows are
+  indexed, shuffled and checkpointed like the other per-row tensors. `IMAGE_GROUP` numbers the prompt of each row:
   two prompts with the same text but different images have the same token ids, so it is what tells the
   training forward which rows share a prompt;
 * the training forward (`forward.completions.completion_logprobs`): the images of the rows it computes, in
@@ -38,7 +39,7 @@ def prompt_inputs(per_prompt: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 
 def row_inputs(per_prompt: list[dict[str, Tensor]], group: int, first_group: int = 0) -> dict[str, Tensor]:
-    """The per-row tensors of `group` rows per prompt (prompt-major): for each key, (N, n_max, ...) padded with
+    """The per-row tensors of `group` rows per prompt (prompt-major): for each key, (N, n_max, ..., 1) padded with
     zeros along the image dim and its counts (N,); and `IMAGE_GROUP` (N,): first_group + the prompt's index."""
     rows: dict[str, Tensor] = {}
     for name in _names(per_prompt):
@@ -50,7 +51,7 @@ def row_inputs(per_prompt: list[dict[str, Tensor]], group: int, first_group: int
         for i, t in enumerate(parts):
             if t is not None:
                 padded[i, :len(t)], counts[i] = t, len(t)
-        rows[PIXELS + name] = padded.repeat_interleave(group, dim=0)
+        rows[PIXELS + name] = padded.repeat_interleave(group, dim=0)[..., None]
         rows[PIXELS + name + COUNT] = counts.repeat_interleave(group)
     rows[IMAGE_GROUP] = torch.arange(first_group, first_group + len(per_prompt)).repeat_interleave(group)
     return rows
@@ -79,7 +80,7 @@ def forward_inputs(rows: dict[str, Tensor], which: Tensor) -> dict[str, Tensor]:
         counts = rows[key + COUNT][which]
         picked = padded[which]  # (R, n_max, ...)
         keep = torch.arange(picked.shape[1], device=picked.device)[None] < counts.to(picked.device)[:, None]
-        out[key[len(PIXELS):]] = picked[keep]
+        out[key[len(PIXELS):]] = picked[keep][..., 0]
     return out
 
 

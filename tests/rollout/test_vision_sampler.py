@@ -102,7 +102,7 @@ def test_row_inputs_pad_and_forward_inputs_unpad():
     assert torch.equal(prompt_inputs([a, b])["pixel_values"], torch.cat([a["pixel_values"], b["pixel_values"]]))
     rows_ = row_inputs([a, b, {}], group=2, first_group=5)
     assert rows_[IMAGE_GROUP].tolist() == [5, 5, 6, 6, 7, 7]
-    assert rows_["pixels.pixel_values"].shape == (6, 2, 3)
+    assert rows_["pixels.pixel_values"].shape == (6, 2, 3, 1)  # a trailing 1: never 2-D, never trimmed as columns
     assert rows_["pixels.pixel_values.count"].tolist() == [2, 2, 1, 1, 0, 0]
     got = forward_inputs(rows_, torch.tensor([3, 0, 4]))  # prompt b, prompt a, the prompt without images
     assert torch.equal(got["pixel_values"], torch.cat([b["pixel_values"], a["pixel_values"]]))
