@@ -258,7 +258,11 @@ def main():
         return [len(c[-1]["content"] if isinstance(c, list) else c) / 100 for c in completions]
 
     if kind in ONLINE:
-        trainer = Trainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec["model"])  # TRL's OnlineDPOTrainer requires it
+        trainer = Trainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data,
+                          processing_class=tokenizer)
     else:
         from transformers import AutoTokenizer
 

@@ -7,6 +7,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+# a thread count that follows the machine's load would make bit-identity tests depend on it (accel/threads.py)
+os.environ.setdefault("POSTTRAIN_FIT_THREADS", "0")
 
 import pytest
 

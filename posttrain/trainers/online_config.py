@@ -232,6 +232,13 @@ class OnlineConfig(BaseConfig):
                                         "Used where the lean CPU decoding step runs (Llama/Qwen2-style float32 "
                                         "models), without dropout, mixed precision, torch_compile or gradient "
                                         "checkpointing."})
+    max_staleness: int = field(default=0, metadata={"help": "Asynchronous rollouts: how many optimizer steps old "
+                               "the policy that sampled a batch may be when the batch starts training. 0: the "
+                               "synchronous engine (sample, then train). With k > 0 the next generation batches "
+                               "(k / optimizer steps per generation batch of them) are sampled and scored in a "
+                               "background thread by a copy of the policy whose weights are published after each "
+                               "step, while the current batch trains; the ratio's old log-probs are the sampling "
+                               "policy's (trainers/online_async.py). One process, no vLLM, no streamed dataset."})
     local_rollout_forward_batch_size: int = field(default=64, metadata={"help": "Rows per no-grad forward "
                                                   "(reference log-probs, old values)."})
     total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (>= 1; sets "
@@ -283,6 +290,7 @@ class OnlineConfig(BaseConfig):
             self.policy_loss = wanted
         self._check_generation()
         self._check_algorithm()
+        self._check_staleness()
 
     def _check_batches(self):
         """Generation and micro-batch sizes fit together (steps_per_generation derived where unset)."""
@@ -341,6 +349,25 @@ class OnlineConfig(BaseConfig):
         for name in ("num_generations_eval", "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
+
+    def _check_staleness(self):
+        """max_staleness: a whole number of generation batches ahead, on the in-process sampler."""
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 optimizer steps (0: synchronous), got {self.max_staleness}")
+        if not self.max_staleness:
+            return
+        steps = max(self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps, 1)
+        if self.max_staleness < steps:
+            raise ValueError(f"max_staleness={self.max_staleness}: a generation batch sampled one batch ahead is "
+                             f"{steps} optimizer steps old when it starts training (steps_per_generation * "
+                             "num_iterations / gradient_accumulation_steps); set max_staleness >= "
+                             f"{steps}, or 0 for the synchronous engine")
+        if self.use_vllm:
+            raise ValueError("max_staleness > 0 samples with an in-process copy of the policy in a background thread; "
+                             "it does not drive vLLM yet: set use_vllm=False or max_staleness=0")
+        if self.world_size > 1:
+            raise ValueError(f"max_staleness > 0 runs on one process (the sampler's lock-step collectives would "
+                             f"interleave with training's); this run has {self.world_size}: set max_staleness=0")
 
     def _check_algorithm(self):
         """The registered estimator, loss, aggregation and KL estimator and their options; reference and update."""
