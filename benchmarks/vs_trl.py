@@ -27,12 +27,15 @@ Workloads (default: all but the long ones; --long adds those):
                TRL 1.16's trl.experimental (its batch counts prompts, posttrain's completions: 2 and 4)
   sft-long     SFT, batch 2, max_length 2048 (documents of 512-3072 tokens cut to 2048)       [--long]
   grpo-long    GRPO with completions of <= 256 tokens                                      [--long]
-  vlm_grpo     GRPO on the tiny vision-language model (posttrain/tiny-llava: LLaVA, 16 image tokens per 32x32
-               image) with the visual task's images: 2 prompts x 4 completions x <= 32 tokens per step, beta 0
   grpo_tools   multi-turn GRPO with a calculator tool (`tools=`): 2 prompts x 4 episodes x <= 3 tool turns,
                temperature 0.3, SmolLM2 fitted once to call it; vs_trl_tools_worker.py (details: its docstring)
   ppo          PPO, 8 prompts x <= 32 tokens per update, 2 PPO epochs x 2 mini-batches of 4, value and reward model
   bco          BCO (beta 0.1), batch 8 unpaired rows (4 pairs: chosen desirable, rejected undesirable), no UDM
+  vlm_grpo     GRPO on the same VLM and images (the visual task's prompts, one image each): 2 prompts x 4
+               completions x <= 32 tokens per step, beta 0; the generic worker, both sides given PIL images
+  vlm_sft      vision-language SFT: batch 4 rows of the visual task (one 64x64 image = 64 image tokens each) on a
+               LLaVA with SmolLM2's architecture and random weights; vs_trl_vlm_worker.py (details: its docstring).
+               Its FLOPs count the language model only (the 4-layer vision tower adds a little)
 TRL 1.16 no longer ships PPO and BCO: their TRL side is TRL 1.12.0's trl.experimental, in .bench-venv-trl112
 (`bash benchmarks/setup_trl112_env.sh`), run by vs_trl_experimental_worker.py (what it matches: its docstring).
 
@@ -103,10 +106,6 @@ WORKLOADS = {
     "grpo-long": dict(trainer="grpo", data="prompts", unit="samples", long=True, config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=256, learning_rate=1e-6,
         temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
-    # vision-language: prompts with one image each (the visual task's, saved as PNG files the worker opens)
-    "vlm_grpo": dict(trainer="grpo", data="vision-prompts", unit="samples", model="vlm", config=dict(
-        per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
-        temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
     "grpo_tools": dict(trainer="grpo", data="tool-prompts", unit="samples", model="tools",
                        worker="vs_trl_tools_worker.py", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=256, max_tool_calling_iterations=3,
@@ -124,6 +123,12 @@ WORKLOADS = {
     "gkd": dict(trainer="gkd", data="messages", unit="samples", worker="vs_trl_distill_worker.py",
                 config=dict(per_device_train_batch_size=8, max_new_tokens=32, learning_rate=1e-6, temperature=1.0,
                             lmbda=1.0, beta=0.5)),
+    # vision-language SFT: a LLaVA with SmolLM2's architecture, random weights (vs_trl_vlm_worker.prepare)
+    "vlm_grpo": dict(trainer="grpo", data="vlm-rows", unit="samples", model="vlm", config=dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
+        temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
+    "vlm_sft": dict(trainer="sft", data="vlm-rows", unit="tokens", model="vlm", worker="vs_trl_vlm_worker.py",
+                    config=dict(per_device_train_batch_size=4, max_length=None, learning_rate=1e-5)),
 }
 SIDES = ("trl", "posttrain")
 # The columns a run can have: the library each runs and the environment its worker gets on top of the run's.
@@ -139,7 +144,7 @@ def prepare_models(cache: Path) -> dict[str, str]:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from posttrain.models.loading import resolve, smollm2_path
+    from posttrain.models.loading import smollm2_path
 
     causal = smollm2_path()
     seqcls = cache / "smollm2-135m-instruct-seqcls"
@@ -152,8 +157,7 @@ def prepare_models(cache: Path) -> dict[str, str]:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(seqcls)
-    return {"causal": str(causal), "seqcls": str(seqcls), "teacher": str(perturbed_teacher(cache, causal)),
-            "vlm": resolve("posttrain/tiny-llava")}
+    return {"causal": str(causal), "seqcls": str(seqcls), "teacher": str(perturbed_teacher(cache, causal))}
 
 
 def perturbed_teacher(cache: Path, causal) -> Path:
@@ -206,24 +210,9 @@ def pairs(n: int) -> list[dict]:
              "rejected": [{"role": "assistant", "content": text(rng.randint(2, 4))}]} for _ in range(n)]
 
 
-def vision_prompts(cache: Path, n: int = 64) -> list[dict]:
-    """Prompt rows of the visual task (`posttrain.tasks.vision`), each image saved once as a PNG file under `cache`
-    and named by its path in `images`: JSON holds no images, and both workers open the same files."""
-    from posttrain.tasks.vision import vision_dataset
-
-    folder = cache / "vision-images"
-    folder.mkdir(exist_ok=True)
-    rows = []
-    for i, row in enumerate(vision_dataset("train", n, seed=SEED)):
-        path = folder / f"{i}.png"
-        if not path.exists():
-            row["images"][0].save(path)
-        rows.append({"prompt": row["prompt"], "images": [str(path)]})
-    return rows
-
-
 def vision_prompt_tokens(model_dir: str, rows: list[dict]) -> float:
-    """Mean prompt length in tokens, each image's tokens included, as the model's processor makes them."""
+    """Mean prompt length in tokens, each image's tokens included, as the model's processor makes them (the
+    online vision workloads' prompt length; the images are the rows' PNG files)."""
     from PIL import Image
     from transformers import AutoProcessor
 
@@ -247,8 +236,7 @@ def prepare_data(cache: Path, model_dir: str) -> tuple[dict[str, str], dict[str,
             "pairs": pairs(256),
             "prompts": [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * 64,
             "messages": [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "Sure."}]}
-                         for p in PROMPTS] * 64,
-            "vision-prompts": vision_prompts(cache)}
+                         for p in PROMPTS] * 64}
     paths = {}
     for name, rows in sets.items():
         paths[name] = str(cache / f"{name}.json")
@@ -270,14 +258,12 @@ def prepare_data(cache: Path, model_dir: str) -> tuple[dict[str, str], dict[str,
     return paths, lengths
 
 
-
 def linear_params(model_dir: str) -> tuple[int, int, int, int]:
     """Weights that take part in a matrix product per token (every linear layer and the output layer),
     the output layer's share, the layer count and the attention width, from the model's config."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
-    c = getattr(c, "text_config", None) or c  # a VLM: its language model (the vision tower is not counted)
     head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
@@ -507,9 +493,11 @@ def main():
 
         models["tools"], data["tool-prompts"], lengths["tool-prompts/tokens"] = vs_trl_tools_worker.prepare(
             cache, models["causal"])
-    if any(WORKLOADS[n].get("model") == "vlm" for n in names):  # prompt tokens with each image's tokens
-        lengths["vision-prompts/tokens"] = vision_prompt_tokens(models["vlm"], json.loads(Path(data["vision-prompts"])
-                                                                                          .read_text()))
+    if any(WORKLOADS[n].get("model") == "vlm" for n in names):  # the random-weight LLaVA and its rows, once (cached)
+        import vs_trl_vlm_worker
+
+        models["vlm"], data["vlm-rows"], lengths["vlm-rows/context"] = vs_trl_vlm_worker.prepare(cache, models["causal"])
+        lengths["vlm-rows/tokens"] = vision_prompt_tokens(models["vlm"], json.loads(Path(data["vlm-rows"]).read_text()))
     model_shape = linear_params(models["causal"])
     peak_before = matmul_peak(args.threads)
     load_before = os.getloadavg()[0]
@@ -578,8 +566,7 @@ def main():
             ok, note = same_work(workload, trl[0], ours[0])
             all_same &= ok
             completion = statistics.mean(r["completion_len"] or 0 for r in trl + ours)
-            shape = linear_params(models["vlm"]) if WORKLOADS[workload].get("model") == "vlm" else model_shape
-            flops = flops_per_item(workload, lengths, shape, completion)
+            flops = flops_per_item(workload, lengths, model_shape, completion)
             fraction = {c: med[c]["steady"] * flops / (peak * 1e9) for c in ("trl", column)}
             unit = WORKLOADS[workload]["unit"]
             peer = trl[0]["versions"].get("trl")  # the header names the first workload's TRL; PPO and BCO run 1.12

@@ -18,7 +18,8 @@ from pathlib import Path
 
 VISION_MODEL = "posttrain/tiny-llava"
 # measured on the tiny VLM (docs/vision.md): steps, learning rate, batch size
-VISION_RECIPES = {"sft": dict(steps=300, lr=2e-3, batch=32), "dpo": dict(steps=100, lr=2e-4, batch=16, beta=0.1),
+VISION_RECIPES = {"sft": dict(steps=300, lr=1e-3, batch=32),
+                  "dpo": dict(steps=100, lr=2e-4, batch=16, beta=0.1, rpo_alpha=1.0),
                   # GRPO: batch counts completions, 8 prompts x 8 samples of at most 4 tokens (an answer and EOS)
                   "grpo": dict(steps=30, lr=1e-4, batch=64, generations=8)}
 VISION_TRAIN, VISION_EVAL = 2000, 200
@@ -81,13 +82,36 @@ def run_vision_sft(ctx: VisionContext):
     return path, ("held-out accuracy", ctx.start_acc, ctx.accuracy(trainer.model))
 
 
+def own_mistake_pairs(ctx: VisionContext):
+    """Preference pairs on the training images: the right answer chosen; rejected, the SFT model's own greedy
+    answer where it is wrong (the mistakes DPO should unlearn), else a wrong answer of the same kind."""
+    import random
+
+    from datasets import Dataset
+
+    from posttrain.eval import vision_completions
+    from posttrain.models.loading import load_vision_lm
+    from posttrain.tasks.vision import ANSWERS, vision_check
+
+    rows, rng = list(ctx.train), random.Random(f"vision-pairs-{ctx.plan.seed}")
+    said = vision_completions(load_vision_lm(ctx.start), ctx.processor, [r["prompt"] for r in rows],
+                              [r["images"] for r in rows], max_new_tokens=4)
+    pairs = []
+    for row, text in zip(rows, said):
+        wrong = text.strip() if text.strip() and not vision_check(text, row["answer"]) else \
+            rng.choice([a for a in ANSWERS[row["kind"]] if a != row["answer"]])
+        pairs.append({"prompt": row["prompt"], "images": row["images"], "chosen": row["completion"],
+                      "rejected": [{"role": "assistant", "content": wrong}]})
+    return Dataset.from_list(pairs)
+
+
 @vision_row("dpo")
 def run_vision_dpo(ctx: VisionContext):
-    from posttrain.tasks.vision import vision_preference_dataset
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
-    pairs = vision_preference_dataset("train", VISION_TRAIN, seed=ctx.plan.seed)
-    args = DPOConfig(**ctx.args("dpo", beta=VISION_RECIPES["dpo"]["beta"]))
+    pairs = own_mistake_pairs(ctx)
+    recipe = VISION_RECIPES["dpo"]
+    args = DPOConfig(**ctx.args("dpo", beta=recipe["beta"], rpo_alpha=recipe["rpo_alpha"]))
     trainer = DPOTrainer(ctx.start, args=args, train_dataset=pairs, processing_class=ctx.processor)
     trainer.train()
     path = _finish(trainer, ctx, "dpo")

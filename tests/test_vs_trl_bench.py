@@ -311,19 +311,22 @@ def test_orpo_and_cpo_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch,
 
 def test_vlm_grpo_workload_runs_on_the_posttrain_side(tmp_path):
     """The posttrain side of vlm_grpo as vs_trl.py starts it (the worker in a fresh process, the workload's
-    configuration) on the tiny VLM and 8 of the bench's image prompts (PNG files the worker opens), for 2 steps;
-    the prompt length counts each image's 16 tokens, and the FLOP model reads the language model's config."""
+    configuration) on the tiny VLM and 8 rows of the visual task (PNG files the worker opens), for 2 steps; the
+    prompt length counts each image's 16 tokens."""
     import json
     import subprocess
     import sys
 
+    from posttrain.tasks.vision import vision_dataset
+
     spec = vs_trl.WORKLOADS["vlm_grpo"]
-    rows = vs_trl.vision_prompts(tmp_path, 8)
-    assert all(Path(p).exists() for row in rows for p in row["images"])
+    rows = []
+    for i, row in enumerate(vision_dataset("train", 8)):  # the rows vs_trl_vlm_worker.prepare writes
+        row["images"][0].save(tmp_path / f"{i}.png")
+        rows.append({"prompt": row["prompt"], "completion": row["completion"], "images": [str(tmp_path / f"{i}.png")]})
     (tmp_path / "data.json").write_text(json.dumps(rows))
     model = resolve("posttrain/tiny-llava")
-    assert vs_trl.vision_prompt_tokens(model, rows) > 16
-    assert vs_trl.linear_params(model)[2] == 2  # tiny-qwen2's two layers, the language model of the VLM
+    assert vs_trl.vision_prompt_tokens(model, rows) > 16  # each image's 16 tokens counted
     job = {"side": "posttrain", "workload": "vlm_grpo", "trainer": spec["trainer"],
            "config": {**spec["config"], "max_completion_length": 4, "gradient_checkpointing": False, "bf16": False},
            "model": model, "models": {}, "data": str(tmp_path / "data.json"), "seed": 0, "threads": 1, "steps": 2,

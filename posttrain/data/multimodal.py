@@ -29,7 +29,7 @@ CONVERSATION_COLUMNS = ("messages", "prompt", "completion", "chosen", "rejected"
 
 __all__ = ["IMAGE_COLUMNS", "VisionDataError", "prepare_multimodal_messages", "load_image", "row_images",
            "count_image_parts", "check_vision_row", "has_image_column", "image_column", "is_vision_model", "refuse_text_only",
-           "expand_mask", "encode_vision_batch", "prepare_vision_dataset", "vision_run"]
+           "expand_mask", "encode_vision_batch", "prepare_vision_dataset"]
 
 
 class VisionDataError(ValueError):
@@ -309,15 +309,3 @@ def prepare_vision_dataset(dataset, layout: str, name: str = "train"):
     for i, row in enumerate(dataset):
         check(row, i)
     return dataset.add_column("row_index", list(range(len(dataset))))
-
-
-def vision_run(model, dataset, trainer: str) -> bool:
-    """Whether a trainer trains `model` as a vision-language model: it is one (an object with a vision tower,
-    or a checkpoint whose config has one). A dataset with images and a text-only model is refused."""
-    from posttrain.models.loading import is_vision_checkpoint
-
-    vision = is_vision_checkpoint(model) if isinstance(model, str) else is_vision_model(model)
-    column = image_column(dataset) if dataset is not None else None
-    if not vision and column is not None:
-        refuse_text_only(model, trainer, column)
-    return vision

@@ -17,7 +17,21 @@ logger = logging.getLogger(__name__)
 VISION_TOWERS = ("vision_tower", "vision_model", "visual", "vision_encoder")
 PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector", "visual_projection")
 
-__all__ = ["vision_parts", "freeze_vision_parts", "language_model_only_lora"]
+__all__ = ["vision_parts", "freeze_vision_parts", "language_model_only_lora", "vision_run", "vision_scorer",
+           "load_vision_scorer"]
+
+
+def vision_run(model, dataset, trainer: str) -> bool:
+    """Whether a trainer trains `model` as a vision-language model: it is one (an object with a vision tower,
+    or a checkpoint whose config has one). A dataset with images and a text-only model is refused."""
+    from posttrain.data.multimodal import image_column, is_vision_model, refuse_text_only
+    from posttrain.models.loading import is_vision_checkpoint
+
+    vision = is_vision_checkpoint(model) if isinstance(model, str) else is_vision_model(model)
+    column = image_column(dataset) if dataset is not None else None
+    if not vision and column is not None:
+        refuse_text_only(model, trainer, column)
+    return vision
 
 
 def vision_parts(model, names: tuple[str, ...]) -> list[tuple[str, object]]:

@@ -43,7 +43,7 @@ from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.forward.completions import completion_logps
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout, eval_mode
-from posttrain.models.vision import vision_scorer
+from posttrain.models.vision import vision_run, vision_scorer
 from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset,
                                      check_datasets, classic_arguments, errors_named, is_streamed,
                                      latest_checkpoint, map_datasets)
@@ -478,7 +478,7 @@ class PreferenceTrainer(BaseTrainer):
                              "which a streamed dataset (IterableDataset) does not have; unset one of them")
         trust = (args.model_init_kwargs or {}).get("trust_remote_code", False)
         # a vision-language model (or a dataset with images, refused for a text-only model) takes the vision path
-        self.vision = multimodal.vision_run(model, train_dataset, type(self).__name__)
+        self.vision = vision_run(model, train_dataset, type(self).__name__)
         if self.vision:
             check_vision_pair_options(args, self.extra_completions)
             if model_kind == "seq-cls":  # a reward model: the VLM's body under a score head

@@ -74,6 +74,7 @@ from posttrain.forward.logprobs import attention_kind, linear_selective_log_soft
 from posttrain.models import loading
 from posttrain.models.modes import eval_mode
 from posttrain.models.offloading import OffloadActivations
+from posttrain.models.vision import vision_run
 from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, as_dataset, check_datasets,
                                      classic_arguments, errors_named, map_datasets, seed_run)
 
@@ -274,7 +275,7 @@ class SFTTrainer(BaseTrainer):
         init_kwargs = args.model_init_kwargs or {}
         trust = init_kwargs.get("trust_remote_code", False)
         # a vision-language model (or a dataset with images, refused for a text-only model) takes the vision path
-        self.vision = multimodal.vision_run(model, train_dataset, "SFTTrainer")
+        self.vision = vision_run(model, train_dataset, "SFTTrainer")
         if self.vision:
             check_vision_options(args, formatting_func)
             model = loading.load_vision_lm(model, **init_kwargs)

@@ -321,3 +321,21 @@ def test_vision_reward_model_is_the_vlm_body_under_a_score_head_and_trains_every
     again = load_sequence_classifier(str(tmp_path / "rm"))
     assert type(again).__name__ == "VisionScorer"
     assert all(torch.equal(p, again.state_dict()[n]) for n, p in model.state_dict().items())
+
+
+# ------------------------------------------------------------------ command line
+
+
+@pytest.mark.parametrize("command, dataset", [("sft", "vision"), ("dpo", "vision/preference"),
+                                              ("kto", "vision/unpaired_preference"), ("reward", "vision/preference")])
+def test_the_cli_trains_the_tiny_vlm_on_the_visual_task_and_saves_a_loadable_model(tmp_path, command, dataset):
+    from transformers import AutoConfig, AutoProcessor
+
+    from posttrain import cli
+
+    out = tmp_path / command
+    trainer = cli.run([command, "--model_name_or_path", VLM, "--dataset_name", dataset, "--output_dir", str(out),
+                       "--max_steps", "1", "--per_device_train_batch_size", "2", "--disable_tqdm", "true"])
+    assert trainer.state.global_step == 1 and trainer.vision
+    assert AutoConfig.from_pretrained(out).model_type == "llava"
+    assert type(AutoProcessor.from_pretrained(out)).__name__ == "LlavaProcessor"  # the processor is saved too
