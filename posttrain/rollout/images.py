@@ -18,9 +18,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from posttrain.data.multimodal import (IMAGE_COLUMNS, VisionDataError, check_vision_row, has_image_column,
-                                       prepare_multimodal_messages, row_images, vision_run)
+                                       prepare_multimodal_messages, row_images)
 from posttrain.data.tokenize import check_prompts
 from posttrain.models import loading
+from posttrain.models.vision import vision_run
 
 # processor outputs that are per token, not per image: the sampler and the packed forward place tokens
 # themselves, and the models the online path supports read the image tokens from the ids
@@ -35,7 +36,7 @@ def has_image_prompts(rows: list[dict]) -> bool:
 def load_policy(model, processing_class, dataset, trainer: str, init_kwargs: dict):
     """(policy, processing_class, whether it reads images): a vision-language model (an object with a vision
     tower, or a checkpoint whose config has one) with its processor, else a causal LM with its tokenizer; a
-    dataset with images for a text-only model is refused (`data.multimodal.vision_run`)."""
+    dataset with images for a text-only model is refused (`models.vision.vision_run`)."""
     if vision_run(model, dataset, trainer):
         policy = loading.load_vision_lm(model, **init_kwargs)
         return policy, loading.load_processor(processing_class, model=model if isinstance(model, str) else policy), True
