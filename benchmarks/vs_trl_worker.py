@@ -238,7 +238,8 @@ def main():
     side, kind, cfg = spec["side"], spec["trainer"], spec["config"]
     Config, Trainer = trainer_classes(side, kind)
     rows = json.load(open(spec["data"]))
-    if rows and "images" in rows[0]:  # vision rows name their images' files: both sides get the same PIL images
+    images = bool(rows) and "images" in rows[0]
+    if images:  # vision rows name their images' files: both sides get the same PIL images
         from PIL import Image
 
         rows = [{**row, "images": [Image.open(path).convert("RGB") for path in row["images"]]} for row in rows]
@@ -262,9 +263,10 @@ def main():
         return [len(c[-1]["content"] if isinstance(c, list) else c) / 100 for c in completions]
 
     if kind in ONLINE:
-        from transformers import AutoTokenizer
+        from transformers import AutoProcessor, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(spec["model"])  # TRL's OnlineDPOTrainer requires it
+        # TRL's OnlineDPOTrainer requires the tokenizer; a vision workload's model takes its processor
+        tokenizer = (AutoProcessor if images else AutoTokenizer).from_pretrained(spec["model"])
         trainer = Trainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data,
                           processing_class=tokenizer)
     else:
