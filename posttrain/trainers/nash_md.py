@@ -76,9 +76,11 @@ class NashMDTrainer(OnlineDPOTrainer):
         """This epoch's mixture coefficient (TRL's `trainer.mixture_coef`)."""
         return per_epoch(self.args.mixture_coef, self.state.epoch)
 
-    def sample_completions(self, prompt_ids, sampling=None, continue_turn=None):
+    def sample_completions(self, prompt_ids, sampling=None, continue_turn=None, vision=None):
         if sampling is not None:  # evaluation: the policy's own samples
-            return super().sample_completions(prompt_ids, sampling, continue_turn)
+            return super().sample_completions(prompt_ids, sampling, continue_turn, vision=vision)
+        if vision is not None:
+            raise ValueError(f"{type(self).__name__} samples text prompts only (its second sampler takes no images)")
         ref = self.ref_model if self.ref_model is not None else self.policy
         mixture = GeometricMixture(default_backend(self.policy), default_backend(ref), self.mixture_coef,
                                    ref_context=lambda: self.reference_context(self.ref_model))

@@ -81,9 +81,11 @@ class XPOTrainer(OnlineDPOTrainer):
         """This epoch's α (TRL's `trainer.alpha`)."""
         return per_epoch(self.args.alpha, self.state.epoch)
 
-    def sample_completions(self, prompt_ids, sampling=None, continue_turn=None):
+    def sample_completions(self, prompt_ids, sampling=None, continue_turn=None, vision=None):
         if sampling is not None:  # evaluation: the policy's own samples
-            return super().sample_completions(prompt_ids, sampling, continue_turn)
+            return super().sample_completions(prompt_ids, sampling, continue_turn, vision=vision)
+        if vision is not None:
+            raise ValueError(f"{type(self).__name__} samples text prompts only (its second sampler takes no images)")
         return self.sample_pair(prompt_ids, self.ref_model if self.ref_model is not None else self.policy)
 
     def pair_losses(self, pairs: Pairs, logp: Tensor, inputs: dict) -> tuple[Tensor, dict]:
