@@ -73,7 +73,7 @@ from posttrain.models import loading
 from posttrain.models.modes import disable_dropout
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, generate
-from posttrain.rollout.multiturn import Tooling, rollout_from_func
+from posttrain.rollout.multiturn import Tooling, engine_turns, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
@@ -112,6 +112,10 @@ def _tooling(args: OnlineConfig, tools, environment_factory, reward_funcs, train
     its class; without a train_dataset, the environments' reset() supplies the prompts."""
     if not tools and environment_factory is None:
         return None, reward_funcs, train_dataset
+    if args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
+        raise ValueError("tools= / environment_factory= with vLLM make one request per turn, and the processes "
+                         "sharing a colocated engine (vllm_tensor_parallel_size > 1) would make different numbers "
+                         "of them: use vllm_tensor_parallel_size=1 or vllm_mode='server'")
     tooling = Tooling(tools, environment_factory, max_iterations=args.max_tool_calling_iterations
                       if args.max_tool_calling_iterations is not None else 2 ** 31,
                       timeout=args.tool_call_timeout, max_call_chars=args.max_tool_call_chars,
@@ -182,9 +186,6 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         if rollout_func is not None and tooling is not None:
             raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
                              "rollout_func or tools= / environment_factory=, not both")
-        if args.use_vllm and (rollout_func is not None or tooling is not None):
-            raise ValueError("use_vllm=True generates single-turn completions with vLLM; it does not run rollout_func, "
-                             "tools= or environment_factory= (posttrain's sampler does): set use_vllm=False")
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
             raise ValueError("reward_funcs is required: reward functions, reward models, or model names "
                              "(or set reward_model_path, or give an environment_factory whose environments "
@@ -225,7 +226,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
             name = model if isinstance(model, str) else getattr(policy.config, "_name_or_path", None)
             extra = {k: v for k, v in (args.generation_kwargs or {}).items() if k not in GENERATION_KWARGS}
             self.vllm = make_engine(args, name, self.accelerator, processing_class.pad_token_id,
-                                    processing_class.eos_token_id, extra)
+                                    processing_class.eos_token_id, extra, policy=policy)
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
         self._shuffle = torch.Generator().manual_seed(args.seed + 1)
         self.loss_mode, self.global_denominator = args.loss_aggregation()
@@ -356,11 +357,12 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         background = getattr(self._sampling_thread, "model", None)  # the asynchronous sampler's copy, in its thread
         if self.vllm is not None:
             if self.state.global_step != self._vllm_synced_step:  # the policy moved since vLLM's weights were set
-                from posttrain.rollout.vllm_engine import policy_weights
-
-                self.vllm.load_weights(policy_weights(self.policy))
+                self.vllm.sync(self.policy)  # its weights, or its LoRA adapter alone (vllm_sync_strategy)
                 self.accelerator.wait_for_everyone()  # server mode: the main process sends for all
                 self._vllm_synced_step = self.state.global_step
+            if continue_turn is not None:  # tools, environments: one vLLM call per turn (multiturn.engine_turns)
+                return engine_turns(self.vllm.generate, prompt_ids, sampling or self.sampling, continue_turn,
+                                    tok.pad_token_id, tok.eos_token_id)
             return self.vllm.generate(prompt_ids, sampling or self.sampling)
         return generate(background or self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
                         eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator,

@@ -88,7 +88,9 @@ class OnlineConfig(BaseConfig):
                            "docs/sampler.md) instead of posttrain's sampler: in this process ('colocate') or on a "
                            "`trl vllm-serve` server ('server'), with the policy's weights synced before each "
                            "generation that follows an optimizer step. Needs vLLM and a CUDA GPU (refused "
-                           "otherwise); not with tools=, environment_factory= or rollout_func=."})
+                           "otherwise). With tools= / environment_factory=, each turn is one vLLM request (its "
+                           "prefix cache spares the re-sent context); a rollout_func generates through "
+                           "trainer.sample_completions."})
     vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' (vLLM in each training process, "
                            "sharing its GPU) or 'server' (a `trl vllm-serve` server)."})
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "Server mode: the server's URL "
@@ -99,6 +101,18 @@ class OnlineConfig(BaseConfig):
                                        "server to answer its health check."})
     vllm_group_port: int = field(default=51216, metadata={"help": "Server mode: the port of the NCCL group "
                                  "that carries the weights to the server."})
+    vllm_request_timeout: float | None = field(default=1800.0, metadata={"help": "Server mode: the deadline, in "
+                                               "seconds, of every request to the server (generation included), "
+                                               "of joining the weight-transfer group and of each weight "
+                                               "transfer; past it a TimeoutError names what hung (None: wait "
+                                               "forever). Collectives between training processes have "
+                                               "ddp_timeout."})
+    vllm_sync_strategy: str = field(default="weights", metadata={"help": "How the policy reaches vLLM: "
+                                    "'weights' (every tensor, a PEFT adapter merged in) or 'lora_adapter' (a "
+                                    "LoRA policy's adapter alone, saved under output_dir/vllm_adapter and "
+                                    "loaded by vLLM as a LoRA adapter: no merge, no NCCL; in server mode the "
+                                    "server must see that path and run with --enable-lora and "
+                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate mode: the share of GPU "
                                                "memory vLLM takes (weights and KV cache)."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate mode: processes per vLLM "
@@ -338,6 +352,12 @@ class OnlineConfig(BaseConfig):
         if self.vllm_importance_sampling_mode != "token_truncate":
             raise ValueError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: only "
                              "'token_truncate' is implemented (each token's weight min(ratio, clip_max))")
+        if self.vllm_request_timeout is not None and not self.vllm_request_timeout > 0:
+            raise ValueError(f"vllm_request_timeout must be > 0 seconds (or None: no deadline), got "
+                             f"{self.vllm_request_timeout}")
+        if self.vllm_sync_strategy not in ("weights", "lora_adapter"):
+            raise ValueError(f"vllm_sync_strategy={self.vllm_sync_strategy!r} is unknown; choose 'weights' or "
+                             "'lora_adapter'")
         from posttrain.rollout.vllm_engine import check_vllm
 
         check_vllm(self.vllm_mode, self.use_vllm)  # a known vllm_mode; with use_vllm, vLLM installed and a GPU
