@@ -529,6 +529,8 @@ def run(plan: DemoPlan) -> list[dict]:
     console = _console()
     Path(plan.output_dir).mkdir(parents=True, exist_ok=True)
     if set(plan.stages) <= {"vision", "tools"}:  # stages with models and tasks of their own: no text task to score
+        if plan.stages == ("vision",):  # the report's title names what was trained
+            plan.model, plan.task = "posttrain/tiny-llava", "the visual task"
         _opt_in_stages(plan, console)
         report(plan, console)
         return plan.results
