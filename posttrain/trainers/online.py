@@ -862,6 +862,8 @@ def _trim(mb: dict, multiple: int | None = None) -> dict:
     for key, value in mb.items():
         if key.startswith("prompt"):
             out[key] = value[:, start:]
+        elif key.startswith("teacher_prompt"):  # a teacher's own prompt (self-distillation): its own padding
+            out[key] = value
         elif value.dim() == 2:
             out[key] = value[:, :width]
         else:
