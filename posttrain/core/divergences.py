@@ -75,8 +75,10 @@ def register_divergence(name: str, *, support: str) -> Callable[[DivergenceFn], 
 
 def _kl(p_logp: Tensor, q_logp: Tensor) -> Tensor:
     """KL(p || q) per row of (R, K) log-probs; outcomes with p = 0 add nothing (0 log 0 = 0)."""
-    terms = p_logp.exp() * (p_logp - q_logp)
-    return torch.where(p_logp > -math.inf, terms, 0.0).sum(-1)
+    live = p_logp > -math.inf
+    # the empty outcomes' terms are made from 0s, not -inf: their 0 * nan would poison the gradient through where
+    p_logp, q_logp = torch.where(live, p_logp, 0.0), torch.where(live, q_logp, 0.0)
+    return torch.where(live, p_logp.exp() * (p_logp - q_logp), 0.0).sum(-1)
 
 
 @register_divergence("forward_kl", support="teacher")
@@ -100,7 +102,10 @@ def generalized_jsd(student_logp: Tensor, teacher_logp: Tensor, *, beta: float =
         return forward_kl(student_logp, teacher_logp)
     if beta == 1.0:
         return reverse_kl(student_logp, teacher_logp)
-    mixture = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log1p(-beta))
+    live = (teacher_logp > -math.inf) | (student_logp > -math.inf)  # an empty outcome of both: its log is -inf
+    mixture = torch.logaddexp(torch.where(live, teacher_logp, 0.0) + math.log(beta),
+                              torch.where(live, student_logp, 0.0) + math.log1p(-beta))
+    mixture = torch.where(live, mixture, -math.inf)  # (logaddexp(-inf, -inf)'s gradient is nan)
     return beta * _kl(teacher_logp, mixture) + (1.0 - beta) * _kl(student_logp, mixture)
 
 

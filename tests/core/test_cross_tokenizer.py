@@ -118,3 +118,15 @@ def test_sparse_teacher_divergence_is_the_dense_top1_divergence(beta):
     (g1,) = torch.autograd.grad(sparse.sum(), student)
     (g2,) = torch.autograd.grad(dense.sum(), student)
     assert torch.allclose(g1, g2, atol=1e-12) and math.isfinite(float(g1.abs().sum()))
+
+
+def test_renormalised_top_k_support_with_a_repeated_token_has_finite_gradients():
+    # the JSD's union support lists a token twice (an empty slot, -inf); renormalised (no tail bucket), the empty
+    # slot's 0 * log 0 terms must leave the gradient finite
+    g = torch.Generator().manual_seed(3)
+    student = torch.randn(2, 4, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = student.detach().clone()
+    teacher[..., 0] += 5.0  # the teacher's and the student's top-1 agree: the union holds a repeated token
+    loss = token_divergence(student, teacher, torch.ones(2, 4), beta=0.5, top_k=3, add_tail=False)
+    (grad,) = torch.autograd.grad(loss.sum(), student)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all() and grad.abs().sum() > 0
