@@ -1,6 +1,6 @@
 """GOLD between two tokenizers: a byte-level teacher distilled into the BPE tiny-qwen2 on the `reverse` task.
 
-    python examples/gold_cross_tokenizer.py [--teacher_steps 300] [--steps 150] [--output_dir gold-reverse]
+    python examples/gold_cross_tokenizer.py [--teacher_steps 300] [--steps 150] [--lmbda 0.5] [--output_dir DIR]
 
 1. A tiny Llama with a byte-level tokenizer (one token per byte: no token of the student's BPE merges) is
    trained by SFT on `reverse`: the teacher.
@@ -45,6 +45,7 @@ def main():
     parser.add_argument("--teacher_steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--output_dir", default="gold-reverse")
+    parser.add_argument("--lmbda", type=float, default=0.5, help="fraction of batches on the student's samples")
     args = parser.parse_args()
     train, test = task_dataset("reverse", "train"), task_dataset("reverse", "test", size=100)
     check = TASK_CHECKERS.get("reverse")  # None: exact match
@@ -67,7 +68,7 @@ def main():
     started = time.time()
     gold = GOLDTrainer("posttrain/tiny-qwen2", teacher_model=f"{args.output_dir}/teacher", train_dataset=train,
                        args=GOLDConfig(output_dir=f"{args.output_dir}/student", use_uld_loss=True,
-                                       uld_use_hybrid_loss=True, lmbda=0.5, beta=0.5, temperature=1.0,
+                                       uld_use_hybrid_loss=True, lmbda=args.lmbda, beta=0.5, temperature=1.0,
                                        max_steps=args.steps, per_device_train_batch_size=16,
                                        gradient_accumulation_steps=1, learning_rate=2e-3,
                                        lr_scheduler_type="constant", max_completion_length=8, logging_steps=25,
