@@ -154,9 +154,10 @@ def on_support(picked: Tensor, add_tail: bool) -> Tensor:
     (R, K' + 1) with a tail bucket holding the rest of the mass, log(1 - sum p)."""
     if not add_tail:
         return picked.log_softmax(-1)
-    # log(1 - sum p) computed as log(-expm1(logsumexp)) keeps precision when the support holds most of the mass
+    # log(1 - sum p) computed as log(-expm1(logsumexp)) keeps precision when the support holds most of the mass;
+    # the rest is clamped before the log (a support holding all of it: log 0, whose gradient 0 * inf is nan)
     total = torch.logsumexp(picked, -1, keepdim=True).clamp(max=0.0)
-    tail = torch.log(-torch.expm1(total)).clamp(min=-1e4 if picked.dtype == torch.float32 else -1e30)
+    tail = torch.log((-torch.expm1(total)).clamp(min=torch.finfo(picked.dtype).tiny))
     return torch.cat([picked, tail], -1)
 
 

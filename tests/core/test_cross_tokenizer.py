@@ -130,3 +130,15 @@ def test_renormalised_top_k_support_with_a_repeated_token_has_finite_gradients()
     loss = token_divergence(student, teacher, torch.ones(2, 4), beta=0.5, top_k=3, add_tail=False)
     (grad,) = torch.autograd.grad(loss.sum(), student)
     assert torch.isfinite(loss).all() and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_a_support_holding_all_the_mass_has_finite_gradients():
+    # the tail bucket of a support that holds every token is empty: log 0 must not reach the gradient
+    g = torch.Generator().manual_seed(4)
+    s = torch.randn(3, 5, generator=g, dtype=torch.float32, requires_grad=True)
+    t = torch.randn(3, 5, generator=g, dtype=torch.float32)
+    every = list(range(5))
+    loss = hybrid_uld(s.log_softmax(-1), t.log_softmax(-1), every, every, beta=0.5, matched_weight=0.7,
+                      unmatched_weight=0.3)
+    (grad,) = torch.autograd.grad(loss.sum(), s)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all() and grad.abs().sum() > 0

@@ -378,3 +378,17 @@ def test_sdft_needs_the_privileged_context_column(tmp_path):
     trainer = sdft(reverse(16).remove_columns(["completion"]), output_dir=str(tmp_path))
     with pytest.raises(ValueError, match="'privileged_context' column"):
         trainer.train()
+
+
+@pytest.mark.parametrize("command, trainer, extra", [
+    ("iw_opd", "IWOPDTrainer", ["--max_completion_length", "4"]),
+    ("gold", "GOLDTrainer", ["--max_completion_length", "4", "--use_uld_loss", "true", "--uld_use_hybrid_loss",
+                             "true", "--lmbda", "1.0"]),
+])
+def test_cli_commands_train(tmp_path, command, trainer, extra):
+    from posttrain import cli
+
+    run = cli.run([command, "--model_name_or_path", "posttrain/tiny-qwen2", "--teacher_model_name_or_path",
+                   "posttrain/tiny-llama", "--dataset_name", "reverse", "--output_dir", str(tmp_path / command),
+                   "--max_steps", "1", "--per_device_train_batch_size", "4", "--disable_tqdm", "true", *extra])
+    assert run.state.global_step == 1 and type(run).__name__ == trainer and run.teacher_model is not None
