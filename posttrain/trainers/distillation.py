@@ -361,6 +361,8 @@ class DistillationTrainer(OnlineTrainer):
             rollout = self.sample_completions(batch["prompt_ids"], sampling)
             mb = {key: getattr(rollout, key).to(acc.device) for key in ("prompt_ids", "prompt_mask", "completion_ids",
                                                                       "completion_mask")}
+            mb.update({key: value.to(acc.device) for key, value in
+                       self.teacher_inputs(batch, batch["prompt"], batch["columns"]).items()})
             mb["loss_mask"] = mb["completion_mask"]
             total += float(self.divergence(self.policy, mb).sum())
             tokens += float(mb["loss_mask"].sum())

@@ -6,6 +6,7 @@ and bad settings or a bad server get clear errors."""
 import base64
 import contextlib
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -392,3 +393,25 @@ def test_cli_commands_train(tmp_path, command, trainer, extra):
                    "posttrain/tiny-llama", "--dataset_name", "reverse", "--output_dir", str(tmp_path / command),
                    "--max_steps", "1", "--per_device_train_batch_size", "4", "--disable_tqdm", "true", *extra])
     assert run.state.global_step == 1 and type(run).__name__ == trainer and run.teacher_model is not None
+
+
+def test_evaluate(tmp_path):
+    """evaluate() of each new trainer: the student's samples of the eval prompts, the divergence to the teacher."""
+    trainers = [iwopd(output_dir=str(tmp_path / "iwopd")), gold(tmp_path, output_dir=str(tmp_path / "gold")),
+                sdft(output_dir=str(tmp_path / "sdft"))]
+    for trainer, data in zip(trainers, (reverse(4), reverse(4), with_context(4))):
+        metrics = trainer.evaluate(data)
+        assert math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] > 0, type(trainer).__name__
+        assert metrics["eval_completions/mean_length"] > 0
+
+
+def test_sdft_lora_student_with_the_adapter_disabled_model_as_teacher(tmp_path):
+    from peft import LoraConfig
+
+    from posttrain.trainers.sdft import SDFTConfig, SDFTTrainer
+
+    args = SDFTConfig(**{**online_args(tmp_path), "learning_rate": 1e-2, "num_generations": 2, "max_steps": 2})
+    trainer = SDFTTrainer("posttrain/tiny-qwen2", args=args, train_dataset=with_context(),
+                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert trainer.teacher_model is None  # the base weights, adapter off: no second copy
+    changed_everything(trainer)
