@@ -3,8 +3,9 @@
 Runs the same GRPO workload (tiny-qwen2 on the `reverse` task: `--steps` steps of 8 prompts x 8 samples,
 8 new tokens, from step 0) in a fresh process, once on the otherwise idle machine and once beside `--busy`
 processes that spin in a busy loop, each with posttrain's thread setup (`posttrain/accel/threads.py`: threads from
-the affinity mask and the cgroup quota, a short OpenMP spin) and with libgomp's defaults (OMP_NUM_THREADS =
-the CPUs, GOMP_SPINCOUNT 300,000: what runs did before). Reported per setting: the wall time and the CPU
+the affinity mask and the cgroup quota, a short OpenMP spin, the count fitted each step to the CPUs the other
+processes leave free), with that count fixed instead ("fixed count"), with libgomp's defaults
+(OMP_NUM_THREADS = the CPUs, GOMP_SPINCOUNT 300,000: what runs did before), and with one thread. Reported per setting: the wall time and the CPU
 time the workload used, its slowdown against the idle run, and the fair-share bound -- the slowdown of a
 process that loses only its share of the CPU: with T threads beside N busy loops on C CPUs it gets
 C * T / (T + N) CPUs, so the bound is max(1, (T + N) / C) for a workload that kept its T threads busy.
@@ -28,7 +29,9 @@ import time
 
 SETUPS = {  # name -> environment of the workload process
     "posttrain threads": {},
-    "libgomp defaults": {"POSTTRAIN_THREADS": "", "GOMP_SPINCOUNT": "300000"},
+    "fixed count": {"POSTTRAIN_FIT_THREADS": "0"},
+    "libgomp defaults": {"POSTTRAIN_THREADS": "", "POSTTRAIN_FIT_THREADS": "0", "GOMP_SPINCOUNT": "300000"},
+    "one thread": {"POSTTRAIN_THREADS": "1"},
 }
 
 

@@ -33,6 +33,22 @@ def trainer_classes(side: str, kind: str):
     return getattr(lib, f"{prefix}Config"), getattr(lib, f"{prefix}Trainer")
 
 
+# posttrain's options that TRL 1.16's DistillationConfig lacks, at the value that is TRL's fixed behaviour
+# (lmbda 1.0: every completion sampled by the student; loss_top_k 0: the divergence over the whole vocabulary)
+TRL_FIXED = {"lmbda": 1.0, "loss_top_k": 0}
+
+
+def trl_fields(Config, config: dict) -> dict:
+    """`config` without the keys TRL's `Config` has no field for, which must then hold TRL's fixed behaviour."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(Config)}
+    for key in set(config) - names:
+        if key not in TRL_FIXED or config[key] != TRL_FIXED[key]:
+            raise SystemExit(f"{Config.__name__} of TRL has no field {key!r}: the runs would not do the same work")
+    return {k: v for k, v in config.items() if k in names}
+
+
 def build(spec: dict):
     """(trainer, rows the teacher scored per call)."""
     import torch
@@ -43,7 +59,7 @@ def build(spec: dict):
     Config, Trainer = trainer_classes(side, kind)
     common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
                   save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False, use_cpu=True)
-    args = Config(**common, **spec["config"])
+    args = Config(**common, **trl_fields(Config, spec["config"]) if side == "trl" else spec["config"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     teacher = AutoModelForCausalLM.from_pretrained(spec["models"]["teacher"], dtype=torch.float32)
     if side == "posttrain":  # its one-row check that the output layer is plain, made here: not a sample

@@ -241,7 +241,7 @@ def main():
     data = Dataset.from_list(rows)
     common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
                   save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False,
-                  use_cpu=True)
+                  use_cpu=spec.get("use_cpu", True))  # gpu_check.py runs it on CUDA
     if kind == "online_dpo" and side == "posttrain":  # TRL's batch counts prompts (2 completions each), ours completions
         cfg = {**cfg, "per_device_train_batch_size": 2 * cfg["per_device_train_batch_size"]}
     args = Config(**common, **cfg)
@@ -258,7 +258,11 @@ def main():
         return [len(c[-1]["content"] if isinstance(c, list) else c) / 100 for c in completions]
 
     if kind in ONLINE:
-        trainer = Trainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec["model"])  # TRL's OnlineDPOTrainer requires it
+        trainer = Trainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data,
+                          processing_class=tokenizer)
     else:
         from transformers import AutoTokenizer
 
@@ -306,6 +310,8 @@ def main():
         "train_seconds": train_seconds, "sft_tokens": counts, "samples": samples,
         "completion_tokens": completion_tokens, "logs": clock.logs,
         "peak_rss_mib": peak_rss, "rss_before_train_mib": rss_before,
+        # on CUDA: the most memory torch's allocator held for tensors (model, optimizer, activations)
+        "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else None,
         "memory_breakdown": breakdown,
         "time_profile": timed.table if timed is not None else None,
         "op_times": op_times.table if op_times is not None else None,

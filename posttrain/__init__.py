@@ -38,6 +38,7 @@ _EXPORTS = {
     "GRPOWithReplayBufferConfig": "posttrain.trainers.grpo_replay_buffer",
     "GRPOWithReplayBufferTrainer": "posttrain.trainers.grpo_replay_buffer",
     "A2POConfig": "posttrain.trainers.a2po", "A2POTrainer": "posttrain.trainers.a2po",
+    "AsyncGRPOConfig": "posttrain.trainers.async_grpo", "AsyncGRPOTrainer": "posttrain.trainers.async_grpo",
     "PairwiseJudge": "posttrain.judges", "RewardModelJudge": "posttrain.judges",
     "OpenAIPairwiseJudge": "posttrain.judges", "WinRateCallback": "posttrain.callbacks", "win_rate": "posttrain.judges",
     "PlotCallback": "posttrain.callbacks", "generation_accuracy": "posttrain.eval",

@@ -48,7 +48,8 @@ def configured_env(env: dict) -> dict:
     code = ("import os, posttrain, torch; print(__import__('json').dumps({k: os.environ.get(k) for k in "
             "('OMP_NUM_THREADS', 'GOMP_SPINCOUNT')} | {'torch': torch.get_num_threads()}))")
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY",
-                                                              "POSTTRAIN_THREADS")}
+                                                              "POSTTRAIN_THREADS", "POSTTRAIN_SET_OMP_THREADS",
+                                                              "POSTTRAIN_USER_OMP_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                          timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -71,3 +72,53 @@ def test_the_decoding_kernels_share_torchs_openmp_runtime():
 
     runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+def test_running_tasks_are_read_from_proc(tmp_path):
+    (tmp_path / "stat").write_text("cpu  1 2 3\nprocs_running 5\nprocs_blocked 0\n")
+    assert threads.procs_running(str(tmp_path / "stat")) == 5
+    assert threads.procs_running(str(tmp_path / "missing")) is None
+    tasks = tmp_path / "task"
+    for tid, state in (("10", "R"), ("11", "S"), ("12", "R")):
+        (tasks / tid).mkdir(parents=True)
+        (tasks / tid / "stat").write_text(f"{tid} (py (worker) 1) {state} 1 2 3\n")  # a name with ") " in it
+    assert threads.own_running(str(tasks)) == 2
+
+
+def test_fit_threads_follows_the_median_of_the_last_looks(monkeypatch):
+    import torch
+
+    before = torch.get_num_threads()
+    looks = iter([0, 3, 3, 0, 0])
+    fit = threads.FitThreads(share=4, cpus=4, sample=lambda: next(looks))
+    try:
+        torch.set_num_threads(4)
+        assert fit.look() is None  # (0): 4 free, as now
+        assert fit.look() is None  # (0, 3): one busy look changes nothing
+        assert fit.look() == 1 and torch.get_num_threads() == 1  # (0, 3, 3): 3 others on 4 CPUs leave one
+        assert fit.look() is None  # (3, 3, 0)
+        assert fit.look() == 4 and torch.get_num_threads() == 4  # (3, 0, 0): the machine is free again
+        fit.sample = lambda: 9
+        fit.seen.clear()
+        assert fit.target() == 1  # never below one thread
+        fit.sample = lambda: None
+        assert fit.target() is None  # no reading: leave the count alone
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fit_threads_stays_off_where_the_count_is_fixed(monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_FIT_THREADS", "1")
+    monkeypatch.delenv("POSTTRAIN_THREADS", raising=False)
+    monkeypatch.delenv("POSTTRAIN_USER_OMP_THREADS", raising=False)
+    monkeypatch.setattr(threads, "procs_running", lambda: 3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert threads.FitThreads.wanted()
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # a slice of a larger machine: the host's count says nothing
+    assert not threads.FitThreads.wanted()
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for name, value in (("POSTTRAIN_FIT_THREADS", "0"), ("POSTTRAIN_THREADS", "2"), ("POSTTRAIN_USER_OMP_THREADS", "1")):
+        monkeypatch.setenv(name, value)
+        assert not threads.FitThreads.wanted(), name
+        monkeypatch.delenv(name)

@@ -21,13 +21,25 @@ The environment variables take effect only before torch is first imported (libgo
 loads): `import posttrain` and the `posttrain` command call `configure()` first; a program that imported
 torch earlier gets the thread count (torch.set_num_threads) but not the spin. POSTTRAIN_THREADS=N sets
 the thread count outright. `benchmarks/busy_machine.py` measures the effect.
+
+A fixed team is still too many when other processes keep cores busy: with two busy loops beside a 2-thread
+run on 2 CPUs, every parallel region waits for whichever thread the scheduler has parked, and a step took
+6-8x as long as alone, against 1.5x with one thread (busy_machine.py, tiny GRPO, 2-core Xeon). `FitThreads`
+therefore follows, once per optimizer step, the CPUs that other processes leave free: from the kernel's
+count of runnable tasks (/proc/stat `procs_running`) less this process's own running threads, the median
+of the last three looks, it sets torch's thread count to the free CPUs, between 1 and `cpu_share()`. It
+acts only where those counts mean this process's CPUs (Linux, an affinity mask of the whole machine), and
+not when the user fixed the count (OMP_NUM_THREADS, POSTTRAIN_THREADS) or set POSTTRAIN_FIT_THREADS=0.
+Float sums can depend on the thread count: for runs bit-identical whatever the load, fix the count.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
+from collections import deque
 
 SPIN_COUNT = "10000"  # libgomp spins before sleeping: about 10-50 µs, against libgomp's default 300,000
 
@@ -83,10 +95,14 @@ def configure() -> int:
     """Size posttrain's threads to `cpu_share()` and shorten the spin of waiting threads, leaving what the
     user set alone (see the module docstring); returns the thread count torch will use."""
     share = cpu_share()
-    user_threads = "OMP_NUM_THREADS" in os.environ
+    given = os.environ.get("OMP_NUM_THREADS")  # the user's, unless it is the value posttrain set (a child process)
+    user_threads = given is not None and given != os.environ.get("POSTTRAIN_SET_OMP_THREADS")
+    if user_threads:
+        os.environ["POSTTRAIN_USER_OMP_THREADS"] = "1"  # FitThreads leaves a count the user fixed alone
     if "torch" not in sys.modules:
         if not user_threads:
             os.environ["OMP_NUM_THREADS"] = str(share)
+            os.environ["POSTTRAIN_SET_OMP_THREADS"] = str(share)  # child processes: this count is not the user's
         if "OMP_WAIT_POLICY" not in os.environ:
             os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
         return int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else share
@@ -95,3 +111,66 @@ def configure() -> int:
     if not user_threads and torch.get_num_threads() > share:
         torch.set_num_threads(share)
     return torch.get_num_threads()
+
+
+def procs_running(stat: str = "/proc/stat") -> int | None:
+    """Tasks the kernel counts as runnable right now, over the whole machine; None where unknown."""
+    for line in (_read(stat) or "").splitlines():
+        if line.startswith("procs_running "):
+            return int(line.split()[1])
+    return None
+
+
+def own_running(tasks: str = "/proc/self/task") -> int:
+    """Threads of this process that are running or runnable (state R)."""
+    count = 0
+    for tid in os.listdir(tasks) if os.path.isdir(tasks) else ():
+        text = _read(os.path.join(tasks, tid, "stat")) or ""
+        count += text[text.rfind(")") + 2:text.rfind(")") + 3] == "R"  # the state follows "(comm) "
+    return count
+
+
+def others_running() -> int | None:
+    """Runnable tasks of other processes on this machine, or None where /proc cannot say."""
+    total = procs_running()
+    return None if total is None else max(0, total - own_running())
+
+
+class FitThreads:
+    """Torch's thread count fitted to the CPUs other processes leave free (see the module docstring).
+    `look()` is called once per optimizer step; `sample` gives the other processes' runnable tasks."""
+
+    def __init__(self, share: int | None = None, cpus: int | None = None, sample=others_running, window: int = 3):
+        self.share = share or cpu_share()
+        self.cpus = cpus or len(os.sched_getaffinity(0))
+        self.sample, self.seen = sample, deque(maxlen=window)
+
+    @staticmethod
+    def wanted() -> bool:
+        """Whether the count may follow the load: Linux, the whole machine in the affinity mask, and no
+        count fixed by the user."""
+        if os.environ.get("POSTTRAIN_FIT_THREADS", "1").strip() == "0":
+            return False
+        if os.environ.get("POSTTRAIN_THREADS", "").strip() or os.environ.get("POSTTRAIN_USER_OMP_THREADS"):
+            return False
+        return (hasattr(os, "sched_getaffinity") and procs_running() is not None
+                and len(os.sched_getaffinity(0)) == os.cpu_count())
+
+    def target(self) -> int | None:
+        """The thread count for the next step, from the median of the last looks; None: no reading."""
+        others = self.sample()
+        if others is None:
+            return None
+        self.seen.append(others)
+        free = self.cpus - statistics.median_low(self.seen)  # one odd look changes nothing
+        return max(1, min(self.share, free))
+
+    def look(self) -> int | None:
+        """Set torch's thread count to `target()` when it differs; returns the count set, or None."""
+        import torch
+
+        threads = self.target()
+        if threads is None or threads == torch.get_num_threads():
+            return None
+        torch.set_num_threads(threads)
+        return threads

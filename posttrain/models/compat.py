@@ -6,6 +6,11 @@
 * Activation checkpointing: `PreTrainedModel.is_gradient_checkpointing` and `gradient_checkpointing_enable`
   became `is_activation_checkpointing` and `activation_checkpointing_enable` (the old names warn, to be
   removed in v6).
+* Checkpoint rotation: later 5.x releases have a function `trainer_utils.rotate_checkpoints`; 5.0 has the
+  Trainer method `_rotate_checkpoints` only. `rotate_checkpoints` calls whichever exists.
+* `logits_to_keep` as a boolean mask over (batch, positions): later 5.x models slice with
+  `modeling_utils.slice_logits_to_keep`, which takes one; 5.0's index the positions only (an int or a 1-D
+  index). `logits_to_keep_takes_mask` says which.
 
 README.md ("Two commands on a fresh machine") gives the command that runs the tests against the oldest
 and the newest transformers in range.
@@ -62,3 +67,22 @@ def enable_activation_checkpointing(model, checkpoint_kwargs: dict | None = None
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs, **kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
+def rotate_checkpoints(trainer, run_dir: str) -> None:
+    """Delete `run_dir`'s older checkpoints beyond `save_total_limit`, keeping the newest and the best (by
+    modification time: posttrain renames each checkpoint into place when it is whole)."""
+    from transformers import trainer_utils
+
+    if hasattr(trainer_utils, "rotate_checkpoints"):
+        trainer_utils.rotate_checkpoints(run_dir, trainer.args.save_total_limit, trainer.state.best_model_checkpoint,
+                                         use_mtime=True)
+    else:  # transformers 5.0
+        trainer._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
+
+
+def logits_to_keep_takes_mask() -> bool:
+    """Whether the installed transformers' models take `logits_to_keep` as a (B, T) boolean mask."""
+    from transformers import modeling_utils
+
+    return hasattr(modeling_utils, "slice_logits_to_keep")

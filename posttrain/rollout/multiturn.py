@@ -15,6 +15,11 @@ factories (`environment_factory=`, TRL's protocol: a fresh instance per rollout,
 are its tools, `reset(**row)` before the rollout may return text for the last user message,
 `get_reward()` scores it). `rollout_from_func` turns a user `rollout_func`'s output into a `Rollout`.
 
+`engine_turns` runs the same episodes over an engine that samples whole completions and keeps no
+KV cache between calls (vLLM, colocated or behind a server): each turn is one call whose prompt is the
+row's prompt, its completion so far and the fed ids; the server's prefix cache is what spares
+recomputing them. With greedy decoding it gives the sampler's rollout token for token.
+
 Departure from TRL: the sampled tokens are kept as they are and the template's continuation is
 appended, rather than re-rendering the conversation; the two agree for templates that render a
 conversation as a prefix of its continuation (`continuation_ids` checks it).
@@ -22,6 +27,7 @@ conversation as a prefix of its continuation (`continuation_ids` checks it).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -32,7 +38,7 @@ from posttrain.data.tools import environment_tools, tool_schemas
 from posttrain.rollout.generate import Rollout
 from posttrain.rollout.tools import assistant_turn, parse_tool_calls, run_tool_calls, tools_by_name, was_truncated
 
-__all__ = ["Episodes", "Tooling", "rollout_from_func"]
+__all__ = ["Episodes", "Tooling", "engine_turns", "rollout_from_func"]
 
 
 class Episodes:
@@ -229,6 +235,58 @@ class Tooling:
         episodes = Episodes(tokenizer, prompts, tools, [self._schemas[k] for k in kinds], self.max_iterations,
                             self.timeout, self.max_call_chars, self.max_result_chars)
         return episodes, env_list, new_ids
+
+
+def engine_turns(generate_turn: Callable, prompt_ids: list[list[int]], sampling, continue_turn,
+                 pad_token_id: int, eos_token_id) -> Rollout:
+    """A multi-turn rollout (`continue_turn`: an `Episodes`) over an engine that samples whole completions.
+
+    generate_turn(prompt_ids, sampling) -> Rollout (as `vllm_engine` engines' `generate`). The first call
+    samples `num_generations` rows per prompt; then, while some row's turn ended with a stop,
+    `continue_turn(rows, tokens)` gives each such row the ids to feed (or None: it finishes), and every
+    row that goes on samples its next turn in one call (n=1) from prompt + completion + fed ids, with the
+    completion budget it has left. As in `generate`, fed ids count against `max_new_tokens`, take log-prob 0
+    and `tool_mask` 1, and a row whose budget runs out is truncated."""
+    max_new, G = sampling.max_new_tokens, sampling.num_generations
+    prompts = [list(p) for p in prompt_ids for _ in range(G)]
+    N = len(prompts)
+    ids, logps, fed = [[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)]
+    truncated = [False] * N
+
+    def take(rows: list[int], rollout: Rollout) -> list[int]:  # append each row's new turn; the rows that stopped
+        lengths = rollout.completion_mask.sum(1).tolist()
+        for j, i in enumerate(rows):
+            ids[i] += rollout.completion_ids[j, :lengths[j]].tolist()
+            logps[i] += rollout.logprobs[j, :lengths[j]].tolist()
+            fed[i] += [0] * lengths[j]
+            truncated[i] = bool(rollout.is_truncated[j])
+        return [i for i in rows if not truncated[i]]
+
+    ended = take(list(range(N)), generate_turn([list(p) for p in prompt_ids], sampling))
+    while ended:
+        going = []
+        for i, more in zip(ended, continue_turn(ended, [list(ids[i]) for i in ended])):
+            if not more:
+                continue
+            room = max_new - len(ids[i])
+            ids[i] += list(more[:room])
+            logps[i] += [0.0] * len(more[:room])
+            fed[i] += [1] * len(more[:room])
+            if len(more) >= room:  # no room left to sample: cut, as the sampler's length limit cuts
+                truncated[i] = True
+            else:
+                going.append(i)
+        ended = []
+        by_budget: dict[int, list[int]] = {}  # one call per budget: max_tokens is per request
+        for i in going:
+            by_budget.setdefault(max_new - len(ids[i]), []).append(i)
+        for budget, rows in by_budget.items():
+            turn = dataclasses.replace(sampling, num_generations=1, max_new_tokens=budget)
+            ended += take(rows, generate_turn([prompts[i] + ids[i] for i in rows], turn))
+    rollout, _ = rollout_from_func({"prompt_ids": prompts, "completion_ids": ids, "logprobs": logps, "tool_mask": fed},
+                                   N, pad_token_id, eos_token_id)
+    rollout.is_truncated = torch.tensor(truncated)
+    return rollout
 
 
 def rollout_from_func(output: Mapping, num_rows: int, pad_token_id: int, eos_token_id) -> tuple[Rollout, dict]:

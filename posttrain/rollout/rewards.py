@@ -19,7 +19,10 @@ Every reward must be a finite number no larger in magnitude than `REWARD_LIMIT` 
 which `PPOTrainer.step` also applies to the scores it is given). Async functions run
 concurrently with each other (one `asyncio.gather`, in a worker thread so that it also works
 under an already running event loop, e.g. a notebook) and with the sync functions and reward
-models, which run meanwhile in the calling thread.
+models. Sync functions each run in their own thread, all started together (when there are
+several, or with `timeout`), while reward models run in the calling thread; `timeout` (the
+trainer's `reward_timeout`) turns a call still running past it into a `RewardError` naming the
+function.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numbers
 import os
 import re
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -283,21 +287,28 @@ class RewardScorer:
         results: list = [None] * len(self.funcs)
         pending = {i: self._guard_async(i, self.funcs[i](*args, **kwargs))
                    for i, (args, kwargs) in calls.items() if _is_async(self.funcs[i])}
+        sync = [i for i in calls if i not in pending]
+        # several sync functions (or one beside reward models), or a timeout: each sync function in its own thread,
+        # all started together, so that I/O-bound ones (sandboxes, HTTP judges) wait at the same time
+        threaded = self.timeout is not None or len(sync) + len(self.funcs) - len(calls) > 1
         with ThreadPoolExecutor(max_workers=1) as pool:
             future = pool.submit(asyncio.run, self._gather(list(pending.values()))) if pending else None
-            late = {}  # awaitables returned by sync-looking callables (e.g. a lambda around an async function)
-            for i, func in enumerate(self.funcs):
-                if i in pending:
-                    continue
+            started = {i: self._start(i, *calls[i]) for i in sync if threaded and i not in self._main_thread_only}
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            outs = {}
+            for i in range(len(self.funcs)):  # meanwhile, in this thread: reward models and unthreaded functions
                 if i not in calls:
                     results[i] = self._score_model(i, prompts, completions)
-                    continue
-                args, kwargs = calls[i]
-                out = self._call(i, args, kwargs)
-                if inspect.isawaitable(out):
-                    late[i] = self._guard_async(i, out)
+                elif i in sync and i not in started:
+                    outs[i] = self._call(i, *calls[i])
+            for i, job in started.items():
+                outs[i] = self._join(i, job, deadline, calls[i])
+            late = {}  # awaitables returned by sync-looking callables (e.g. a lambda around an async function)
+            for i in sync:
+                if inspect.isawaitable(outs[i]):
+                    late[i] = self._guard_async(i, outs[i])
                 else:
-                    results[i] = out
+                    results[i] = outs[i]
             if future is not None:
                 results_async = future.result()
                 for i, out in zip(pending, results_async):
@@ -314,33 +325,46 @@ class RewardScorer:
             table, total = table.to(self.device), total.to(self.device)
         return table, total
 
-    def _call(self, i: int, args: tuple, kwargs: dict):
-        """Call sync reward function i; with a timeout, in a daemon thread that is given up on past it (Python
-        cannot stop a thread: a function stuck in a loop keeps it busy, but training ends with a clear error
-        instead of waiting forever)."""
+    def _start(self, i: int, args: tuple, kwargs: dict) -> tuple[threading.Thread, dict]:
+        """Sync reward function i started in a daemon thread: (the thread, the box its result or error goes in)."""
         box: dict[str, Any] = {}
 
         def target():
             try:
                 box["out"] = self.funcs[i](*args, **kwargs)
-            except Exception as err:  # noqa: BLE001 -- re-raised below, naming the function
+            except Exception as err:  # noqa: BLE001 -- re-raised by _join / _result, naming the function
                 box["error"] = err
 
-        if self.timeout is None or i in self._main_thread_only:
-            target()
-        else:
-            thread = threading.Thread(target=target, daemon=True, name=f"reward-{self.names[i]}")
-            thread.start()
-            thread.join(self.timeout)
-            if thread.is_alive():
-                raise RewardError(f"reward function {self.names[i]!r} did not return within {self.timeout:g} s "
-                                  "(reward_timeout): it hangs, or needs a larger reward_timeout")
-            err = box.get("error")
-            if isinstance(err, ValueError) and "main thread" in str(err):  # signal.alarm timeouts (math_verify)
-                warnings.warn(f"reward function {self.names[i]!r} needs the main thread (it uses signals), so it runs "
-                              "there without reward_timeout", stacklevel=2)
-                self._main_thread_only.add(i)
-                return self._call(i, args, kwargs)
+        thread = threading.Thread(target=target, daemon=True, name=f"reward-{self.names[i]}")
+        thread.start()
+        return thread, box
+
+    def _join(self, i: int, job: tuple[threading.Thread, dict], deadline: float | None, call: tuple):
+        """The result of a started function, given up on past the deadline (Python cannot stop a thread: a
+        function stuck in a loop keeps it busy, but training ends with a clear error instead of waiting forever)."""
+        thread, box = job
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            raise RewardError(f"reward function {self.names[i]!r} did not return within {self.timeout:g} s "
+                              "(reward_timeout): it hangs, or needs a larger reward_timeout")
+        err = box.get("error")
+        if isinstance(err, ValueError) and "main thread" in str(err):  # signal.alarm timeouts (math_verify)
+            warnings.warn(f"reward function {self.names[i]!r} needs the main thread (it uses signals), so it runs "
+                          "there, alone and without reward_timeout", stacklevel=2)
+            self._main_thread_only.add(i)
+            return self._call(i, *call)
+        return self._result(i, box)
+
+    def _call(self, i: int, args: tuple, kwargs: dict):
+        """Call sync reward function i in this thread."""
+        box: dict[str, Any] = {}
+        try:
+            box["out"] = self.funcs[i](*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 -- re-raised by _result, naming the function
+            box["error"] = err
+        return self._result(i, box)
+
+    def _result(self, i: int, box: dict):
         if "error" in box:
             err = box["error"]
             raise RewardError(f"reward function {self.names[i]!r} raised {type(err).__name__}: {err}") from err

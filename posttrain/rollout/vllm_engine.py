@@ -17,10 +17,18 @@ token's log-prob, as a `Rollout` (`to_rollout`).
   the tensors broadcast from this process as the last rank. Both use vLLM's `PyNcclCommunicator` on a
   `StatelessProcessGroup`, built by an injectable `communicator_factory`.
 
-What is synced and when: the trainer calls `load_weights(policy_weights(policy))` before a generation
-whenever an optimizer step has happened since the last one (and before the first): every tensor of
-the policy's state dict under its Hugging Face name, PEFT adapters merged in, sharded weights
-gathered. vLLM's log-probs are not the trainer's (other kernels, maybe another dtype): the trainer
+What is synced and when: the trainer calls the engine's `sync(policy)` before a generation whenever an
+optimizer step has happened since the last one (and before the first): by default `load_weights(policy_weights
+(policy))`, every tensor of the policy's state dict under its Hugging Face name, PEFT adapters merged in,
+sharded weights gathered; with `vllm_sync_strategy="lora_adapter"` the LoRA adapter alone, saved to a folder
+(`AdapterFolders`) that vLLM loads as a LoRA adapter (colocate: a `LoRARequest` on every generation; server:
+/v1/load_lora_adapter, then the adapter's name as the request's model). Multi-turn rollouts (tools,
+environments) call `generate` once per turn (`multiturn.engine_turns`).
+
+Deadlines (server mode): every HTTP request, the join of the NCCL group and each chunk's broadcast run under
+`vllm_request_timeout`; a server or worker that stops answering raises a TimeoutError naming the call.
+
+vLLM's log-probs are not the trainer's (other kernels, maybe another dtype): the trainer
 recomputes the behaviour log-probs with the policy where they are used and weights each token's
 policy loss by `core.policy_losses.truncated_importance_weights` (TRL's `vllm_importance_sampling_correction`).
 
@@ -145,6 +153,51 @@ def _hf_name(name: str, peft: bool) -> str | None:
     return name.replace(".modules_to_save.default.", ".")
 
 
+# LoRA ranks vLLM accepts as max_lora_rank
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank(policy) -> int:
+    """The `max_lora_rank` vLLM needs for this policy's adapter (`vllm_sync_strategy="lora_adapter"`); a
+    ValueError where the adapter cannot go to vLLM alone (no PEFT, not LoRA, DoRA, trained whole modules)."""
+    from posttrain.models.loading import is_peft_model
+
+    fix = "or set vllm_sync_strategy='weights' (the adapter merged into the weights sent)"
+    if not is_peft_model(policy):
+        raise ValueError(f"vllm_sync_strategy='lora_adapter' syncs a LoRA adapter, and this policy has none: give "
+                         f"peft_config=LoraConfig(...), {fix}")
+    config = policy.peft_config[policy.active_adapter]
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    if kind != "LORA" or getattr(config, "use_dora", False):
+        raise ValueError(f"vllm_sync_strategy='lora_adapter': vLLM loads plain LoRA adapters only, this one is "
+                         f"{kind}{' with DoRA' if getattr(config, 'use_dora', False) else ''}; {fix}")
+    if config.modules_to_save:
+        raise ValueError(f"vllm_sync_strategy='lora_adapter': modules_to_save={config.modules_to_save} are trained "
+                         f"whole, which a vLLM LoRA adapter cannot carry; {fix}")
+    rank = max([config.r, *(config.rank_pattern or {}).values()])
+    if rank > VLLM_LORA_RANKS[-1]:
+        raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}; {fix}")
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+class AdapterFolders:
+    """Where each sync's adapter is saved (`vllm_sync_strategy="lora_adapter"`): a new folder per sync,
+    `root/sync-K`, so vLLM never reads files being rewritten; the one before the previous is removed."""
+
+    def __init__(self, root: str):
+        self.root, self.count = os.path.abspath(root), 0
+
+    def save(self, policy) -> tuple[str, int, str]:
+        """(name, id >= 1, folder) of the adapter just saved (PEFT's adapter_config.json and weights)."""
+        import shutil
+
+        self.count += 1
+        folder = os.path.join(self.root, f"sync-{self.count}")
+        policy.save_pretrained(folder)  # a PeftModel saves its adapter only
+        shutil.rmtree(os.path.join(self.root, f"sync-{self.count - 2}"), ignore_errors=True)
+        return f"posttrain-policy-{self.count}", self.count, folder
+
+
 # ---------------------------------------------------------------- colocate
 
 class ColocateEngine:
@@ -154,7 +207,7 @@ class ColocateEngine:
     loaded by reference, never serialised."""
 
     def __init__(self, model: str, args, num_processes: int, process_index: int, pad_token_id: int, eos_token_id,
-                 extra_sampling: dict | None = None):
+                 extra_sampling: dict | None = None, lora_rank: int | None = None, adapter_root: str | None = None):
         import vllm
 
         tp = args.vllm_tensor_parallel_size
@@ -175,12 +228,16 @@ class ColocateEngine:
         max_len = args.vllm_max_model_length
         if max_len is None and args.max_prompt_length:
             max_len = args.max_prompt_length + args.max_completion_length
+        # lora_rank: the policy's LoRA adapter goes to vLLM alone, as a LoRA request, each process its own folder
+        lora = {} if lora_rank is None else {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1}
+        self.adapters = None if lora_rank is None else AdapterFolders(os.path.join(adapter_root, f"process-{process_index}"))
+        self.lora_request = None
         self.llm = vllm.LLM(model=model, tensor_parallel_size=tp, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                             enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
                             max_model_len=max_len, seed=args.seed + process_index // tp,
                             distributed_executor_backend="external_launcher",
                             # log-probs after temperature: the distribution the trainer's log-probs are taken under
-                            logprobs_mode="processed_logprobs")
+                            logprobs_mode="processed_logprobs", **lora)
         self.SamplingParams = vllm.SamplingParams
         self._sleep()
 
@@ -205,7 +262,9 @@ class ColocateEngine:
             prompt_ids = [ids for part in parts for ids in part]
         self._wake()
         params = self.SamplingParams(**sampling_fields(sampling, self.extra), logprobs=0)
-        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
+        lora = {} if self.lora_request is None else {"lora_request": self.lora_request}
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False,
+                                    **lora)
         self._sleep()
         if self.group is not None:
             outputs = outputs[offset:offset + mine]
@@ -221,6 +280,16 @@ class ColocateEngine:
             self.llm.apply_model(lambda model, item=(name, tensor): model.load_weights([item]))
         self.llm.reset_prefix_cache()
 
+    def sync(self, policy) -> None:
+        """The policy into vLLM: its weights, or (`vllm_sync_strategy="lora_adapter"`) its LoRA adapter alone,
+        saved and named in the LoRA request of the generations that follow (a new id: vLLM loads it afresh,
+        and its prefix cache keys blocks by adapter, so nothing computed with the old one is reused)."""
+        if self.adapters is None:
+            return self.load_weights(policy_weights(policy))
+        from vllm.lora.request import LoRARequest
+
+        self.lora_request = LoRARequest(*self.adapters.save(policy))
+
 
 # ---------------------------------------------------------------- server: HTTP plumbing both protocols share
 
@@ -232,8 +301,9 @@ class ServerError(RuntimeError):
         self.code = code
 
 
-def _http(base_url: str, path: str, payload: dict | None = None, method: str = "POST", timeout: float = 600.0):
-    """JSON over HTTP with the standard library; an error answer raises ServerError."""
+def _http(base_url: str, path: str, payload: dict | None = None, method: str = "POST", timeout: float | None = 1800.0):
+    """JSON over HTTP with the standard library; an error answer raises ServerError, a server silent for
+    `timeout` seconds a TimeoutError naming the endpoint."""
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(f"{base_url}{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json"})
@@ -243,6 +313,11 @@ def _http(base_url: str, path: str, payload: dict | None = None, method: str = "
     except urllib.error.HTTPError as e:
         raise ServerError(f"vLLM server {base_url}{path} answered {e.code}: "
                           f"{e.read().decode(errors='replace')[:500]}", e.code) from e
+    except (TimeoutError, urllib.error.URLError) as e:
+        if not isinstance(getattr(e, "reason", e), TimeoutError):
+            raise
+        raise TimeoutError(f"the vLLM server at {base_url} did not answer {method} {path} within "
+                           f"vllm_request_timeout={timeout} s: it or one of its workers is stuck or gone") from e
     return json.loads(body) if body else {}
 
 
@@ -281,7 +356,9 @@ def speaks_openai(base_url: str, timeout: float) -> bool:
 
 class _Background:
     """fn(*args) in a daemon thread: an HTTP request that the server answers only once the NCCL transfer it waits
-    for is done, so this process must run its side of the transfer meanwhile. `result()` waits and re-raises."""
+    for is done, so this process must run its side of the transfer meanwhile; or a transfer watched by a
+    deadline. `result(timeout, what)` waits (at most `timeout` seconds, then a TimeoutError naming `what`)
+    and re-raises."""
 
     def __init__(self, fn, *args):
         self._out: dict = {}
@@ -294,8 +371,11 @@ class _Background:
         except BaseException as e:  # re-raised in the caller's thread by result()
             self._out["error"] = e
 
-    def result(self):
-        self._thread.join()
+    def result(self, timeout: float | None = None, what: str = "a call to vLLM"):
+        self._thread.join(timeout)
+        if self._thread.is_alive():  # left running: a thread blocked in NCCL or a socket cannot be stopped
+            raise TimeoutError(f"{what} did not finish within vllm_request_timeout={timeout} s: the vLLM server or "
+                               "one of its workers is stuck or gone (nothing is retried; restart the server)")
         if "error" in self._out:
             raise self._out["error"]
         return self._out.get("value")
@@ -312,18 +392,41 @@ class _ServerClient:
     health_path = "/health"
 
     def __init__(self, base_url: str, timeout: float, group_port: int, pad_token_id: int, eos_token_id,
-                 is_main: bool = True, device=None, extra_sampling: dict | None = None, communicator_factory=None):
+                 is_main: bool = True, device=None, extra_sampling: dict | None = None, communicator_factory=None,
+                 request_timeout: float | None = 1800.0):
         self.base_url, self.group_port, self.device = base_url.rstrip("/"), group_port, device
+        self.request_timeout = request_timeout  # the deadline of every request, group join and transfer
         self.pad_token_id, self.eos_token_id, self.is_main = pad_token_id, eos_token_id, is_main
         self.extra, self.communicator_factory = dict(extra_sampling or {}), communicator_factory or nccl_communicator
         self.communicator = None
+        self.adapters, self.adapter_name = None, None  # vllm_sync_strategy="lora_adapter" (ServerEngine)
         self.wait_until_healthy(timeout)
 
-    def _request(self, path: str, payload: dict | None = None, method: str = "POST", timeout: float = 600.0):
-        return _http(self.base_url, path, payload, method, timeout)
+    def _request(self, path: str, payload: dict | None = None, method: str = "POST", timeout: float | None = None):
+        return _http(self.base_url, path, payload, method, timeout or self.request_timeout)
+
+    def _within(self, what: str, fn, *args):
+        """fn(*args) under the deadline (NCCL calls and joins block without one of their own)."""
+        return _Background(fn, *args).result(self.request_timeout, what)
+
+    def _broadcast(self, tensors: list[Tensor], src: int, barrier: bool = False) -> None:
+        for tensor in tensors:  # NCCL sends numel elements from data_ptr(): a view must be made contiguous
+            tensor = tensor.contiguous()
+            self.communicator.broadcast(tensor, src=src)
+            if tensor.is_cuda:  # NCCL returns once the transfer is queued: wait for it here, under the deadline
+                torch.cuda.current_stream(tensor.device).synchronize()
+        if barrier:
+            self.communicator.group.barrier()
 
     def wait_until_healthy(self, timeout: float) -> None:
         _wait_for(self.base_url, self.health_path, timeout)
+
+    def sync(self, policy) -> None:
+        """The policy to the server: every weight, or (`vllm_sync_strategy="lora_adapter"`, ServerEngine) its
+        LoRA adapter alone (`load_adapter`)."""
+        if self.adapters is None:
+            return self.load_weights(policy_weights(policy))
+        self.load_adapter(policy)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Send every weight (main process only; the others must still iterate `weights`, which may gather
@@ -357,14 +460,30 @@ class ServerEngine(_ServerClient):
     loaded; then /finish_weight_update and /reset_prefix_cache. The tensors go unpacked (no `packed` field is
     sent), which every vLLM with these endpoints reads the same way."""
 
-    def __init__(self, *args, weight_chunk_bytes: int = WEIGHT_CHUNK_BYTES, **kwargs):
+    def __init__(self, *args, weight_chunk_bytes: int = WEIGHT_CHUNK_BYTES, adapter_root: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.chunk_bytes = weight_chunk_bytes
         self.model = self._request("/v1/models", method="GET")["data"][0]["id"]
+        self.adapters = None if adapter_root is None else AdapterFolders(adapter_root)
+
+    def load_adapter(self, policy) -> None:
+        """`vllm_sync_strategy="lora_adapter"`: the main process saves the policy's LoRA adapter (a new folder
+        each time, which the server must see), POST /v1/load_lora_adapter loads it under a new name, generations
+        name it as their model, and the previous adapter is unloaded. Every process then generates with it."""
+        names = [None]
+        if self.is_main:
+            name, _, folder = self.adapters.save(policy)
+            self._request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder})
+            if self.adapter_name is not None:
+                self._request("/v1/unload_lora_adapter", {"lora_name": self.adapter_name})
+            names = [name]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(names, src=0)  # the other processes generate with it too
+        self.adapter_name = names[0]
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Rollout:
         n = sampling.num_generations
-        request = {"model": self.model, "prompt": [list(ids) for ids in prompt_ids],
+        request = {"model": self.adapter_name or self.model, "prompt": [list(ids) for ids in prompt_ids],
                    **sampling_fields(sampling, self.extra), "logprobs": 0, "return_token_ids": True}
         choices = sorted(self._request("/v1/completions", request)["choices"], key=lambda c: c["index"])
         if len(choices) != n * len(prompt_ids):
@@ -402,9 +521,11 @@ class ServerEngine(_ServerClient):
                      "master_port": self.group_port, "rank_offset": 1, "world_size": world_size}
         # the server answers once its workers have joined the group, so this process joins meanwhile
         answer = _Background(self._request, "/init_weight_transfer_engine", {"init_info": init_info})
-        self.communicator = self.communicator_factory(init_info["master_address"], self.group_port, 0, world_size,
-                                                      self.device)
-        answer.result()
+        self.communicator = self._within(
+            f"joining the NCCL weight-transfer group at {init_info['master_address']}:{self.group_port} with the "
+            "server's workers", self.communicator_factory, init_info["master_address"], self.group_port, 0,
+            world_size, self.device)
+        answer.result(self.request_timeout, f"POST {self.base_url}/init_weight_transfer_engine")
 
     def _send_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         if self.communicator is None:
@@ -427,9 +548,9 @@ class ServerEngine(_ServerClient):
                        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
                        "shapes": [list(t.shape) for _, t in chunk]}
         answer = _Background(self._request, "/update_weights", {"update_info": update_info})
-        for _, tensor in chunk:  # NCCL sends numel elements from data_ptr(): a view must be made contiguous
-            self.communicator.broadcast(tensor.contiguous(), src=0)
-        answer.result()
+        self._within(f"broadcasting {len(chunk)} weights ({chunk[0][0]} ...) to the server's workers",
+                     self._broadcast, [t for _, t in chunk], 0)
+        answer.result(self.request_timeout, f"POST {self.base_url}/update_weights")
 
     def close(self) -> None:
         """Drop the weight-transfer group (the protocol has no endpoint to close it)."""
@@ -490,7 +611,9 @@ class LegacyServerEngine(_ServerClient):
             payload["client_device_uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
         self._request("/init_communicator/", payload)
         host = urllib.parse.urlparse(self.base_url).hostname
-        self.communicator = self.communicator_factory(host, self.group_port, self.rank, world_size, self.device)
+        self.communicator = self._within(f"joining the NCCL weight-update group at {host}:{self.group_port} with the "
+                                         "server's workers", self.communicator_factory, host, self.group_port,
+                                         self.rank, world_size, self.device)
 
     def _send_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         if self.communicator is None:
@@ -498,8 +621,7 @@ class LegacyServerEngine(_ServerClient):
         for name, tensor in weights:
             self._request("/update_named_param/", {"name": name, "dtype": str(tensor.dtype),
                                                    "shape": list(tensor.shape)})
-            self.communicator.broadcast(tensor, src=self.rank)
-            self.communicator.group.barrier()
+            self._within(f"broadcasting {name} to the server's workers", self._broadcast, [tensor], self.rank, True)
         self._request("/reset_prefix_cache/")
 
     def close(self) -> None:
@@ -522,9 +644,18 @@ def nccl_communicator(host: str, port: int, rank: int, world_size: int, device):
     return PyNcclCommunicator(group, device=device)
 
 
-def make_engine(args, model_name: str, accelerator, pad_token_id: int, eos_token_id, extra_sampling: dict | None = None):
+def make_engine(args, model_name: str, accelerator, pad_token_id: int, eos_token_id, extra_sampling: dict | None = None,
+                policy=None):
     """The engine `use_vllm=True` asks for (`vllm_mode`); in server mode, the client of the protocol the server
-    speaks (`speaks_openai`)."""
+    speaks (`speaks_openai`). `policy`: checked for `vllm_sync_strategy="lora_adapter"` (`lora_rank`)."""
+    rank = adapter_root = None
+    if getattr(args, "vllm_sync_strategy", "weights") == "lora_adapter":
+        from posttrain.models.loading import shards_weights
+
+        rank, adapter_root = lora_rank(policy), os.path.join(args.output_dir, "vllm_adapter")
+        if shards_weights(accelerator):
+            raise ValueError("vllm_sync_strategy='lora_adapter' saves the adapter from each process's whole copy; "
+                             "with ZeRO-3 / FSDP sharded weights use vllm_sync_strategy='weights'")
     if args.vllm_mode == "colocate":
         if not model_name:
             raise ValueError("vllm_mode='colocate' loads the policy into vLLM from its name or path, and this policy "
@@ -532,11 +663,21 @@ def make_engine(args, model_name: str, accelerator, pad_token_id: int, eos_token
         from posttrain.models.loading import resolve
 
         return ColocateEngine(resolve(model_name), args, accelerator.num_processes, accelerator.process_index, pad_token_id,
-                              eos_token_id, extra_sampling)
+                              eos_token_id, extra_sampling, lora_rank=rank, adapter_root=adapter_root)
     base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-    engine_class = ServerEngine if speaks_openai(base_url, args.vllm_server_timeout) else LegacyServerEngine
-    engine = engine_class(base_url, args.vllm_server_timeout, args.vllm_group_port, pad_token_id, eos_token_id,
-                          is_main=accelerator.is_main_process, device=accelerator.device, extra_sampling=extra_sampling)
+    openai = speaks_openai(base_url, args.vllm_server_timeout)
+    if rank is not None and not openai:
+        raise ValueError(f"vllm_sync_strategy='lora_adapter' loads adapters through vLLM's /v1/load_lora_adapter; the "
+                         f"server at {base_url} is TRL 0.2x's `trl vllm-serve`, which has no such endpoint: run vLLM's "
+                         "server (`vllm serve --enable-lora`) or use vllm_sync_strategy='weights'")
+    common = dict(is_main=accelerator.is_main_process, device=accelerator.device, extra_sampling=extra_sampling,
+                  request_timeout=getattr(args, "vllm_request_timeout", 1800.0))
+    if openai:
+        engine = ServerEngine(base_url, args.vllm_server_timeout, args.vllm_group_port, pad_token_id, eos_token_id,
+                              adapter_root=adapter_root, **common)
+    else:
+        engine = LegacyServerEngine(base_url, args.vllm_server_timeout, args.vllm_group_port, pad_token_id,
+                                    eos_token_id, **common)
     import atexit
 
     atexit.register(engine.close)

@@ -157,8 +157,6 @@ class A2POTrainer(OnlineTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logp, _, _ = self.forward(model, inputs, replay=True)
-        if inputs.get("last_of_generation"):
-            self._replay = None
         mask = inputs["loss_mask"]
         advantage = masked_mean(inputs["advantages"], mask, dim=1)  # r - V*, one per sequence
         log_ratio = masked_sum(logp, mask, dim=1) - masked_sum(inputs["ref_logp"], mask, dim=1)

@@ -31,14 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerState, TrainingArguments
-from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, enable_full_determinism, rotate_checkpoints,
-                                        set_seed)
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, enable_full_determinism, set_seed
 
-from posttrain.accel import lean, products
+from posttrain.accel import lean, products, threads
 from posttrain.accel.memory import keep_freed_memory, make_adam_state, own_file_backed
 from posttrain.callbacks import SyncRefModelCallback
-from posttrain.models import loading
+from posttrain.models import compat, loading
 from posttrain.trainers.guards import (MANIFEST_FILE, RUN_SETTINGS, STAGING_PREFIX, STATE_FILE,  # noqa: F401
                                        TRAINER_STATE, CheckpointError, FiniteGuard, NonFiniteError,
                                        OutputDirInUseError, SaveError, check_checkpoint, check_finite_fields,
@@ -345,6 +344,17 @@ def warn_still_running() -> None:
                        "or the process ends. Make such functions return in time (or async, which is cancelled)")
 
 
+class FitThreadsCallback(TrainerCallback):
+    """Before each optimizer step, torch's thread count fitted to the CPUs other processes leave free
+    (accel/threads.py: a busy machine cost a 2-thread run 6-8x, one thread 1.5x)."""
+
+    def __init__(self):
+        self.fit = threads.FitThreads()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.fit.look()
+
+
 class BaseTrainer(Trainer):
     """transformers.Trainer plus model-from-string loading, PEFT, reference models and a metric buffer."""
 
@@ -398,6 +408,8 @@ class BaseTrainer(Trainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
         self.add_callback(FiniteGuard(self))
+        if threads.FitThreads.wanted() and (args.use_cpu or not _accelerator_available()):
+            self.add_callback(FitThreadsCallback())
 
     def tag_model(self, model) -> None:
         """Tag the model `posttrain` and the trainer's own tag (`dpo`, `sft`, ...), as TRL tags its models, so that
@@ -406,7 +418,8 @@ class BaseTrainer(Trainer):
             model.add_model_tags([tag for tag in dict.fromkeys(("posttrain", self._tag))])
 
     def create_optimizer(self, model=None):
-        optimizer = super().create_optimizer(model)
+        # transformers 5.0's create_optimizer takes no model (later 5.x releases: an optional one)
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         own_file_backed(p for group in optimizer.param_groups for p in group["params"])  # before the first write
         if self._heap_kept:
             make_adam_state(optimizer)
@@ -501,7 +514,7 @@ class BaseTrainer(Trainer):
             os.rename(written, final)
             os.rmdir(staging)
             shutil.rmtree(replaced, ignore_errors=True)
-            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+            compat.rotate_checkpoints(self, run_dir)
         self.accelerator.wait_for_everyone()
 
     def _issue_warnings_after_load(self, load_result) -> None:

@@ -172,6 +172,7 @@ class DistillationTrainer(OnlineTrainer):
 
     config_class = DistillationConfig
     _tag = "distillation"
+    samples_in_background = False  # samples with a teacher / the reference too (max_staleness refused)
     _name = "Distillation"
     _citation = """@inproceedings{agarwal2024onpolicy,
     title     = {{On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes}},

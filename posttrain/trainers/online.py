@@ -20,7 +20,9 @@
      When old == current, the policy's forward takes every decoder layer's linear outputs from the
      sampler's record instead of recomputing them (`accel/replay.py`, `replay_linear_outputs`).
 
-The configuration, `OnlineConfig`, lives in `online_config.py` (imported here).
+The configuration, `OnlineConfig`, lives in `online_config.py` (imported here); what flows between the
+phases is `core.batch.Experience`; evaluation, metrics and checkpointed state are mixins in `online_eval.py`,
+`online_metrics.py` and `online_state.py`.
 
 Batch semantics (as GRPO in TRL): `per_device_train_batch_size` counts completions per
 micro-batch. Each process generates `per_device_train_batch_size * steps_per_generation`
@@ -47,20 +49,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import math
 import os
+import threading
 import time
 from collections import defaultdict
 
 import torch
 from torch import Tensor
+from transformers import TrainerCallback
 
 from posttrain.core.advantages import ADVANTAGES, AdvantageInput, compute_advantages
+from posttrain.core.batch import Experience
 from posttrain.core.kl import kl_penalty
-from posttrain.core.masked import (AGGREGATIONS, aggregate_loss, count_tokens, masked_mean, masked_sum, masked_var,
-                                   top_quantile_mask)
+from posttrain.core.masked import AGGREGATIONS, aggregate_loss, count_tokens, masked_mean, masked_var, top_quantile_mask
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus, truncated_importance_weights
 from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewards
 from posttrain.data.tokenize import check_prompts, encode_prompt
@@ -70,11 +73,15 @@ from posttrain.models import loading
 from posttrain.models.modes import disable_dropout
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.generate import Rollout, SamplingConfig, generate
-from posttrain.rollout.multiturn import Tooling, rollout_from_func
+from posttrain.rollout.multiturn import Tooling, engine_turns, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
+from posttrain.trainers.online_async import AsyncRollouts, Sampled
 from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options
+from posttrain.trainers.online_eval import OnlineEvaluation
+from posttrain.trainers.online_metrics import OnlineMetrics
+from posttrain.trainers.online_state import OnlineCheckpoints
 from posttrain.trainers.prompts import PromptBatches, _collate_streamed, _PromptStream, new_stream_position
 
 logger = logging.getLogger(__name__)
@@ -105,6 +112,10 @@ def _tooling(args: OnlineConfig, tools, environment_factory, reward_funcs, train
     its class; without a train_dataset, the environments' reset() supplies the prompts."""
     if not tools and environment_factory is None:
         return None, reward_funcs, train_dataset
+    if args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
+        raise ValueError("tools= / environment_factory= with vLLM make one request per turn, and the processes "
+                         "sharing a colocated engine (vllm_tensor_parallel_size > 1) would make different numbers "
+                         "of them: use vllm_tensor_parallel_size=1 or vllm_mode='server'")
     tooling = Tooling(tools, environment_factory, max_iterations=args.max_tool_calling_iterations
                       if args.max_tool_calling_iterations is not None else 2 ** 31,
                       timeout=args.tool_call_timeout, max_call_chars=args.max_tool_call_chars,
@@ -144,10 +155,11 @@ def _positions(policy, args: OnlineConfig) -> int | None:
     return positions
 
 
-class OnlineTrainer(BaseTrainer):
+class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrainer):
     """Rollout -> score -> advantages -> clipped policy update, configured by an `OnlineConfig`."""
 
     config_class = OnlineConfig
+    samples_in_background = True  # max_staleness > 0 may sample with a copy of the policy (online_async.py)
     prompts_required = True  # a train_dataset (or environments that supply prompts); PPO's manual loop needs none
     _tag = "online"
 
@@ -174,9 +186,6 @@ class OnlineTrainer(BaseTrainer):
         if rollout_func is not None and tooling is not None:
             raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
                              "rollout_func or tools= / environment_factory=, not both")
-        if args.use_vllm and (rollout_func is not None or tooling is not None):
-            raise ValueError("use_vllm=True generates single-turn completions with vLLM; it does not run rollout_func, "
-                             "tools= or environment_factory= (posttrain's sampler does): set use_vllm=False")
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
             raise ValueError("reward_funcs is required: reward functions, reward models, or model names "
                              "(or set reward_model_path, or give an environment_factory whose environments "
@@ -217,19 +226,18 @@ class OnlineTrainer(BaseTrainer):
             name = model if isinstance(model, str) else getattr(policy.config, "_name_or_path", None)
             extra = {k: v for k, v in (args.generation_kwargs or {}).items() if k not in GENERATION_KWARGS}
             self.vllm = make_engine(args, name, self.accelerator, processing_class.pad_token_id,
-                                    processing_class.eos_token_id, extra)
+                                    processing_class.eos_token_id, extra, policy=policy)
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
         self._shuffle = torch.Generator().manual_seed(args.seed + 1)
         self.loss_mode, self.global_denominator = args.loss_aggregation()
-        # the policy can move between sampling and training only with several optimizer steps or passes
-        self.old_is_current = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
+        # the policy can move between sampling and training only with several optimizer steps or passes, or sampling ahead
+        self.old_is_current = not args.max_staleness and args.num_iterations == 1 and \
+            args.steps_per_generation == args.gradient_accumulation_steps
         # ... and then the sampler's linear outputs are the training forward's (accel/replay.py)
         self.replays = (args.replay_linear_outputs and self.old_is_current and not ADVANTAGES[
                         args.advantage_estimator].critic and not (args.bf16 or args.fp16 or args.torch_compile
                                                                   or args.gradient_checkpointing) and _no_dropout(policy))
-        self._replay = None  # the current generation batch's LinearRecord while its micro-batches train
-        self._buffer: list[dict] = []  # the current generation batch's micro-batches, in training order
-        self._next_micro = 0  # index in `_buffer` of the next micro-batch to train on
+        self._buffer, self._next_micro = [], 0  # the generation batch's micro-batches (Experience), the next's index
         self._episodes, self._start_time, self._samples, self._last_sample_step = 0, None, None, -1
         from posttrain.callbacks import CompletionsTable
 
@@ -237,10 +245,31 @@ class OnlineTrainer(BaseTrainer):
         per_generation = args.per_process_generation * self.accelerator.num_processes
         self.optimizer_steps_per_generation = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         self._stream_pos, self._stream_resumed = new_stream_position(), False  # a streamed train_dataset's place
+        self.rollouts = self._async_rollouts(train_dataset)
         if train_dataset is not None and not is_streamed(train_dataset) and len(self.get_train_dataloader()) == 0:
             raise ValueError(f"train_dataset has {len(train_dataset)} prompts, fewer than one generation batch needs "
                              f"({per_generation // args.num_generations}); add prompts or lower "
                              "per_device_train_batch_size / steps_per_generation")
+
+    def _async_rollouts(self, train_dataset) -> AsyncRollouts | None:
+        """With max_staleness > 0, the background sampler (`online_async.py`); None for the synchronous engine."""
+        args, self._sampling_thread = self.args, threading.local()  # in the sampler's thread: its model and metrics
+        depth = args.max_staleness // max(self.optimizer_steps_per_generation, 1)
+        if not depth:
+            return None
+        if not self.samples_in_background:
+            raise ValueError(f"{type(self).__name__} samples with more than the policy (a teacher, the reference) "
+                             "and does not run asynchronous rollouts: set max_staleness=0")
+        if self.rollout_func is not None:
+            raise ValueError("max_staleness > 0 samples in a background thread with a copy of the policy; a "
+                             "rollout_func samples with the trainer itself: set max_staleness=0")
+        if train_dataset is not None and is_streamed(train_dataset):
+            raise ValueError("max_staleness > 0 samples the next generation batches before their turn, which needs "
+                             "a map-style train_dataset (a stream's later prompts are not known ahead): set "
+                             "max_staleness=0 or pass a datasets.Dataset")
+        rollouts = AsyncRollouts(self, depth)
+        self.add_callback(_CloseRollouts(rollouts))
+        return rollouts
 
     @staticmethod
     def uses_reference(args) -> bool:
@@ -315,7 +344,8 @@ class OnlineTrainer(BaseTrainer):
                                                collate_fn=functools.partial(_collate_streamed, self._collate))
         return PromptBatches(self.train_dataset, self._collate, args.per_process_generation // args.num_generations,
                              self.accelerator.num_processes, self.accelerator.process_index,
-                             args.steps_per_generation * args.num_iterations, args.shuffle_dataset, args.seed)
+                             args.steps_per_generation * args.num_iterations, args.shuffle_dataset, args.seed,
+                             ahead=self.rollouts.depth if getattr(self, "rollouts", None) else 0)
 
     # ------------------------------------------------------------------ rollout
     def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None,
@@ -324,15 +354,17 @@ class OnlineTrainer(BaseTrainer):
         sampling settings (`sampling` None) and `self.replays`, the rollout keeps the linear outputs.
         continue_turn: a multi-turn rollout's `Episodes` (see `generate`)."""
         tok = self.processing_class
+        background = getattr(self._sampling_thread, "model", None)  # the asynchronous sampler's copy, in its thread
         if self.vllm is not None:
             if self.state.global_step != self._vllm_synced_step:  # the policy moved since vLLM's weights were set
-                from posttrain.rollout.vllm_engine import policy_weights
-
-                self.vllm.load_weights(policy_weights(self.policy))
+                self.vllm.sync(self.policy)  # its weights, or its LoRA adapter alone (vllm_sync_strategy)
                 self.accelerator.wait_for_everyone()  # server mode: the main process sends for all
                 self._vllm_synced_step = self.state.global_step
+            if continue_turn is not None:  # tools, environments: one vLLM call per turn (multiturn.engine_turns)
+                return engine_turns(self.vllm.generate, prompt_ids, sampling or self.sampling, continue_turn,
+                                    tok.pad_token_id, tok.eos_token_id)
             return self.vllm.generate(prompt_ids, sampling or self.sampling)
-        return generate(self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
+        return generate(background or self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
                         eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator,
                         record_linears=self.replays and sampling is None, continue_turn=continue_turn)
 
@@ -361,28 +393,51 @@ class OnlineTrainer(BaseTrainer):
         return rollout, episodes
 
     @torch.no_grad()
-    def make_experience(self, inputs: dict) -> list[dict]:
-        """Generate, score and prepare one generation batch; returns its micro-batches in training order."""
-        k = self.args.num_generations
+    def make_experience(self, inputs: dict) -> list[Experience]:
+        """Generate, score and prepare one generation batch; returns its micro-batches in training order. With
+        max_staleness > 0 the batch was sampled and scored ahead, in the background (`online_async.py`)."""
         self._start_time = self._start_time or time.time()
+        sampled = self.rollouts.take(inputs) if self.rollouts is not None else self.sample_and_score(inputs)
+        for metrics, mode in sampled.records:  # recorded while it was sampled in the background
+            self.record(metrics, mode)
+        self._record_rewards(sampled.per_function)
+        self._keep_samples(sampled.prompts, sampled.texts, sampled.per_function, sampled.extra_columns)
+        return self.build_experience(sampled.rollout, sampled.scores)
+
+    @torch.no_grad()
+    def sample_and_score(self, inputs: dict) -> Sampled:
+        """Sample `num_generations` completions of each prompt of `inputs`, decode them and score them with the
+        reward functions: the phase that runs in the background with asynchronous rollouts."""
+        k = self.args.num_generations
         prompts = [p for p in inputs["prompt"] for _ in range(k)]
         columns = {key: [v for v in values for _ in range(k)] for key, values in inputs["columns"].items()}
         rollout, episodes = self.roll_out(inputs, prompts, columns)
         texts, completions, ids = self.decode(rollout, prompts, episodes)
-        per_function, scores = self.reward_scorer(prompts, completions, ids, columns, extra=self._reward_extras("train"))
+        extra_columns = defaultdict(list)
+        per_function, scores = self.reward_scorer(prompts, completions, ids, columns,
+                                                  extra=self._reward_extras("train", extra_columns))
         if self.args.multi_objective_aggregation == "normalize_then_sum":
             scores = normalize_then_sum(per_function, self.reward_scorer.weights, self.args.num_generations)
-        self._record_rewards(per_function)
-        self._keep_samples(prompts, texts, per_function)
-        return self.build_experience(rollout, scores)
+        return Sampled(rollout, scores, per_function, prompts, texts, extra_columns, records=[],
+                       version=self.state.global_step)
 
-    def _reward_extras(self, mode: str) -> dict:
+    def _reward_extras(self, mode: str, extra_columns: dict | None = None) -> dict:
         """The keyword arguments TRL passes every reward function besides the data: the trainer state and
         two logging hooks: `log_metric(name, value)` averages a number into the logs; `log_extra(column, values)`
-        (one value per completion) adds a column to this batch's completions table (log_completions)."""
-        self._extra_columns = defaultdict(list)  # this call's; `_keep_samples` takes them
+        (one value per completion) adds a column to this batch's completions table (log_completions), kept in
+        `extra_columns`."""
+        columns = defaultdict(list) if extra_columns is None else extra_columns
         return {"trainer_state": self.state, "log_metric": lambda name, value: self.record({name: float(value)}, mode),
-                "log_extra": lambda column, values: self._extra_columns[column].extend(values)}
+                "log_extra": lambda column, values: columns[column].extend(values)}
+
+    def record(self, metrics: dict, mode: str | None = None):
+        """BaseTrainer.record; in the asynchronous sampler's thread, kept with the batch being sampled (as floats)
+        and recorded when the batch trains."""
+        kept = getattr(self._sampling_thread, "records", None)
+        if kept is None:
+            return super().record(metrics, mode)
+        kept.append(({name: float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v)
+                      for name, v in metrics.items()}, mode or "train"))
 
     def decode(self, rollout: Rollout, prompts: list, episodes=None):
         """(texts, completions as reward functions get them (messages for chat prompts; a multi-turn
@@ -405,45 +460,45 @@ class OnlineTrainer(BaseTrainer):
             x = self.accelerator.pad_across_processes(x, dim=1)
         return self.accelerator.gather(x)
 
-    def _no_grad_forward(self, model, batch: dict, values: bool = False) -> Tensor:
-        """Log-probs (or critic values) of the completions, `local_rollout_forward_batch_size` rows at a time."""
+    def _no_grad_forward(self, model, batch, values: bool = False) -> Tensor:
+        """Log-probs (or critic values) of the completions of `batch` (an Experience or a dict with its four
+        token tensors), `local_rollout_forward_batch_size` rows at a time."""
         step, out = self.args.local_rollout_forward_batch_size, []
         for s in range(0, batch["completion_ids"].shape[0], step):
-            chunk = {k: v[s:s + step] for k, v in batch.items()}
+            chunk = {k: batch[k][s:s + step] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
             logp, _, v = self.forward(model, chunk, with_values=values)
             out.append(v if values else logp)
         return torch.cat(out)
 
     @torch.no_grad()
-    def build_experience(self, rollout: Rollout, scores: Tensor) -> list[dict]:
+    def build_experience(self, rollout: Rollout, scores: Tensor) -> list[Experience]:
         """Penalties, reference log-probs, old values, advantages and loss denominators for one batch."""
         args, acc = self.args, self.accelerator
         device = acc.device
-        batch = {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask,
-                 "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
-                 "old_logp": rollout.logprobs.float()}
-        batch = {k: v.to(device) for k, v in batch.items()}
+        N, C = rollout.completion_ids.shape
+        batch = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask,
+                           completion_ids=rollout.completion_ids, completion_mask=rollout.completion_mask,
+                           old_logp=rollout.logprobs.float(),
+                           rollout_row=torch.arange(N)).to(device)  # rollout_row: where each row's record is
+        batch.replay = rollout.linear_outputs  # the sampler's record, shared by the micro-batches (accel/replay.py)
         if self.vllm is not None:  # vLLM's log-probs are not the policy's: kept for the importance weights only
-            batch["vllm_logp"] = batch["old_logp"]
+            batch.vllm_logp = batch.old_logp
             if not self.old_is_current or args.kl_in_reward:  # where pi_old is read before the loss's forward
-                batch["old_logp"] = self._no_grad_forward(self.policy, batch)
-        N, C = batch["completion_ids"].shape
-        batch["rollout_row"] = torch.arange(N, device=device)  # where each row's sampler record is
-        self._replay = rollout.linear_outputs
+                batch.old_logp = self._no_grad_forward(self.policy, batch)
         truncated = rollout.is_truncated.to(device)
-        loss_mask = batch["completion_mask"].clone()
+        loss_mask = batch.completion_mask.clone()
         if rollout.tool_mask is not None:  # fed tool results: context, out of the loss, the KL and the entropy
             loss_mask = loss_mask * (1 - rollout.tool_mask.to(device))
         if args.mask_truncated_completions:
             loss_mask[truncated] = 0
-        batch["loss_mask"] = loss_mask
+        batch.loss_mask = loss_mask
         scores = scores.to(device).float()
         if self.needs_reference:
             with self.reference_context(self.ref_model):
                 ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
-                batch["ref_logp"] = self._no_grad_forward(ref, batch)
+                batch.ref_logp = self._no_grad_forward(ref, batch)
         if ADVANTAGES[args.advantage_estimator].critic:
-            batch["old_values"] = self._no_grad_forward(acc.unwrap_model(self.model), batch, values=True)
+            batch.old_values = self._no_grad_forward(acc.unwrap_model(self.model), batch, values=True)
 
         # everything below sees the batch of all processes
         g = {k: self._gather_rows(batch[k]) for k in ("loss_mask", "old_logp", "ref_logp", "old_values",
@@ -456,11 +511,11 @@ class OnlineTrainer(BaseTrainer):
                              token_rewards=shaped.token_rewards, values=g.get("old_values"))
         advantages, returns = compute_advantages(args.advantage_estimator, inp, **self._options("advantage_estimator"))
         mine = slice(acc.process_index * N, (acc.process_index + 1) * N)
-        batch["advantages"] = advantages[mine, :C].float()
+        batch.advantages = advantages[mine, :C].float()
         if returns is not None:
-            batch["returns"] = returns[mine, :C].float()
+            batch.returns = returns[mine, :C].float()
         if args.kl_in_reward:
-            batch.pop("ref_logp", None)  # the KL is in the advantages already
+            batch.ref_logp = None  # the KL is in the advantages already
         self._episodes += mask.shape[0]
         return self._micro_batches(batch)
 
@@ -479,21 +534,10 @@ class OnlineTrainer(BaseTrainer):
         registry = ADVANTAGES if what == "advantage_estimator" else POLICY_LOSSES
         return config_options(self.args, what, registry[getattr(self.args, what)])
 
-    # A micro-batch is a dict of tensors (Trainer moves it to the device), B rows of one generation batch:
-    #   prompt_ids (B, P) left-padded         prompt_mask (B, P)      completion_ids (B, C) right-padded
-    #   completion_mask (B, C) 1 up to and including the stop token (attention)
-    #   loss_mask (B, C) completion_mask, 0 for masked truncated rows   advantages (B, C), 0 on padding
-    #   old_logp (B, C) log pi_old, the sampler's   ref_logp (B, C) only with beta > 0 and the KL in the loss
-    #   vllm_logp (B, C) only with use_vllm: vLLM's log-prob of each sampled token (old_logp is then the policy's)
-    #   old_values, returns (B, C) only with a critic
-    #   denominator, token_denominator: scalars, this optimizer step's global counts / processes
-    #   old_is_current: bool, the policy has not moved since sampling (old_logp = logp.detach())
-    #   rollout_row (B,) each row's index in its rollout (to find its sampler record)
-    #   last_of_generation: bool, the generation batch's last micro-batch (its record is then let go)
-    def _micro_batches(self, batch: dict) -> list[dict]:
+    def _micro_batches(self, batch: Experience | dict) -> list[Experience]:
         """Split into micro-batches (shuffled per pass when the policy moves within a batch), each carrying the
-        global denominators of its optimizer step."""
-        args = self.args
+        global denominators of its optimizer step (`core.batch.Experience`: the fields and their shapes)."""
+        args, batch = self.args, Experience.of(batch)
         bs, ga, N = args.per_device_train_batch_size, args.gradient_accumulation_steps, batch["loss_mask"].shape[0]
         rows = []
         for _ in range(args.num_iterations):
@@ -514,12 +558,14 @@ class OnlineTrainer(BaseTrainer):
         counts = counts.clamp(min=1) / world  # DDP averages gradients over processes
         micro = []
         for i, idx in enumerate(rows):
-            mb = _trim({k: v[idx] for k, v in batch.items()}, args.pad_to_multiple_of)
+            mb = batch.select(idx).trimmed(args.pad_to_multiple_of)
             denominator, token_denominator = counts[i // ga]
             if not self.global_denominator:  # bnpo: this micro-batch's own count
-                denominator = count(mb["loss_mask"], L).clamp(min=1).double() * ga
-            mb.update(denominator=denominator.float(), token_denominator=token_denominator.float(),
-                      old_is_current=self.old_is_current, last_of_generation=i == len(rows) - 1)
+                denominator = count(mb.loss_mask, L).clamp(min=1).double() * ga
+            mb.denominator, mb.token_denominator = denominator.float(), token_denominator.float()
+            mb.old_is_current, mb.last_of_generation = self.old_is_current, i == len(rows) - 1
+            if not (self.old_is_current and self.replays):
+                mb.replay = None  # the record serves only a forward whose weights are the sampler's
             micro.append(mb)
         return micro
 
@@ -530,9 +576,10 @@ class OnlineTrainer(BaseTrainer):
         `replay`: the policy's forward, which may take its linear outputs from the sampler's record."""
         if not with_values:
             record = None
-            if replay and self._replay is not None and mb.get("old_is_current") and "rollout_row" in mb:
+            held = getattr(mb, "replay", None)
+            if replay and held is not None and mb.old_is_current and mb.rollout_row is not None:
                 # the generation batch's last micro-batch is the record's last use: let it go layer by layer
-                record = (self._replay, mb["rollout_row"], bool(mb.get("last_of_generation")))
+                record = (held, mb.rollout_row, mb.last_of_generation)
             logp, entropy = completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                 mb["completion_mask"], self.args.temperature, with_entropy,
                                                 replay=record)
@@ -546,21 +593,22 @@ class OnlineTrainer(BaseTrainer):
         return logp, entropy, values
 
     @property
-    def experience(self) -> tuple[dict, ...]:
+    def experience(self) -> tuple[Experience, ...]:
         """The current generation batch's micro-batches (`make_experience`), in training order."""
         return tuple(self._buffer)
 
     @property
     def holds_replay_record(self) -> bool:
         """Whether the sampler's recorded linear outputs (`accel/replay.py`) are still kept for the micro-batches to come."""
-        return self._replay is not None
+        return any(mb.replay is not None and any(t is not None for t in mb.replay.layers)
+                   for mb in self._buffer[self._next_micro:])
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         index = inputs["micro_index"]
         if index == 0 or not self._buffer:
             # FSDP2 shards policy + critic as one module: the sampler's policy-alone forwards gather through it
             loading.route_through_fsdp_root(model, self.policy)
-            self._replay = None  # the last batch's record goes before sampling the next
+            self._buffer = []  # the last batch's micro-batches (and any record) go before sampling the next
             self._buffer = self.make_experience(inputs)
         loss = super().training_step(model, self._buffer[index], num_items_in_batch)
         self._next_micro = index + 1
@@ -570,8 +618,6 @@ class OnlineTrainer(BaseTrainer):
         args = self.args
         critic = ADVANTAGES[args.advantage_estimator].critic
         logp, entropy, values = self.forward(model, inputs, with_values=critic, with_entropy=True, replay=True)
-        if inputs.get("last_of_generation"):
-            self._replay = None  # the record's last use (each layer went once the forward read it)
         mask = inputs["loss_mask"]
         old_logp = logp.detach() if inputs["old_is_current"] else inputs["old_logp"]
         per_token, stats = POLICY_LOSSES[args.policy_loss].fn(logp, old_logp, inputs["advantages"], mask,
@@ -612,236 +658,6 @@ class OnlineTrainer(BaseTrainer):
         self.record(metrics, "train")
         return (loss, None) if return_outputs else loss
 
-    # ------------------------------------------------------------------ metrics and samples
-    def _record_rollout(self, g: dict, scores: Tensor, truncated: Tensor):
-        mask = g["loss_mask"]
-        k, eos = self.args.num_generations, self.processing_class.eos_token_id
-        groups = scores.view(-1, k)
-        group_std = groups.std(1) if k > 1 else torch.zeros_like(groups[:, 0])
-        metrics = {"reward": scores.mean(), "reward_std": group_std.mean() if k > 1 else scores.std(),
-                   "frac_reward_zero_std": (group_std < 1e-8).float().mean(), "objective/scores": scores.mean(),
-                   "completions/mean_length": mask.sum(1).float().mean(),
-                   "completions/clipped_ratio": truncated.float().mean(),
-                   "objective/entropy": -masked_sum(g["old_logp"], mask, dim=1).mean(),
-                   "val/num_eos_tokens": ((g["completion_ids"] == eos) & mask.bool()).sum().float()}
-        if "ref_logp" in g:
-            kl = masked_sum(g["old_logp"] - g["ref_logp"], mask, dim=1)  # k1, summed per sequence
-            non_score = -self.args.beta * masked_sum(kl_penalty(g["old_logp"], g["ref_logp"], self.args.kl_estimator),
-                                                     mask, dim=1)
-            metrics.update({"objective/kl": kl.mean(), "objective/non_score_reward": non_score.mean(),
-                            "objective/rlhf_reward": (scores + non_score).mean()})
-        self.record({name: float(v) for name, v in metrics.items()}, "train")
-
-    def _record_rewards(self, per_function: Tensor):
-        table = self._gather_rows(per_function.to(self.accelerator.device))
-        for j, name in enumerate(self.reward_scorer.names):
-            col = table[:, j][~torch.isnan(table[:, j])]
-            if col.numel():
-                self.record({f"rewards/{name}/mean": col.mean().item(),
-                             f"rewards/{name}/std": col.std().item() if col.numel() > 1 else 0.0}, "train")
-
-    def _keep_samples(self, prompts, texts, per_function):
-        """Gather this batch's samples from every process when a table is due (a `num_sample_generations`
-        point now, or the next logging step with `log_completions`); write the table now if it is a point."""
-        args, step = self.args, self.state.global_step
-        every = max(1, self.state.max_steps // args.num_sample_generations) if args.num_sample_generations else 0
-        sample_now = bool(every) and step % every == 0 and step != self._last_sample_step
-        if not (args.log_completions or sample_now):
-            self._samples = None
-            return
-        from accelerate.utils import gather_object
-
-        scores = {name: per_function[:, j].tolist() for j, name in enumerate(self.reward_scorer.names)}
-        extra = dict(getattr(self, "_extra_columns", {}))
-        for column, values in extra.items():
-            if len(values) != len(texts):
-                raise ValueError(f"log_extra({column!r}, values): {len(values)} values for {len(texts)} completions; "
-                                 "give one value per completion (the reward function's `completions`)")
-        if self.accelerator.num_processes > 1:
-            prompts, texts = gather_object(list(prompts)), gather_object(list(texts))
-            scores = {name: gather_object(v) for name, v in scores.items()}
-            extra = {column: gather_object(list(v)) for column, v in extra.items()}
-        self._samples = (prompts, texts, scores, extra)
-        if sample_now:
-            self._last_sample_step = step
-            if self.is_world_process_zero():
-                self.completions_table.write(step, *self._samples)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "learning_rate" in logs:  # a training log
-            logs["lr"] = logs["learning_rate"]
-            logs["episode"] = self._episodes
-            logs["eps"] = self._episodes / max(time.time() - (self._start_time or time.time()), 1e-9)
-            if self.args.log_completions and self._samples is not None and self.is_world_process_zero():
-                self.completions_table.write(self.state.global_step, *self._samples)
-        super().log(logs, start_time)
-
-    @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """`num_generations_eval` completions per eval prompt (1 by default) with the training sampling settings;
-        the mean rewards as metrics, and `eval_loss`: the policy loss (plus the in-loss KL) on these completions
-        with advantages from their rewards, as TRL computes its eval loss on eval rollouts (no critic
-        estimators: their loss needs value targets, so PPO reports rewards only). A dict of datasets is
-        evaluated one by one, each with its name in the metric prefix (`eval_<name>_reward`), as Trainer does."""
-        from accelerate.utils import gather_object
-
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(dataset, str):  # Trainer's periodic evaluation names one of a dict's datasets
-            dataset = self.eval_dataset[dataset]
-        if isinstance(dataset, dict):
-            metrics = {}
-            for name, part in dataset.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset: give one here or to the trainer")
-        self._check_dataset(dataset, "eval_dataset")
-        acc, bs = self.accelerator, self.args.per_device_eval_batch_size
-        if is_streamed(dataset):  # every process reads the stream and keeps the rows at its positions
-            mine = list(itertools.islice(dataset, acc.process_index, None, acc.num_processes))
-        else:
-            mine = [dataset[i] for i in range(acc.process_index, len(dataset), acc.num_processes)]
-        k = self.args.num_generations_eval or 1
-        sampling = dataclasses.replace(self.sampling, num_generations=k)
-        rows, losses = [], []  # (total reward, per-function rewards, length) per completion; loss per batch
-        for s in range(0, len(mine), bs):
-            batch = self._collate(mine[s:s + bs])
-            prompts = [p for p in batch["prompt"] for _ in range(k)]
-            columns = {key: [v for v in values for _ in range(k)] for key, values in batch["columns"].items()}
-            rollout, episodes = self.roll_out(batch, prompts, columns, sampling, mode="eval")
-            texts, completions, ids = self.decode(rollout, prompts, episodes)
-            per_function, total = self.reward_scorer(prompts, completions, ids, columns,
-                                                     extra=self._reward_extras("eval"))
-            rows += zip(total.tolist(), per_function.tolist(), map(len, ids))
-            loss = None if ADVANTAGES[self.args.advantage_estimator].critic else self._eval_loss(rollout, total, k)
-            if loss is not None:  # None: the trainer has no eval loss on these rollouts
-                losses.append(loss)
-        rows = gather_object(rows) if acc.num_processes > 1 else rows
-        p = metric_key_prefix
-        metrics = {f"{p}_reward": sum(r[0] for r in rows) / max(len(rows), 1),
-                   f"{p}_completions/mean_length": sum(r[2] for r in rows) / max(len(rows), 1)}
-        if losses:
-            losses = gather_object(losses) if acc.num_processes > 1 else losses
-            metrics[f"{p}_loss"] = sum(losses) / len(losses)
-        for j, name in enumerate(self.reward_scorer.names):
-            values = [r[1][j] for r in rows if not math.isnan(r[1][j])]
-            if values:
-                metrics[f"{p}_rewards/{name}/mean"] = sum(values) / len(values)
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
-
-    def _eval_loss(self, rollout: Rollout, scores: Tensor, k: int) -> float | None:
-        """The training loss of one eval batch at ratio 1 (old = current): the policy loss with this batch's
-        advantages, plus beta * KL where the KL is in the loss."""
-        args, device = self.args, self.accelerator.device
-        batch = {key: getattr(rollout, key).to(device)
-                 for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        mask = batch["completion_mask"] * (1 - rollout.tool_mask.to(device) if rollout.tool_mask is not None else 1)
-        logp = self._no_grad_forward(self.policy, batch)
-        scores = scores.to(device).float()
-        if k < ADVANTAGES[args.advantage_estimator].min_group:  # nothing to compare with: no signal
-            advantages = torch.zeros_like(logp)
-        else:
-            inp = AdvantageInput(scores=scores, mask=mask, group_size=k, layout="prompt_major")
-            advantages, _ = compute_advantages(args.advantage_estimator, inp,
-                                               **self._options("advantage_estimator"))
-        per_token, _ = POLICY_LOSSES[args.policy_loss].fn(logp, logp, advantages[:, :logp.shape[1]].float(), mask,
-                                                          **self._options("policy_loss"))
-        if args.beta > 0 and not args.kl_in_reward:
-            with self.reference_context(self.ref_model):
-                ref_logp = self._no_grad_forward(self.ref_model if self.ref_model is not None else self.policy, batch)
-            per_token = per_token + args.beta * kl_penalty(logp, ref_logp, args.kl_estimator)
-        return float(aggregate_loss(per_token, mask, self.loss_mode, max_length=args.max_completion_length))
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        model = self.accelerator.unwrap_model(self.model)
-        if isinstance(model, (CausalLMWithValueHead, PolicyWithCritic)):
-            output_dir = output_dir or self.args.output_dir
-            if self.args.should_save:
-                os.makedirs(output_dir, exist_ok=True)
-                model.save_pretrained(output_dir)
-                self.processing_class.save_pretrained(output_dir)
-                with open(os.path.join(output_dir, "README.md"), "w") as f:  # the model card, as BaseTrainer writes it
-                    f.write(self.model_card(os.path.basename(os.path.normpath(output_dir))))
-            return
-        super().save_model(output_dir, _internal_call)
-
-    # ------------------------------------------------------------------ checkpoints
-    # Besides transformers' checkpoint (weights, optimizer, scheduler, global RNGs, trainer state and the data
-    # position) and BaseTrainer's, a step depends on the sampler's and the micro-batch shuffle's generators,
-    # the episode count and the generation batch in progress: BaseTrainer saves these attributes with each
-    # checkpoint, per process. The critic is saved with the policy (`save_model`).
-    checkpointed = BaseTrainer.checkpointed + ("generator", "_shuffle", "_episodes", "_last_sample_step",
-                                               "_generation_in_progress", "_stream_position")
-
-    @property
-    def _stream_position(self) -> dict | None:
-        """A streamed train_dataset's place (`_PromptStream`); None (not saved) for other datasets."""
-        return dict(self._stream_pos) if is_streamed(self.train_dataset) else None
-
-    @_stream_position.setter
-    def _stream_position(self, position: dict):
-        self._stream_pos, self._stream_resumed = dict(position), True
-
-    @property
-    def _generation_in_progress(self) -> dict:
-        """What a checkpoint taken inside a generation batch (several optimizer steps per batch:
-        steps_per_generation > gradient_accumulation_steps, or num_iterations > 1) needs to go on: the
-        micro-batches not yet trained on and the batch's samples; also metrics not yet logged and the
-        sampling time so far (for `eps`). Between generation batches, nothing of the batch is kept."""
-        pending = self._next_micro < len(self._buffer)
-        return {"buffer": self._buffer if pending else [], "next_micro": self._next_micro if pending else 0,
-                "samples": self._samples if pending else None, "plan": self._generation_plan(),
-                "elapsed": None if self._start_time is None else time.time() - self._start_time,
-                "metrics": {mode: dict(values) for mode, values in self._metrics.items()}}
-
-    def _generation_plan(self) -> dict[str, int]:
-        """The settings that cut a generation batch into micro-batches and optimizer steps."""
-        names = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-                 "num_iterations", "num_generations")
-        return {**{n: getattr(self.args, n) for n in names}, "processes": self.accelerator.num_processes}
-
-    def _check_generation_plan(self, state: dict):
-        """Refuse to finish a stored generation batch under settings that cut it otherwise (its micro-batches
-        would not match the steps left: transformers' loop would index past them)."""
-        plan, now = state.get("plan"), self._generation_plan()
-        if plan is None:  # written before plans were stored: the batch's length tells
-            expected = self.args.steps_per_generation * self.args.num_iterations
-            plan, now = {"micro-batches per generation batch": len(state["buffer"])}, \
-                {"micro-batches per generation batch": expected}
-        changed = {k: (v, now.get(k)) for k, v in plan.items() if now.get(k) != v}
-        if changed:
-            was = ", ".join(f"{k}={old}" for k, (old, _) in changed.items())
-            raise ValueError(
-                f"the checkpoint was taken inside a generation batch (micro-batch {state['next_micro']} of "
-                f"{len(state['buffer'])}) planned with {was}; this run has "
-                f"{', '.join(f'{k}={new}' for k, (_, new) in changed.items())}. Resume with the checkpoint's "
-                f"{was} to finish the stored batch (change it later from a checkpoint taken between generation "
-                "batches, i.e. save_steps a multiple of the optimizer steps per generation batch), or resume from "
-                "an earlier checkpoint taken between generation batches")
-
-    @_generation_in_progress.setter
-    def _generation_in_progress(self, state: dict):
-        if state["buffer"]:
-            self._check_generation_plan(state)
-        self._buffer, self._next_micro, self._samples = state["buffer"], state["next_micro"], state["samples"]
-        self._replay = None  # kept only within one optimizer step (old == current), never across a checkpoint
-        self._start_time = None if state["elapsed"] is None else time.time() - state["elapsed"]
-        for mode, values in state["metrics"].items():
-            self._metrics[mode].clear()
-            self._metrics[mode].update(values)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
-        # transformers' private loader, overridden because it cannot read policy + critic (the policy is saved
-        # as an ordinary causal-LM checkpoint, the critic next to it) and no public hook loads the weights
-        unwrapped = self.accelerator.unwrap_model(model if model is not None else self.model)
-        if isinstance(unwrapped, (CausalLMWithValueHead, PolicyWithCritic)):
-            super()._load_from_checkpoint(resume_from_checkpoint, unwrapped.policy)
-            unwrapped.load_critic(resume_from_checkpoint)
-        else:
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-
 
 def _no_dropout(model) -> bool:
     """Whether the training forward computes what eval-mode sampling computed: no dropout anywhere."""
@@ -850,22 +666,11 @@ def _no_dropout(model) -> bool:
         getattr(config, "attention_dropout", 0.0) or 0.0)
 
 
-def _trim(mb: dict, multiple: int | None = None) -> dict:
-    """Drop prompt columns that are padding in every row (left) and completion columns past the longest
-    completion (right), rounded up to a multiple of `multiple` (pad_to_multiple_of) where there are columns."""
-    keep_p = mb["prompt_mask"].any(0).nonzero()
-    start = int(keep_p[0]) if len(keep_p) else mb["prompt_mask"].shape[1] - 1
-    width = max(int(mb["completion_mask"].sum(1).max()), 1)
-    if multiple:
-        width = min(-(-width // multiple) * multiple, mb["completion_mask"].shape[1])
-    out = {}
-    for key, value in mb.items():
-        if key.startswith("prompt"):
-            out[key] = value[:, start:]
-        elif key.startswith("teacher_prompt"):  # a teacher's own prompt (self-distillation): its own padding
-            out[key] = value
-        elif value.dim() == 2:
-            out[key] = value[:, :width]
-        else:
-            out[key] = value
-    return out
+class _CloseRollouts(TrainerCallback):
+    """At the end of training: drop the batches sampled ahead that no step will train on."""
+
+    def __init__(self, rollouts: AsyncRollouts):
+        self.rollouts = rollouts
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.rollouts.close()

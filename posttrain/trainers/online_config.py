@@ -88,7 +88,9 @@ class OnlineConfig(BaseConfig):
                            "docs/sampler.md) instead of posttrain's sampler: in this process ('colocate') or on a "
                            "`trl vllm-serve` server ('server'), with the policy's weights synced before each "
                            "generation that follows an optimizer step. Needs vLLM and a CUDA GPU (refused "
-                           "otherwise); not with tools=, environment_factory= or rollout_func=."})
+                           "otherwise). With tools= / environment_factory=, each turn is one vLLM request (its "
+                           "prefix cache spares the re-sent context); a rollout_func generates through "
+                           "trainer.sample_completions."})
     vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' (vLLM in each training process, "
                            "sharing its GPU) or 'server' (a `trl vllm-serve` server)."})
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "Server mode: the server's URL "
@@ -99,6 +101,18 @@ class OnlineConfig(BaseConfig):
                                        "server to answer its health check."})
     vllm_group_port: int = field(default=51216, metadata={"help": "Server mode: the port of the NCCL group "
                                  "that carries the weights to the server."})
+    vllm_request_timeout: float | None = field(default=1800.0, metadata={"help": "Server mode: the deadline, in "
+                                               "seconds, of every request to the server (generation included), "
+                                               "of joining the weight-transfer group and of each weight "
+                                               "transfer; past it a TimeoutError names what hung (None: wait "
+                                               "forever). Collectives between training processes have "
+                                               "ddp_timeout."})
+    vllm_sync_strategy: str = field(default="weights", metadata={"help": "How the policy reaches vLLM: "
+                                    "'weights' (every tensor, a PEFT adapter merged in) or 'lora_adapter' (a "
+                                    "LoRA policy's adapter alone, saved under output_dir/vllm_adapter and "
+                                    "loaded by vLLM as a LoRA adapter: no merge, no NCCL; in server mode the "
+                                    "server must see that path and run with --enable-lora and "
+                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate mode: the share of GPU "
                                                "memory vLLM takes (weights and KV cache)."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate mode: processes per vLLM "
@@ -232,6 +246,13 @@ class OnlineConfig(BaseConfig):
                                         "Used where the lean CPU decoding step runs (Llama/Qwen2-style float32 "
                                         "models), without dropout, mixed precision, torch_compile or gradient "
                                         "checkpointing."})
+    max_staleness: int = field(default=0, metadata={"help": "Asynchronous rollouts: how many optimizer steps old "
+                               "the policy that sampled a batch may be when the batch starts training. 0: the "
+                               "synchronous engine (sample, then train). With k > 0 the next generation batches "
+                               "(k / optimizer steps per generation batch of them) are sampled and scored in a "
+                               "background thread by a copy of the policy whose weights are published after each "
+                               "step, while the current batch trains; the ratio's old log-probs are the sampling "
+                               "policy's (trainers/online_async.py). One process, no vLLM, no streamed dataset."})
     local_rollout_forward_batch_size: int = field(default=64, metadata={"help": "Rows per no-grad forward "
                                                   "(reference log-probs, old values)."})
     total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (>= 1; sets "
@@ -283,6 +304,7 @@ class OnlineConfig(BaseConfig):
             self.policy_loss = wanted
         self._check_generation()
         self._check_algorithm()
+        self._check_staleness()
 
     def _check_batches(self):
         """Generation and micro-batch sizes fit together (steps_per_generation derived where unset)."""
@@ -330,6 +352,12 @@ class OnlineConfig(BaseConfig):
         if self.vllm_importance_sampling_mode != "token_truncate":
             raise ValueError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: only "
                              "'token_truncate' is implemented (each token's weight min(ratio, clip_max))")
+        if self.vllm_request_timeout is not None and not self.vllm_request_timeout > 0:
+            raise ValueError(f"vllm_request_timeout must be > 0 seconds (or None: no deadline), got "
+                             f"{self.vllm_request_timeout}")
+        if self.vllm_sync_strategy not in ("weights", "lora_adapter"):
+            raise ValueError(f"vllm_sync_strategy={self.vllm_sync_strategy!r} is unknown; choose 'weights' or "
+                             "'lora_adapter'")
         from posttrain.rollout.vllm_engine import check_vllm
 
         check_vllm(self.vllm_mode, self.use_vllm)  # a known vllm_mode; with use_vllm, vLLM installed and a GPU
@@ -341,6 +369,25 @@ class OnlineConfig(BaseConfig):
         for name in ("num_generations_eval", "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
+
+    def _check_staleness(self):
+        """max_staleness: a whole number of generation batches ahead, on the in-process sampler."""
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 optimizer steps (0: synchronous), got {self.max_staleness}")
+        if not self.max_staleness:
+            return
+        steps = max(self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps, 1)
+        if self.max_staleness < steps:
+            raise ValueError(f"max_staleness={self.max_staleness}: a generation batch sampled one batch ahead is "
+                             f"{steps} optimizer steps old when it starts training (steps_per_generation * "
+                             "num_iterations / gradient_accumulation_steps); set max_staleness >= "
+                             f"{steps}, or 0 for the synchronous engine")
+        if self.use_vllm:
+            raise ValueError("max_staleness > 0 samples with an in-process copy of the policy in a background thread; "
+                             "it does not drive vLLM yet: set use_vllm=False or max_staleness=0")
+        if self.world_size > 1:
+            raise ValueError(f"max_staleness > 0 runs on one process (the sampler's lock-step collectives would "
+                             f"interleave with training's); this run has {self.world_size}: set max_staleness=0")
 
     def _check_algorithm(self):
         """The registered estimator, loss, aggregation and KL estimator and their options; reference and update."""

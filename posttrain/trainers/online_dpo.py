@@ -167,6 +167,7 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     config_class = OnlineDPOConfig
     _tag = "online-dpo"
+    samples_in_background = False  # samples with a teacher / the reference too (max_staleness refused)
     _name = "Online DPO"
     _citation = """@article{guo2024direct,
     title   = {{Direct Language Model Alignment from Online AI Feedback}},
@@ -229,8 +230,6 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logp, _, _ = self.forward(model, inputs, replay=True)
-        if inputs.get("last_of_generation"):
-            self._replay = None
         mask = inputs["loss_mask"]
         signs = torch.sign(masked_sum(inputs["advantages"], mask, dim=1))
         pairs = Pairs.of(logp, inputs["ref_logp"], mask, signs)

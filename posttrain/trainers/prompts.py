@@ -4,7 +4,10 @@ stream (`_PromptStream`, whose place is checkpointed: `new_stream_position`).
 
 Each process's prompts of a generation batch come once per micro-batch they feed (`training_step` generates at
 the first and reads its buffer at the others), so transformers' counting and skipping of batches on resume
-works unchanged.
+works unchanged. With asynchronous rollouts (`ahead` > 0), each generation batch's first micro-batch also
+brings the next `ahead` generation batches' prompts, numbered (`generation_batch`), so that they can be sampled
+before their turn (trainers/online_async.py); the order being a function of (seed, epoch), batches past the
+epoch's end are the next epoch's.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ class _PromptOrder(torch.utils.data.Sampler):
     transformers can skip the batches a resumed run already trained on (`skip_first_batches`)."""
 
     def __init__(self, n: int, per_process: int, num_processes: int, rank: int, repeat: int, shuffle: bool,
-                 seed: int):
+                 seed: int, ahead: int = 0):
         self.n, self.per_process, self.num_processes, self.rank = n, per_process, num_processes, rank
-        self.repeat, self.shuffle, self.seed, self.epoch = repeat, shuffle, seed, 0
+        self.repeat, self.shuffle, self.seed, self.epoch, self.ahead = repeat, shuffle, seed, 0, ahead
 
     def set_epoch(self, epoch: int):
         self.epoch = epoch
@@ -36,14 +39,26 @@ class _PromptOrder(torch.utils.data.Sampler):
     def __len__(self) -> int:
         return self.n // (self.per_process * self.num_processes) * self.repeat
 
-    def __iter__(self):
+    def _batches(self, epoch: int) -> list[list[int]]:
+        """This process's dataset indices of each global batch of `epoch`."""
         n, size = self.n, self.per_process * self.num_processes
-        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
                  if self.shuffle else list(range(n)))
-        for start in range(0, n - size + 1, size):
-            mine = order[start + self.rank * self.per_process: start + (self.rank + 1) * self.per_process]
+        return [order[start + self.rank * self.per_process: start + (self.rank + 1) * self.per_process]
+                for start in range(0, n - size + 1, size)]
+
+    def __iter__(self):
+        batches = self._batches(self.epoch)
+        for b, mine in enumerate(batches):
+            if not self.ahead:
+                for r in range(self.repeat):
+                    yield [(i, r) for i in mine]
+                continue
+            ordinal = self.epoch * len(batches) + b  # generation batches counted from the first epoch's first
+            later = [(i, None, ordinal + a) for a in range(1, self.ahead + 1)
+                     for i in self._batches((ordinal + a) // len(batches))[(ordinal + a) % len(batches)]]
             for r in range(self.repeat):
-                yield [(i, r) for i in mine]
+                yield [(i, r, ordinal) for i in mine] + (later if r == 0 else [])
 
 
 class _Tagged(torch.utils.data.Dataset):
@@ -56,8 +71,8 @@ class _Tagged(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key):
-        index, micro_index = key
-        return self.dataset[index], micro_index
+        index, micro_index, *ordinal = key  # (index, micro_index[, generation batch]); micro_index None: ahead
+        return self.dataset[index], micro_index, *ordinal
 
 
 class PromptBatches(torch.utils.data.DataLoader):
@@ -66,16 +81,27 @@ class PromptBatches(torch.utils.data.DataLoader):
     A plain DataLoader over a batch sampler, so that a resumed run skips what it trained on as any other."""
 
     def __init__(self, dataset, collate, prompts_per_process: int, num_processes: int, process_index: int,
-                 repeat: int, shuffle: bool, seed: int):
-        order = _PromptOrder(len(dataset), prompts_per_process, num_processes, process_index, repeat, shuffle, seed)
+                 repeat: int, shuffle: bool, seed: int, ahead: int = 0):
+        order = _PromptOrder(len(dataset), prompts_per_process, num_processes, process_index, repeat, shuffle, seed,
+                             ahead)
         super().__init__(_Tagged(dataset), batch_sampler=order, collate_fn=functools.partial(_collate_tagged, collate))
 
     def set_epoch(self, epoch: int):
         self.batch_sampler.set_epoch(epoch)
 
 
-def _collate_tagged(collate, items: list[tuple[dict, int]]) -> dict:
-    return {**collate([row for row, _ in items]), "micro_index": items[0][1]}
+def _collate_tagged(collate, items: list[tuple]) -> dict:
+    """(row, micro_index) items -> the collated batch with its micro_index; (row, micro_index, generation batch)
+    items (lookahead) add `generation_batch` and, for the rows of later batches (micro_index None), `ahead`: a list
+    of (generation batch, collated batch)."""
+    own = [item for item in items if item[1] is not None]
+    out = {**collate([item[0] for item in own]), "micro_index": own[0][1]}
+    if len(own[0]) > 2:
+        later: dict[int, list[dict]] = {}
+        for row, _, ordinal in (item for item in items if item[1] is None):
+            later.setdefault(ordinal, []).append(row)
+        out.update(generation_batch=own[0][2], ahead=[(ordinal, collate(rows)) for ordinal, rows in later.items()])
+    return out
 
 
 def new_stream_position() -> dict:

@@ -70,7 +70,7 @@ from posttrain.data.collate import IGNORE_INDEX, MASK_COLUMNS, LanguageModelingC
 from posttrain.data.packing import STRATEGIES, pack_dataset, pack_rows
 from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
 from posttrain.forward.logprobs import attention_kind, linear_selective_log_softmax, plain_lm_head
-from posttrain.models import loading
+from posttrain.models import compat, loading
 from posttrain.models.modes import eval_mode
 from posttrain.models.offloading import OffloadActivations
 from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, as_dataset, check_datasets,
@@ -304,9 +304,9 @@ class SFTTrainer(BaseTrainer):
                              "train on packed or padding-free rows; set packing=False and padding_free=False")
         if self._prompt_learning:
             self._flatten_width = None
-        self._logits_to_keep_mask = "logits_to_keep" in inspect.signature(base.forward).parameters \
-            and not self._prompt_learning
-        self._fuse_head = self._logits_to_keep_mask  # fuse the output layer into the loss where it is plain
+        takes_keep = "logits_to_keep" in inspect.signature(base.forward).parameters and not self._prompt_learning
+        self._logits_to_keep_mask = takes_keep and compat.logits_to_keep_takes_mask()
+        self._fuse_head = takes_keep  # fuse the output layer into the loss where it is plain
 
     # ------------------------------------------------------------------ data
     def prepare_eval_dataset(self, dataset, name: str = "eval"):
@@ -453,7 +453,8 @@ class SFTTrainer(BaseTrainer):
         if self._fuse_head and not return_outputs:
             head = plain_lm_head(self.accelerator.unwrap_model(model), inputs["input_ids"])
         if head is not None:  # the model stops at its hidden states; the output layer is fused into the loss
-            outputs = model(**model_inputs, logits_to_keep=torch.zeros_like(keep), output_hidden_states=True,
+            no_logits = torch.zeros(0, dtype=torch.long, device=keep.device)  # an empty index: any 5.x release
+            outputs = model(**model_inputs, logits_to_keep=no_logits, output_hidden_states=True,
                             use_cache=False)
         elif self._logits_to_keep_mask:  # the vocabulary projection only where there is a target: (N, V)
             outputs = model(**model_inputs, logits_to_keep=keep, use_cache=False)

@@ -167,13 +167,6 @@ def test_generation_kwargs_beyond_the_sampler_go_to_vllm(tmp_path, fake_vllm):
     assert FakeLLM.instances[0].calls[0][1]["seed"] == 1 and FakeLLM.instances[0].calls[0][1]["top_k"] == 3
 
 
-def test_use_vllm_refuses_rollout_func_and_tools(tmp_path, fake_vllm):
-    args = GRPOConfig(**online_args(tmp_path, num_generations=4), use_vllm=True)
-    with pytest.raises(ValueError, match="does not run rollout_func, tools= or environment_factory="):
-        GRPOTrainer(TINY, first_token_reward, args=args, train_dataset=prompts(8),
-                    rollout_func=lambda prompts, trainer: {})
-
-
 # ---------------------------------------------------------------- colocate
 
 def colocate_args(tmp_path, **overrides):
