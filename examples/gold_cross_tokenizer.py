@@ -8,6 +8,8 @@
    tokens both vocabularies spell the same compared one to one, the rest by sorted probabilities), half the
    batches on its own samples, half on the dataset's completions.
 Prints held-out exact-match accuracy: the teacher's, and the student's before and after. Offline, CPU.
+Measured (2-core loaded CPU, --steps 400): teacher 1.00 after 300 SFT steps; student 0.00 -> 0.95 in 400 steps
+(1540 s); with the default 150 steps, 0.00 -> 0.12.
 """
 
 import argparse
