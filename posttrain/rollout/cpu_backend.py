@@ -45,8 +45,11 @@ class CPUDecoder(ModelForward):
     def expand(self, group: int, capacity: int) -> None:
         super().expand(group, capacity)
         layers = getattr(self.cache, "layers", None)
+        # the lean step is float32 throughout: a cache the prefill filled in bfloat16 (bf16=True's autocast)
+        # steps on through the model's own forward, autocast as the prefill was
         if self.lean is not None and isinstance(layers, list) and all(
-                type(layer) is roomy_layer_class() for layer in layers):
+                type(layer) is roomy_layer_class() and layer.key_buffer.dtype == torch.float32
+                and layer.value_buffer.dtype == torch.float32 for layer in layers):
             first = self._lengths.repeat_interleave(group)[:, None]  # (N, 1) position of each row's first new token
             self.lean.set_positions(first + torch.arange(capacity - self._width, device=self.device))
             self.lean.bind(self.cache)

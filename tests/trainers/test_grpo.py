@@ -36,6 +36,13 @@ def test_smoke_every_parameter_changes_and_metrics_are_finite(tmp_path):
     assert rows and {"step", "prompt", "completion", "first_token_reward"} <= set(rows[0])
 
 
+def test_bf16_autocast_on_cpu_trains(tmp_path):
+    """bf16=True on CPU: the prefill fills the KV cache in bfloat16, so the sampler steps through the model's own
+    forward instead of the float32 lean step (which once met the bfloat16 cache and raised)."""
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, beta=0.1, bf16=True, use_cpu=True))
+    train_and_check(GRPOTrainer("posttrain/tiny-qwen2", first_token_reward, args=args, train_dataset=prompts()))
+
+
 def test_variants_run(tmp_path):
     """GSPO sequence ratio, clip-higher, bnpo, several passes and steps per generation batch, stop strings."""
     args = GRPOConfig(**online_args(tmp_path, num_generations=4, importance_sampling_level="sequence",
