@@ -62,6 +62,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from posttrain.core.importance import IMPORTANCE_CORRECTIONS
 from posttrain.core.masked import AGGREGATIONS, masked_mean
 from posttrain.core.registry import Registry
 
@@ -325,7 +326,7 @@ def a2po_regression_loss(logps: Tensor, ref_logps: Tensor, advantages: Tensor, b
 
 
 def truncated_importance_weights(old_logp: Tensor, vllm_logp: Tensor, cap: float) -> Tensor:
-    """min(pi_old / pi_vllm, cap) per token (B, T): the weight of each token's policy loss that corrects
-    for sampling with vLLM's numbers instead of the policy's (truncated importance sampling; TRL's
-    `token_truncate`). No gradient flows through it."""
-    return torch.exp(old_logp.detach() - vllm_logp).clamp(max=cap)
+    """min(pi_old / pi_vllm, cap) per token (B, T): TRL's `token_truncate` correction of
+    `core.importance.IMPORTANCE_CORRECTIONS` on every position (no mask, no lower bound). No gradient flows
+    through it."""
+    return IMPORTANCE_CORRECTIONS["token_truncate"].fn(old_logp, vllm_logp, torch.ones_like(old_logp), None, cap)

@@ -30,7 +30,8 @@ Deadlines (server mode): every HTTP request, the join of the NCCL group and each
 
 vLLM's log-probs are not the trainer's (other kernels, maybe another dtype): the trainer
 recomputes the behaviour log-probs with the policy where they are used and weights each token's
-policy loss by `core.policy_losses.truncated_importance_weights` (TRL's `vllm_importance_sampling_correction`).
+policy loss by the `vllm_importance_sampling_mode` correction of `core.importance` (TRL's
+`vllm_importance_sampling_correction`).
 
 Only the plumbing is tested here, against a fake `vllm` module and local HTTP servers of both protocols
 (tests/rollout/test_vllm_engine.py); vLLM itself and NCCL need a CUDA machine.

@@ -12,6 +12,9 @@ policy_loss="clipped", KL in the loss. Variants are config values, not other tra
               token sum / max_completion_length, with scale_rewards="none"), "dapo" (Yu et al.
               2025: token mean over the whole step; the default, as in recent TRL);
   epsilon_high              DAPO's asymmetric clip ("clip-higher");
+  filter_groups_enable, max_num_gen_batches   DAPO's dynamic sampling (verl's names; core.dynamic_sampling);
+  overlong_buffer_len, overlong_penalty_factor DAPO's overlong reward shaping (verl's names; core.shaping);
+  vllm_importance_sampling_mode  TRL's four importance-sampling corrections (core.importance);
   importance_sampling_level "sequence" for GSPO (Zheng et al. 2025);
   mask_truncated_completions, scale_rewards ("group" | "batch" | "none");
   loss_type   "cispo" / "sapo" / "luspo" / "vespo" also pick their policy loss (core.policy_losses);

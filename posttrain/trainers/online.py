@@ -62,9 +62,11 @@ from transformers import TrainerCallback
 
 from posttrain.core.advantages import ADVANTAGES, AdvantageInput, compute_advantages
 from posttrain.core.batch import Experience
+from posttrain.core.dynamic_sampling import informative_groups, kept_rows
+from posttrain.core.importance import IMPORTANCE_CORRECTIONS
 from posttrain.core.kl import kl_penalty
 from posttrain.core.masked import AGGREGATIONS, aggregate_loss, count_tokens, masked_mean, masked_var, top_quantile_mask
-from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus, truncated_importance_weights
+from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus
 from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewards
 from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.forward.completions import completion_logprobs
@@ -72,17 +74,19 @@ from posttrain.forward.logprobs import token_logprobs
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
+from posttrain.rollout.combine import take_rows
 from posttrain.rollout.generate import Rollout, SamplingConfig, generate
 from posttrain.rollout.multiturn import Tooling, engine_turns, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
 from posttrain.trainers.online_async import AsyncRollouts, Sampled
-from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options
+from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options, shaping_steps
 from posttrain.trainers.online_eval import OnlineEvaluation
 from posttrain.trainers.online_metrics import OnlineMetrics
 from posttrain.trainers.online_state import OnlineCheckpoints
-from posttrain.trainers.prompts import PromptBatches, _collate_streamed, _PromptStream, new_stream_position
+from posttrain.trainers.prompts import (PromptBatches, _collate_streamed, _PromptStream, new_stream_position,
+                                        top_up_prompts)
 
 logger = logging.getLogger(__name__)
 
@@ -233,10 +237,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         # the policy can move between sampling and training only with several optimizer steps or passes, or sampling ahead
         self.old_is_current = not args.max_staleness and args.num_iterations == 1 and \
             args.steps_per_generation == args.gradient_accumulation_steps
-        # ... and then the sampler's linear outputs are the training forward's (accel/replay.py)
-        self.replays = (args.replay_linear_outputs and self.old_is_current and not ADVANTAGES[
-                        args.advantage_estimator].critic and not (args.bf16 or args.fp16 or args.torch_compile
-                                                                  or args.gradient_checkpointing) and _no_dropout(policy))
+        self.replays = _replays(args, policy, self.old_is_current)
         self._buffer, self._next_micro = [], 0  # the generation batch's micro-batches (Experience), the next's index
         self._episodes, self._start_time, self._samples, self._last_sample_step = 0, None, None, -1
         from posttrain.callbacks import CompletionsTable
@@ -245,6 +246,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         per_generation = args.per_process_generation * self.accelerator.num_processes
         self.optimizer_steps_per_generation = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         self._stream_pos, self._stream_resumed = new_stream_position(), False  # a streamed train_dataset's place
+        self._top_up_pos, self._top_up = new_stream_position(), None  # dynamic sampling's extra prompts (their place)
         self.rollouts = self._async_rollouts(train_dataset)
         if train_dataset is not None and not is_streamed(train_dataset) and len(self.get_train_dataloader()) == 0:
             raise ValueError(f"train_dataset has {len(train_dataset)} prompts, fewer than one generation batch needs "
@@ -398,11 +400,56 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         max_staleness > 0 the batch was sampled and scored ahead, in the background (`online_async.py`)."""
         self._start_time = self._start_time or time.time()
         sampled = self.rollouts.take(inputs) if self.rollouts is not None else self.sample_and_score(inputs)
+        self._record_sampled(sampled)
+        if self.args.filter_groups_enable:
+            return self.build_experience(*self.dynamic_sampling(sampled))
+        return self.build_experience(sampled.rollout, sampled.scores)
+
+    def _record_sampled(self, sampled: Sampled):
+        """Log what sampling a generation batch gave: its metrics, rewards and samples."""
         for metrics, mode in sampled.records:  # recorded while it was sampled in the background
             self.record(metrics, mode)
         self._record_rewards(sampled.per_function)
         self._keep_samples(sampled.prompts, sampled.texts, sampled.per_function, sampled.extra_columns)
-        return self.build_experience(sampled.rollout, sampled.scores)
+
+    def dynamic_sampling(self, sampled: Sampled) -> tuple[Rollout, Tensor]:
+        """DAPO's dynamic sampling (`core/dynamic_sampling.py`): (rollout, scores) of the groups of this generation
+        batch whose rewards differ, topped up from more generation batches (`top_up_prompts`) until every process
+        has a batch of them. Every process draws as many batches (the count is agreed), so collectives stay paired."""
+        args, k, device = self.args, self.args.num_generations, self.accelerator.device
+        needed = args.per_process_generation // k  # groups per process and generation batch
+        parts, scores = [sampled.rollout], [sampled.scores]
+        informative = informative_groups(sampled.scores.float().cpu(), k)
+        while int(self._gather_rows(informative.sum().view(1).to(device)).min()) < needed:
+            if 0 < args.max_num_gen_batches <= len(parts):
+                raise ValueError(
+                    f"dynamic sampling (filter_groups_enable) drew max_num_gen_batches={args.max_num_gen_batches} "
+                    f"generation batches and kept {int(informative.sum())} of the {needed} prompt groups one needs "
+                    f"(this process): the others' completions all got the same reward, so the task is too easy or "
+                    "too hard for the policy, or the reward does not vary; raise max_num_gen_batches (<= 0: no "
+                    "limit) or check the reward functions")
+            more = self.sample_and_score(self._top_up_prompts())
+            self._record_sampled(more)
+            parts.append(more.rollout)
+            scores.append(more.scores)
+            informative = torch.cat([informative, informative_groups(more.scores.float().cpu(), k)])
+        counts = torch.tensor([[informative.numel(), int(informative.sum())]], device=device)
+        drawn, kept = self._gather_rows(counts).sum(0).tolist()  # groups over all processes
+        self.record({"dynamic_sampling/gen_batches": len(parts), "dynamic_sampling/groups_drawn": drawn,
+                     "dynamic_sampling/groups_dropped": drawn - kept}, "train")
+        rows = kept_rows(informative, k, needed)
+        scores = torch.cat(scores)
+        return take_rows(parts, rows, self.processing_class.pad_token_id), scores[rows.to(scores.device)]
+
+    def _top_up_prompts(self) -> dict:
+        """This process's prompts of one more generation batch for dynamic sampling, collated; read from the
+        train dataset in an order of its own whose place (`_top_up_position`) each checkpoint keeps."""
+        if self._top_up is None:
+            args, acc = self.args, self.accelerator
+            self._top_up = top_up_prompts(self.train_dataset, is_streamed(self.train_dataset),
+                                          args.per_process_generation // args.num_generations, acc.num_processes,
+                                          acc.process_index, self._top_up_pos, args.shuffle_dataset, args.seed)
+        return self._collate(next(self._top_up))
 
     @torch.no_grad()
     def sample_and_score(self, inputs: dict) -> Sampled:
@@ -504,9 +551,12 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         g = {k: self._gather_rows(batch[k]) for k in ("loss_mask", "old_logp", "ref_logp", "old_values",
                                                       "completion_ids") if k in batch}
         g_truncated, mask = self._gather_rows(truncated), g["loss_mask"]
+        lengths = self._gather_rows(batch.completion_mask.sum(1))
         shaped = shape_rewards(self._gather_rows(scores), mask, self.reward_shaping(), truncated=g_truncated,
-                               logp=g["old_logp"], ref_logp=g.get("ref_logp"))
+                               logp=g["old_logp"], ref_logp=g.get("ref_logp"), lengths=lengths)
         self._record_rollout(g, shaped.penalized_scores, g_truncated)
+        for name, term in shaped.terms.items():  # each registered shaping step's mean term
+            self.record({f"shaping/{name}": float(term.mean())}, "train")
         inp = AdvantageInput(scores=shaped.scores, mask=mask, group_size=args.num_generations, layout="prompt_major",
                              token_rewards=shaped.token_rewards, values=g.get("old_values"))
         advantages, returns = compute_advantages(args.advantage_estimator, inp, **self._options("advantage_estimator"))
@@ -524,7 +574,8 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         controller sets `beta` just before)."""
         args = self.args
         return RewardShaping(missing_eos_penalty=args.missing_eos_penalty, normalize=args.normalize_reward,
-                             clip_range=args.reward_clip_range, kl_in_reward=args.kl_in_reward, kl_coef=args.beta,
+                             clip_range=args.reward_clip_range, steps=shaping_steps(args),
+                             kl_in_reward=args.kl_in_reward, kl_coef=args.beta,
                              kl_estimator=args.kl_estimator, per_token=ADVANTAGES[args.advantage_estimator].per_token,
                              token_level_kl=args.token_level_kl, whiten=args.whiten_rewards)
 
@@ -622,11 +673,17 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         old_logp = logp.detach() if inputs["old_is_current"] else inputs["old_logp"]
         per_token, stats = POLICY_LOSSES[args.policy_loss].fn(logp, old_logp, inputs["advantages"], mask,
                                                               **self._options("policy_loss"))
+        metrics = {}
         if "vllm_logp" in inputs and args.vllm_importance_sampling_correction:  # sampled by vLLM, not by pi_old
-            per_token = per_token * truncated_importance_weights(old_logp, inputs["vllm_logp"],
-                                                                 args.vllm_importance_sampling_clip_max)
+            weights = IMPORTANCE_CORRECTIONS[args.vllm_importance_sampling_mode].fn(
+                old_logp, inputs["vllm_logp"], mask, args.vllm_importance_sampling_clip_min,
+                args.vllm_importance_sampling_clip_max)
+            per_token = per_token * weights
+            gap = (old_logp - inputs["vllm_logp"]).abs()
+            metrics = {"sampling/sampling_logp_difference/mean": masked_mean(gap, mask),
+                       "sampling/importance_sampling_ratio/mean": masked_mean(weights, mask)}
         policy_avg = masked_mean(per_token.detach(), mask)
-        metrics = {"loss/policy_avg": policy_avg, "policy_loss": policy_avg}  # TRL's name and the classic one
+        metrics.update({"loss/policy_avg": policy_avg, "policy_loss": policy_avg})  # TRL's name and the classic one
         if "ref_logp" in inputs:  # GRPO: beta * KL(pi || ref) per token, in the loss
             kl = kl_penalty(logp, inputs["ref_logp"], args.kl_estimator)
             if args.use_bias_correction_kl:  # samples are pi_old's: weight by pi/pi_old to estimate KL(pi || ref)
@@ -657,6 +714,15 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
                         "val/ratio": masked_mean(stats["ratio"], mask), "val/ratio_var": masked_var(stats["ratio"], mask)})
         self.record(metrics, "train")
         return (loss, None) if return_outputs else loss
+
+
+def _replays(args: OnlineConfig, policy, old_is_current: bool) -> bool:
+    """Whether the training forward takes the sampler's linear outputs (accel/replay.py): only when the policy
+    cannot have moved since sampling, in float32 without dropout, compile or checkpointing, and not with dynamic
+    sampling (its batch joins rows of several rollouts; the record indexes one)."""
+    return (args.replay_linear_outputs and old_is_current and not ADVANTAGES[args.advantage_estimator].critic
+            and not (args.bf16 or args.fp16 or args.torch_compile or args.gradient_checkpointing)
+            and _no_dropout(policy) and not args.filter_groups_enable)
 
 
 def _no_dropout(model) -> bool:

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from posttrain.core.advantages import ADVANTAGES
+from posttrain.core.importance import IMPORTANCE_CORRECTIONS
 from posttrain.core.kl import KL_ESTIMATORS
 from posttrain.core.masked import AGGREGATIONS
 from posttrain.core.policy_losses import POLICY_LOSSES
+from posttrain.core.shaping import SHAPING_STEPS
 from posttrain.trainers.base import BaseConfig
 
 # TRL's GRPO-family loss_type names -> (aggregation mode, whether the denominator is global); see loss_types()
@@ -125,15 +127,20 @@ class OnlineConfig(BaseConfig):
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Colocate mode: vLLM sleeps (weights "
                                          "to CPU, KV cache freed) outside generation and weight sync."})
     vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "With use_vllm: weight "
-                                                      "each token's policy loss by min(pi_old / pi_vllm, "
-                                                      "vllm_importance_sampling_clip_max), pi_old from the "
-                                                      "policy's forward and pi_vllm vLLM's sampling log-prob "
-                                                      "(truncated importance sampling)."})
-    vllm_importance_sampling_mode: str = field(default="token_truncate", metadata={"help": "Only "
-                                               "'token_truncate' (the per-token truncated weight above); TRL's "
-                                               "mask and sequence modes are refused."})
-    vllm_importance_sampling_clip_max: float = field(default=3.0, metadata={"help": "The cap of the "
+                                                      "each token's policy loss by an importance weight of "
+                                                      "pi_old / pi_vllm (pi_old from the policy's forward, pi_vllm "
+                                                      "vLLM's sampling log-prob), as vllm_importance_sampling_mode "
+                                                      "says (core/importance.py)."})
+    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "How the weight is "
+                                               "formed and bounded: " + ", ".join(IMPORTANCE_CORRECTIONS) + " "
+                                               "(token: a weight per token; sequence: the product over the "
+                                               "completion; truncate: clipped into [clip_min, clip_max]; mask: 0 "
+                                               "outside it)."})
+    vllm_importance_sampling_clip_max: float = field(default=3.0, metadata={"help": "The upper bound C of the "
                                                      "importance weight (> 0)."})
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "The lower bound of "
+                                                            "the importance weight (>= 0, < clip_max; None: "
+                                                            "none)."})
     vllm_importance_sampling_cap: float | None = field(default=None, metadata={"help": "TRL's older name of "
                                                        "vllm_importance_sampling_clip_max (copied into it; None: "
                                                        "unset)."})
@@ -177,6 +184,15 @@ class OnlineConfig(BaseConfig):
                                  "group estimators) to unit variance, keeping the mean."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions without a stop "
                                              "out of the loss."})
+    overlong_buffer_len: int | None = SHAPING_STEPS.field("overlong_buffer_len")
+    overlong_penalty_factor: float = SHAPING_STEPS.field("overlong_penalty_factor")
+    filter_groups_enable: bool = field(default=False, metadata={"help": "Dynamic sampling (DAPO; verl's "
+                                       "filter_groups.enable): drop the prompt groups whose rewards are all equal "
+                                       "and sample more prompts until the generation batch is full of groups whose "
+                                       "rewards differ. Needs num_generations >= 2."})
+    max_num_gen_batches: int = field(default=10, metadata={"help": "With filter_groups_enable: the most generation "
+                                     "batches drawn to fill one (the first included); past it training stops with "
+                                     "an error. <= 0: no limit (verl's default)."})
     # ---- reference and KL
     beta: float = field(default=0.0, metadata={"help": "KL coefficient; 0: no reference model at all."})
     kl_estimator: str = field(default="k3", metadata={"help": "'k1', 'k2', 'k3' or 'abs' (core.kl)."})
@@ -347,11 +363,13 @@ class OnlineConfig(BaseConfig):
                              f"{sorted(GENERATION_KWARGS)} (with use_vllm=True, any vLLM SamplingParams keyword)")
         if self.vllm_importance_sampling_cap is not None:
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        if not self.vllm_importance_sampling_clip_max > 0:
-            raise ValueError(f"vllm_importance_sampling_clip_max must be > 0, got {self.vllm_importance_sampling_clip_max}")
-        if self.vllm_importance_sampling_mode != "token_truncate":
-            raise ValueError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: only "
-                             "'token_truncate' is implemented (each token's weight min(ratio, clip_max))")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if not high > 0:
+            raise ValueError(f"vllm_importance_sampling_clip_max must be > 0, got {high}")
+        if low is not None and not 0 <= low < high:
+            raise ValueError(f"vllm_importance_sampling_clip_min must be >= 0 and below vllm_importance_sampling_"
+                             f"clip_max={high} (or None: no lower bound), got {low}")
+        IMPORTANCE_CORRECTIONS.choose(self.vllm_importance_sampling_mode, "vllm_importance_sampling_mode")
         if self.vllm_request_timeout is not None and not self.vllm_request_timeout > 0:
             raise ValueError(f"vllm_request_timeout must be > 0 seconds (or None: no deadline), got "
                              f"{self.vllm_request_timeout}")
@@ -415,6 +433,7 @@ class OnlineConfig(BaseConfig):
         config_options(self, "policy_loss", POLICY_LOSSES[self.policy_loss])
         ADVANTAGES.check_options(self)  # each option's bound (core.registry.Option)
         POLICY_LOSSES.check_options(self)
+        self._check_dynamic_sampling()
         # 0 would read as "no limit" and a negative length would cut the prompt's start instead
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {self.max_prompt_length}; "
@@ -435,6 +454,28 @@ class OnlineConfig(BaseConfig):
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.num_iterations < 1 or self.max_completion_length < 1:
             raise ValueError("num_iterations and max_completion_length must be >= 1")
+
+
+    def _check_dynamic_sampling(self):
+        """The registered reward-shaping steps' options, and dynamic sampling's settings."""
+        SHAPING_STEPS.check_options(self)
+        shaping_steps(self)  # an option without a field is refused here, before training
+        if self.overlong_buffer_len is not None and self.overlong_buffer_len > self.max_completion_length:
+            raise ValueError(f"overlong_buffer_len={self.overlong_buffer_len} must be <= max_completion_length="
+                             f"{self.max_completion_length}: the buffer is the last tokens before the limit")
+        if self.filter_groups_enable and self.max_staleness:  # its extra batches would race the background sampler
+            raise ValueError("filter_groups_enable samples its extra generation batches in the training thread, "
+                             "which asynchronous rollouts (max_staleness > 0) do not support yet: set one of them off")
+        if self.filter_groups_enable and self.num_generations < 2:
+            raise ValueError("filter_groups_enable drops the groups whose rewards are all equal, which every group "
+                             f"of num_generations={self.num_generations} sample is: set num_generations >= 2")
+
+
+def shaping_steps(config) -> tuple[tuple[str, dict], ...]:
+    """(name, options) of each registered reward-shaping step (core.shaping.SHAPING_STEPS) the config turns on,
+    i.e. whose `switch` field is not None, for `RewardShaping.steps`."""
+    return tuple((name, config_options(config, step.switch, step)) for name, step in SHAPING_STEPS.items()
+                 if getattr(config, step.switch, None) is not None)
 
 
 # ---------------------------------------------------------------- the classic RLOO / PPO field names

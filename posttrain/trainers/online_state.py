@@ -36,7 +36,16 @@ class OnlineCheckpoints:
     # checkpoint, per process. The critic is saved with the policy (`save_model`).
     # "_rollouts_in_flight" comes before "generator": saving it waits for the background sampler, which draws on it
     checkpointed = BaseTrainer.checkpointed + ("_rollouts_in_flight", "generator", "_shuffle", "_episodes", "_last_sample_step",
-                                               "_generation_in_progress", "_stream_position")
+                                               "_generation_in_progress", "_stream_position", "_top_up_position")
+
+    @property
+    def _top_up_position(self) -> dict | None:
+        """Where dynamic sampling's extra prompts stand (`prompts.top_up_prompts`); None (not saved) without it."""
+        return dict(self._top_up_pos) if self.args.filter_groups_enable else None
+
+    @_top_up_position.setter
+    def _top_up_position(self, position: dict):
+        self._top_up_pos, self._top_up = dict(position), None  # read on from there
 
     @property
     def _rollouts_in_flight(self) -> list | None:

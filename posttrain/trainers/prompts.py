@@ -157,3 +157,33 @@ class _PromptStream(torch.utils.data.IterableDataset):
 
 def _collate_streamed(collate, item: tuple[list[dict], int] | None) -> dict | None:
     return None if item is None else {**collate(item[0]), "micro_index": item[1]}
+
+
+class _Reordered(torch.utils.data.IterableDataset):
+    """A map-style dataset's rows in a random order per pass (`set_epoch`), or in order without `shuffle`."""
+
+    def __init__(self, dataset, shuffle: bool, seed: int):
+        self.dataset, self.shuffle, self.seed, self.epoch = dataset, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __iter__(self):
+        n = len(self.dataset)
+        # a seed of its own, apart from the training order's seed + epoch
+        seed = self.seed * 1_000_003 + 7919 * (self.epoch + 1)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist() if self.shuffle else range(n)
+        for i in order:
+            yield self.dataset[i]
+
+
+def top_up_prompts(dataset, streamed: bool, per_process: int, num_processes: int, rank: int, position: dict,
+                   shuffle: bool, seed: int):
+    """The extra prompts of dynamic sampling: an endless iterator of this process's rows (a list of dicts) of one
+    generation batch after another, read from the train dataset on a cursor of its own (a stream in stream order,
+    a map-style dataset shuffled per pass with a seed apart from the training order's), so the training order,
+    and transformers' skipping of it on resume, stays as it is. `position` (`new_stream_position`) moves as
+    batches are handed out; a checkpoint saves it and a resumed run reads on from there."""
+    source = dataset if streamed else _Reordered(dataset, shuffle, seed)
+    for rows, _ in _PromptStream(source, per_process, num_processes, rank, 1, position):
+        yield rows

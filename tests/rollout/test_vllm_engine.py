@@ -147,8 +147,13 @@ def test_use_vllm_refusals_say_what_is_missing(tmp_path, monkeypatch):
         GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server")
     with pytest.raises(ValueError, match=r"vllm_mode='remote' is unknown; choose one of \['colocate', 'server'\]"):
         GRPOConfig(output_dir=str(tmp_path), vllm_mode="remote")
-    with pytest.raises(ValueError, match="only 'token_truncate'"):
-        GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_mode="sequence_mask")
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode='seq' is unknown; choose one of "
+                       r"\['sequence_mask', 'sequence_truncate', 'token_mask', 'token_truncate'\]"):
+        GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_mode="seq")
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_clip_min must be >= 0 and below "
+                       r"vllm_importance_sampling_clip_max=3.0"):
+        GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_clip_min=3.0)
+    assert GRPOConfig(output_dir=str(tmp_path)).vllm_importance_sampling_mode == "sequence_mask"  # TRL's default
     with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max must be > 0"):
         GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_clip_max=0.0)
     # TRL's older name of the cap is copied into the current one; without use_vllm nothing is checked
@@ -285,7 +290,8 @@ def test_loss_is_weighted_by_the_truncated_ratio(tmp_path, fake_vllm, shift, fac
     """vLLM's log-probs are the policy's plus `shift` everywhere, so every token's weight is
     min(exp(-shift), 3): the policy loss (no KL, no entropy) is that factor times the uncorrected one."""
     FakeLLM.logprob_shift = shift
-    args = GRPOConfig(**online_args(tmp_path, num_generations=4), use_vllm=True)
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4), use_vllm=True,
+                      vllm_importance_sampling_mode="token_truncate")
     trainer = GRPOTrainer(TINY, first_token_reward, args=args, train_dataset=prompts(8))
     micro = trainer.build_experience(trainer.sample_completions([[5, 6, 7], [8, 9]]), torch.arange(8.0))
     mb = dict(micro[0])
@@ -296,6 +302,33 @@ def test_loss_is_weighted_by_the_truncated_ratio(tmp_path, fake_vllm, shift, fac
     plain = float(trainer.compute_loss(trainer.model, mb).detach())
     assert plain != 0.0
     assert corrected == pytest.approx(factor * plain, rel=1e-4)
+
+
+@pytest.mark.parametrize("mode, clip_min, shift, factor", [
+    ("token_mask", None, -0.5, math.exp(0.5)),  # each token's ratio e^0.5 < 3: kept as it is
+    ("token_mask", None, -2.0, 0.0),  # e^2 > 3: every token masked
+    ("token_mask", 0.8, 0.4, 0.0),  # e^-0.4 = 0.67 < 0.8: every token masked
+    ("token_truncate", 0.8, 0.4, 0.8),  # ... or raised to the lower bound
+    ("sequence_truncate", None, -2.0, 3.0),  # a sequence's ratio e^(2 n) > 3: capped
+    ("sequence_mask", None, -2.0, 0.0),  # ... or masked
+    ("sequence_mask", None, 0.0, 1.0),  # vLLM's numbers are the policy's: ratio 1
+])
+def test_each_mode_weights_the_loss(tmp_path, fake_vllm, mode, clip_min, shift, factor):
+    """Every token (or sequence) of the batch gets the same weight here, so the policy loss (no KL, no entropy)
+    is `factor` times the uncorrected one; the logged mean weight is that factor."""
+    FakeLLM.logprob_shift = shift
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4), use_vllm=True, vllm_importance_sampling_mode=mode,
+                      vllm_importance_sampling_clip_min=clip_min)
+    trainer = GRPOTrainer(TINY, first_token_reward, args=args, train_dataset=prompts(8))
+    mb = dict(trainer.build_experience(trainer.sample_completions([[5, 6, 7], [8, 9]]), torch.arange(8.0))[0])
+    mb["advantages"] = torch.linspace(0.5, 2.0, mb["advantages"].numel()).view_as(mb["advantages"])
+    trainer._metrics["train"].clear()
+    corrected = float(trainer.compute_loss(trainer.model, mb).detach())
+    assert trainer.recorded_metrics()["sampling/importance_sampling_ratio/mean"] == [pytest.approx(factor, rel=1e-4)]
+    trainer.args.vllm_importance_sampling_correction = False
+    plain = float(trainer.compute_loss(trainer.model, mb).detach())
+    assert plain != 0.0
+    assert corrected == pytest.approx(factor * plain, rel=1e-4, abs=1e-7)
 
 
 # ---------------------------------------------------------------- PEFT weights

@@ -184,7 +184,9 @@ def test_rollout_func_with_vllm_generates_through_the_synced_engine(tmp_path, fa
                 "completion_ids": [row[:n] for row, n in zip(r.completion_ids.tolist(), lengths)],
                 "logprobs": [row[:n] for row, n in zip(r.logprobs.tolist(), lengths)]}
 
-    args = GRPOConfig(**online_args(tmp_path, num_generations=4), use_vllm=True)
+    # per-token weights e^0.2: TRL's default sequence_mask would mask every sequence of 6 tokens (e^1.2 > 3)
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4), use_vllm=True,
+                      vllm_importance_sampling_mode="token_truncate")
     trainer = GRPOTrainer("posttrain/tiny-qwen2", lambda completion_ids, **kw: [float(c[0] % 5) for c in completion_ids],
                           args=args, train_dataset=_dataset(GO), rollout_func=rollout_func)
     FakeLLM.policy = trainer.policy
