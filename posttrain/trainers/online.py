@@ -20,6 +20,10 @@
      When old == current, the policy's forward takes every decoder layer's linear outputs from the
      sampler's record instead of recomputing them (`accel/replay.py`, `replay_linear_outputs`).
 
+With `max_staleness` > 0 (asynchronous rollouts, `online_async.py`), steps 1-3 of the next generation batches
+run in a background thread, by a copy of the policy up to `max_staleness` optimizer steps old, while the current
+batch trains; old_logp is then that policy's and the clipped ratio corrects for the staleness.
+
 The configuration, `OnlineConfig`, lives in `online_config.py` (imported here); what flows between the
 phases is `core.batch.Experience`; evaluation, metrics and checkpointed state are mixins in `online_eval.py`,
 `online_metrics.py` and `online_state.py`.

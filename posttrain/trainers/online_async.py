@@ -116,15 +116,14 @@ class AsyncRollouts:
             self.sampler = copy.deepcopy(self.trainer.policy).eval().requires_grad_(False)
             for p in self.sampler.parameters():
                 p.grad = None
-        weights = self._snapshot()
-        if not self.queue:
-            self._submit(ordinal, inputs, weights)
-        queued = {o for o, _ in self.queue}
-        steps_per_batch = self.trainer.optimizer_steps_per_generation
-        for later, batch in inputs.get("ahead", ()):
-            # no batch past the run's end; a batch's training starts at (its number) * steps_per_batch
-            if later not in queued and (ordinal is None or later * steps_per_batch < self.trainer.state.max_steps):
-                self._submit(later, batch, weights)
+        queued, steps_per_batch = {o for o, _ in self.queue}, self.trainer.optimizer_steps_per_generation
+        jobs = [] if self.queue else [(ordinal, inputs)]
+        # the batches after it, up to `depth` ahead; none past the run's end (batch b trains from step b * steps)
+        jobs += [(later, batch) for later, batch in inputs.get("ahead", ())
+                 if later not in queued and later * steps_per_batch < self.trainer.state.max_steps]
+        weights = self._snapshot() if jobs else None  # the weights published to the sampler for these batches
+        for later, batch in jobs:
+            self._submit(later, batch, weights)
         start = time.perf_counter()
         sampled = self.queue.popleft()[1].result()
         trainer = self.trainer
