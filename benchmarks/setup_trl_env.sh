@@ -23,7 +23,9 @@ ACCELERATE="$(version_in_main accelerate)"
 python3 -m venv "$VENV"
 # torch first: the pinned version resolves to the CPU build; a bare `torch` requirement could pull CUDA wheels
 "$VENV/bin/pip" install -q torch==2.13.0
+# pillow: the vision-language workload (vlm_sft) hands both sides PIL images, and TRL's VLM path needs it
+PILLOW="$(version_in_main pillow)"
 "$VENV/bin/pip" install -q "trl==$TRL_VERSION" "transformers==$TRANSFORMERS" "datasets==$DATASETS" \
-    "accelerate==$ACCELERATE"
+    "accelerate==$ACCELERATE" "pillow==$PILLOW"
 "$VENV/bin/python" -c "import trl, transformers, torch; print('trl', trl.__version__, '| transformers', \
 transformers.__version__, '| torch', torch.__version__)"

@@ -31,6 +31,11 @@ Workloads (default: all but the long ones; --long adds those):
                temperature 0.3, SmolLM2 fitted once to call it; vs_trl_tools_worker.py (details: its docstring)
   ppo          PPO, 8 prompts x <= 32 tokens per update, 2 PPO epochs x 2 mini-batches of 4, value and reward model
   bco          BCO (beta 0.1), batch 8 unpaired rows (4 pairs: chosen desirable, rejected undesirable), no UDM
+  vlm_grpo     GRPO on the same VLM and images (the visual task's prompts, one image each): 2 prompts x 4
+               completions x <= 32 tokens per step, beta 0; the generic worker, both sides given PIL images
+  vlm_sft      vision-language SFT: batch 4 rows of the visual task (one 64x64 image = 64 image tokens each) on a
+               LLaVA with SmolLM2's architecture and random weights; vs_trl_vlm_worker.py (details: its docstring).
+               Its FLOPs count the language model only (the 4-layer vision tower adds a little)
 TRL 1.16 no longer ships PPO and BCO: their TRL side is TRL 1.12.0's trl.experimental, in .bench-venv-trl112
 (`bash benchmarks/setup_trl112_env.sh`), run by vs_trl_experimental_worker.py (what it matches: its docstring).
 
@@ -118,6 +123,12 @@ WORKLOADS = {
     "gkd": dict(trainer="gkd", data="messages", unit="samples", worker="vs_trl_distill_worker.py",
                 config=dict(per_device_train_batch_size=8, max_new_tokens=32, learning_rate=1e-6, temperature=1.0,
                             lmbda=1.0, beta=0.5)),
+    # vision-language SFT: a LLaVA with SmolLM2's architecture, random weights (vs_trl_vlm_worker.prepare)
+    "vlm_grpo": dict(trainer="grpo", data="vlm-rows", unit="samples", model="vlm", config=dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
+        temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
+    "vlm_sft": dict(trainer="sft", data="vlm-rows", unit="tokens", model="vlm", worker="vs_trl_vlm_worker.py",
+                    config=dict(per_device_train_batch_size=4, max_length=None, learning_rate=1e-5)),
 }
 SIDES = ("trl", "posttrain")
 # The columns a run can have: the library each runs and the environment its worker gets on top of the run's.
@@ -197,6 +208,21 @@ def pairs(n: int) -> list[dict]:
     return [{"prompt": [{"role": "user", "content": "Explain, one aphorism at a time: " + text(rng.randint(4, 7))}],
              "chosen": [{"role": "assistant", "content": text(rng.randint(2, 4))}],
              "rejected": [{"role": "assistant", "content": text(rng.randint(2, 4))}]} for _ in range(n)]
+
+
+def vision_prompt_tokens(model_dir: str, rows: list[dict]) -> float:
+    """Mean prompt length in tokens, each image's tokens included, as the model's processor makes them (the
+    online vision workloads' prompt length; the images are the rows' PNG files)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    lengths = []
+    for row in rows[:8]:
+        text = processor.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        images = [Image.open(p).convert("RGB") for p in row["images"]]
+        lengths.append(processor(text=[text], images=[images], return_tensors="pt")["input_ids"].shape[1])
+    return sum(lengths) / len(lengths)
 
 
 def prepare_data(cache: Path, model_dir: str) -> tuple[dict[str, str], dict[str, float]]:
@@ -467,6 +493,11 @@ def main():
 
         models["tools"], data["tool-prompts"], lengths["tool-prompts/tokens"] = vs_trl_tools_worker.prepare(
             cache, models["causal"])
+    if any(WORKLOADS[n].get("model") == "vlm" for n in names):  # the random-weight LLaVA and its rows, once (cached)
+        import vs_trl_vlm_worker
+
+        models["vlm"], data["vlm-rows"], lengths["vlm-rows/context"] = vs_trl_vlm_worker.prepare(cache, models["causal"])
+        lengths["vlm-rows/tokens"] = vision_prompt_tokens(models["vlm"], json.loads(Path(data["vlm-rows"]).read_text()))
     model_shape = linear_params(models["causal"])
     peak_before = matmul_peak(args.threads)
     load_before = os.getloadavg()[0]

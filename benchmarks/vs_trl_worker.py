@@ -238,6 +238,11 @@ def main():
     side, kind, cfg = spec["side"], spec["trainer"], spec["config"]
     Config, Trainer = trainer_classes(side, kind)
     rows = json.load(open(spec["data"]))
+    images = bool(rows) and "images" in rows[0]
+    if images:  # vision rows name their images' files: both sides get the same PIL images
+        from PIL import Image
+
+        rows = [{**row, "images": [Image.open(path).convert("RGB") for path in row["images"]]} for row in rows]
     data = Dataset.from_list(rows)
     common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
                   save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False,
@@ -258,9 +263,10 @@ def main():
         return [len(c[-1]["content"] if isinstance(c, list) else c) / 100 for c in completions]
 
     if kind in ONLINE:
-        from transformers import AutoTokenizer
+        from transformers import AutoProcessor, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(spec["model"])  # TRL's OnlineDPOTrainer requires it
+        # TRL's OnlineDPOTrainer requires the tokenizer; a vision workload's model takes its processor
+        tokenizer = (AutoProcessor if images else AutoTokenizer).from_pretrained(spec["model"])
         trainer = Trainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data,
                           processing_class=tokenizer)
     else:

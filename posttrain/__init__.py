@@ -81,6 +81,11 @@ _EXPORTS = {
     "PRMConfig": "posttrain.trainers.prm", "PRMTrainer": "posttrain.trainers.prm",
     "ProcessRewardFunction": "posttrain.rollout.process_rewards",
     "task_stepwise_dataset": "posttrain.tasks.builtin",
+    # vision-language models (docs/vision.md); prepare_multimodal_messages is TRL's trl.data_utils name
+    "prepare_multimodal_messages": "posttrain.data.multimodal",
+    "vision_dataset": "posttrain.tasks.vision", "vision_preference_dataset": "posttrain.tasks.vision",
+    "load_vision_lm": "posttrain.models.loading", "load_processor": "posttrain.models.loading",
+    "vision_accuracy": "posttrain.eval",
 }
 
 __all__ = sorted(_EXPORTS)

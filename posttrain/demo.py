@@ -46,7 +46,8 @@ STAGES = ("sft", "reward", "grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", 
           "distill")
 # Run only when asked (--stages tools): a few minutes of CPU, more than the default stages together; the other
 # online methods learn as their namesakes above (--stages xpo,nash_md,gmpo,gspo_token,grpo_with_replay_buffer,a2po).
-OPT_IN_STAGES = ("tools", "xpo", "nash_md", "gmpo", "gspo_token", "grpo_with_replay_buffer", "a2po")
+OPT_IN_STAGES = ("tools", "xpo", "nash_md", "gmpo", "gspo_token", "grpo_with_replay_buffer", "a2po", "vision")
+# --stages vision: the tiny vision-language model on the visual task (demo_vision.py), its rows in the same table
 
 
 ONLINE = ("grpo", "rloo", "ppo", "reinforce_pp", "online_dpo", "xpo", "nash_md", "gmpo", "gspo_token",
@@ -529,6 +530,10 @@ def run(plan: DemoPlan) -> list[dict]:
         _quiet_libraries()
     console = _console()
     Path(plan.output_dir).mkdir(parents=True, exist_ok=True)
+    if set(plan.stages) <= {"vision", "tools"}:  # stages with models and tasks of their own: no text task to score
+        _opt_in_stages(plan, console)
+        report(plan, console)
+        return plan.results
     with console.status("building the model, tokenizer and task data"):
         tokenizer = load_tokenizer(None, model=plan.model)
         train = task_dataset(plan.task, "train", conversational=plan.conversational)
@@ -542,10 +547,20 @@ def run(plan: DemoPlan) -> list[dict]:
     data = (tokenizer, train, test)
     start, start_acc = _sft_stage(plan, console, data, base_acc)
     _later_stages(plan, console, data, start, start_acc)
-    if "tools" in plan.stages:
-        _tools_stages(plan, console)
+    _opt_in_stages(plan, console)
     report(plan, console)
     return plan.results
+
+
+def _opt_in_stages(plan: DemoPlan, console):
+    """The stages with their own models and data: tools (two tool environments), vision (the tiny VLM)."""
+    if "tools" in plan.stages:
+        _tools_stages(plan, console)
+    if "vision" in plan.stages:
+        from posttrain.demo_vision import run_vision_stages
+
+        console.rule("vision: the tiny VLM on the visual task (SFT, then each row from the SFT checkpoint)")
+        run_vision_stages(plan, lambda *row: _record(plan, console, *row))
 
 
 def _record(plan: DemoPlan, console, stage: str, started: float, metric: tuple):
@@ -671,7 +686,7 @@ def report(plan: DemoPlan, console=None):
 
 def _folder(stage: str) -> str:
     """The output folder of a table row's stage ("sft (reused)": sft/)."""
-    return stage.split(" (")[0]
+    return stage.split(" (")[0].replace(" ", "_")  # "vision sft": vision_sft/
 
 
 def _plot(plan: DemoPlan, out: Path):

@@ -51,3 +51,43 @@ def generation_accuracy(model, tokenizer, dataset, max_new_tokens: int = 8, batc
     answers = list(dataset["answer"])
     checker = checker or check
     return sum(checker(t, a) for t, a in zip(texts, answers)) / max(len(answers), 1)
+
+
+@torch.no_grad()
+def vision_completions(model, processor, prompts: Sequence[Any], images: Sequence[list], max_new_tokens: int = 8,
+                       batch_size: int = 32, **generation_kwargs) -> list[str]:
+    """Greedy completions (text, special tokens dropped) of a vision-language model: `prompts` are message lists
+    (content strings or parts), `images` each prompt's images (PIL, paths, bytes). Prompts are rendered by the
+    chat template with the generation prompt and processed with their images, left-padded."""
+    from posttrain.data.multimodal import load_image, prepare_multimodal_messages
+    from posttrain.data.tokenize import render_chat
+
+    tokenizer = processor.tokenizer
+    kwargs = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=True,
+                  do_sample=False, max_new_tokens=max_new_tokens, **generation_kwargs)
+    device = next(model.parameters()).device
+    texts = []
+    with eval_mode(model):
+        for start in range(0, len(prompts), batch_size):
+            pictures = [[load_image(i) for i in row] for row in images[start:start + batch_size]]
+            rendered = [render_chat(tokenizer, prepare_multimodal_messages(p, i), add_generation_prompt=True)
+                        for p, i in zip(prompts[start:start + batch_size], pictures)]
+            extra = {"images": pictures} if any(pictures) else {}
+            inputs = processor(text=rendered, padding=True, padding_side="left", return_tensors="pt",
+                               add_special_tokens=False, **extra).to(device)
+            out = model.generate(**inputs, **kwargs)
+            texts += tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return texts
+
+
+def vision_accuracy(model, processor, dataset, max_new_tokens: int = 4, batch_size: int = 32, checker=None) -> float:
+    """Fraction of rows whose greedy completion passes `checker(completion, row["answer"])` (default: the visual
+    task's `vision_check`); `dataset` has `prompt`, `images` (or `image`) and `answer` columns."""
+    from posttrain.data.multimodal import row_images
+    from posttrain.tasks.vision import vision_check
+
+    rows = list(dataset)
+    texts = vision_completions(model, processor, [r["prompt"] for r in rows],
+                               [row_images(r, i, load=False) for i, r in enumerate(rows)], max_new_tokens, batch_size)
+    checker = checker or vision_check
+    return sum(checker(t, r["answer"]) for t, r in zip(texts, rows)) / max(len(rows), 1)

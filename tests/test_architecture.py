@@ -27,6 +27,7 @@ LAYERS = [
     {"judges"},
     {"callbacks"},
     {"trainers"},
+    {"demo_vision"},      # the demo's vision stage (the tiny VLM), run by demo
     {"demo"},
     {"cli"},
 ]

@@ -307,3 +307,35 @@ def test_orpo_and_cpo_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch,
     # no reference model: three forwards' worth (forward + backward) per token of both sequences
     model, lengths = (1000, 100, 2, 8), {"pair/context": 5.0, "pair/tokens": 20.0}
     assert vs_trl.flops_per_item(workload, lengths, model, 0.0) == 3 * 2320 * 20
+
+
+def test_vlm_grpo_workload_runs_on_the_posttrain_side(tmp_path):
+    """The posttrain side of vlm_grpo as vs_trl.py starts it (the worker in a fresh process, the workload's
+    configuration) on the tiny VLM and 8 rows of the visual task (PNG files the worker opens), for 2 steps; the
+    prompt length counts each image's 16 tokens."""
+    import json
+    import subprocess
+    import sys
+
+    from posttrain.tasks.vision import vision_dataset
+
+    spec = vs_trl.WORKLOADS["vlm_grpo"]
+    rows = []
+    for i, row in enumerate(vision_dataset("train", 8)):  # the rows vs_trl_vlm_worker.prepare writes
+        row["images"][0].save(tmp_path / f"{i}.png")
+        rows.append({"prompt": row["prompt"], "completion": row["completion"], "images": [str(tmp_path / f"{i}.png")]})
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    model = resolve("posttrain/tiny-llava")
+    assert vs_trl.vision_prompt_tokens(model, rows) > 16  # each image's 16 tokens counted
+    job = {"side": "posttrain", "workload": "vlm_grpo", "trainer": spec["trainer"],
+           "config": {**spec["config"], "max_completion_length": 4, "gradient_checkpointing": False, "bf16": False},
+           "model": model, "models": {}, "data": str(tmp_path / "data.json"), "seed": 0, "threads": 1, "steps": 2,
+           "output_dir": str(tmp_path / "out"), "out": str(tmp_path / "result.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(job))
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "vs_trl_worker.py"),
+                           str(tmp_path / "spec.json")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["samples"] == [8, 8] and all(0 < n <= 4 for n in result["completion_tokens"])
+    summary = vs_trl.summarise(result, "samples")
+    assert vs_trl.same_work("vlm_grpo", summary, summary)[0]

@@ -52,7 +52,33 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
-__all__ = ["CHATML_TEMPLATE", "IM_START", "IM_END", "TOOL_CALL_START", "TOOL_CALL_END", "ensure_chat_template",
+# ChatML for vision-language models: a message's content is a string or a list of parts
+# ({"type": "image"}, {"type": "text", "text": ...}, TRL's and transformers' layout); an image part is
+# written as the model's image placeholder, which its processor then expands into the image tokens.
+# Text-only conversations render exactly as CHATML_TEMPLATE renders them.
+_RENDER_PARTS = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' -%}{{ IMAGE }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+
+
+def vision_chat_template(image_placeholder: str) -> str:
+    """CHATML_TEMPLATE for content given as parts, each image part written as `image_placeholder`."""
+    template = (CHATML_TEMPLATE
+                .replace("messages[0]['content'] + '\n\n'", "render(messages[0]['content']) + '\n\n'")
+                .replace("message['content'] if message['content'] is string else ''", "render(message['content'])")
+                .replace("message['content'] + '<|im_end|>\n'", "render(message['content']) + '<|im_end|>\n'"))
+    if template.count("render(") != 3:
+        raise RuntimeError("CHATML_TEMPLATE changed: update vision_chat_template's replacements")
+    return _RENDER_PARTS.replace("IMAGE", repr(image_placeholder)) + template
+
+
+__all__ = ["CHATML_TEMPLATE", "vision_chat_template", "IM_START", "IM_END", "TOOL_CALL_START", "TOOL_CALL_END", "ensure_chat_template",
            "load_chat_template", "template_inputs", "template_tools", "template_variables"]
 
 

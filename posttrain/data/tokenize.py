@@ -169,6 +169,39 @@ def encode_text(tokenizer, text, assistant_only: bool = False, tools=None, templ
     return {"input_ids": ids, "loss_mask": [1] * len(ids)}
 
 
+def encode_sft_row(tokenizer, row, i: int | None, *, language_modeling: bool, conversational: bool,
+                   completion_only: bool, assistant_only: bool, max_length: int | None = None,
+                   template_kwargs=None) -> dict:
+    """{"input_ids", "loss_mask", "truncated"} of one SFT row: language modeling (`text` or, when
+    `conversational`, `messages`) or prompt-completion (`prompt`, `completion`), its `tools` shown to the
+    chat template. The loss mask covers every token, or the completion only (`completion_only`, prompt-
+    completion rows), or what assistant turns say (`assistant_only`), or both of the last two. `truncated`
+    tells whether the row is longer than `max_length` (a prompt-completion row is cut to it here)."""
+    tools = row.get("tools")
+    if language_modeling:
+        out = encode_text(tokenizer, row["messages"] if conversational else row["text"],
+                          assistant_only=assistant_only, tools=tools, template_kwargs=template_kwargs)
+        return {"input_ids": out["input_ids"], "loss_mask": out["loss_mask"],
+                "truncated": max_length is not None and len(out["input_ids"]) > max_length}
+    out = encode_prompt_completion(tokenizer, row["prompt"], row["completion"], max_length, row=i,
+                                   tools=tools, template_kwargs=template_kwargs)
+    n_prompt, n_completion = len(out["prompt_ids"]), len(out["completion_ids"])
+    ids = out["prompt_ids"] + out["completion_ids"]
+    mask = [0] * n_prompt + [1] * n_completion if completion_only else [1] * len(ids)
+    if assistant_only:
+        full = encode_text(tokenizer, list(row["prompt"]) + list(row["completion"]), assistant_only=True,
+                           tools=tools, template_kwargs=template_kwargs)
+        mask = [m & a for m, a in zip(mask, full["loss_mask"])]
+    return {"input_ids": ids, "loss_mask": mask, "truncated": out["truncated"]}
+
+
+def render_chat(tokenizer, messages, tools=None, template_kwargs=None, **kwargs) -> str:
+    """The chat template's text of `messages` (what `_chat` tokenises), with the row's tools and variables."""
+    messages, tools = template_inputs(messages, tools)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         **template_variables(template_kwargs), **kwargs)
+
+
 def encode_steps(tokenizer, prompt: str, steps: list[str], labels: list, *, step_separator: str, max_length=None,
                  max_prompt_length=None, max_completion_length=None, last_step_only: bool = False) -> dict:
     """A stepwise row for a process reward model -> {"input_ids", "labels"}: the prompt (after the BOS token,

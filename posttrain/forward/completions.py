@@ -27,12 +27,14 @@ from posttrain.core.divergences import LinearLogits
 from posttrain.core.log_softmax import length_groups, sequence_logprobs
 from posttrain.forward.logprobs import (attention_kind, last_hidden_states, linear_selective_log_softmax, pack_groups,
                                         pack_pairs, packed_logps, plain_lm_head, token_logprobs)
+from posttrain.forward.vision import IMAGE_GROUP, forward_inputs
 from posttrain.models.modes import unwrap
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                        replay: tuple[LinearRecord, Tensor] | tuple[LinearRecord, Tensor, bool] | None = None):
+                        replay: tuple[LinearRecord, Tensor] | tuple[LinearRecord, Tensor, bool] | None = None,
+                        vision: dict[str, Tensor] | None = None):
     """Log-probs (R, C) of the completion tokens under softmax(logits / temperature), and their
     entropies (R, C) or None, computing each distinct prompt once.
 
@@ -53,12 +55,18 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     (`accel/replay.py`) instead of computing them; rows (R,) are the rollout rows of these completions, and
     the record must come from the current weights. (record, rows, True): this forward is the record's
     last use, and each layer's part of it is let go as soon as the forward has read it.
+
+    vision: the rows' prompt images (`forward.vision.row_inputs`, a micro-batch's `row_part`), or None. Rows
+    share a prompt when their token ids and their image group agree; the packed forward then encodes each
+    prompt's images once, the plain one each row's.
     """
     R, C = completion_ids.shape
     P = prompt_ids.shape[1]
     first: dict[tuple, int] = {}  # prompt -> index of its sequence, by first appearance
     owner, block, taken = [], [], {}  # per row: its sequence and its completion block within it
-    for key in map(tuple, torch.cat([prompt_ids, prompt_mask], 1).tolist()):
+    keys = torch.cat([prompt_ids, prompt_mask] + ([vision[IMAGE_GROUP][:, None].to(prompt_ids.device)]
+                                                  if vision is not None else []), 1)
+    for key in map(tuple, keys.tolist()):
         u = first.setdefault(key, len(first))
         taken[u] = taken.get(u, -1) + 1
         owner.append(u)
@@ -74,9 +82,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     if attn not in ("sdpa", "eager") or k == 1 or cost(U, P + k * B) >= cost(R, P + C):  # little or no sharing
         ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
         head = plain_lm_head(unwrap(model), ids)  # fused into the log-softmax where plain: no (R, C, V) logits
+        images = {} if vision is None else forward_inputs(vision, torch.arange(R))
         with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
             logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
-                                              with_entropy=with_entropy, exact_positions=True, head=head)
+                                              with_entropy=with_entropy, exact_positions=True, head=head, **images)
         return logp, entropy
     device = completion_ids.device
     rows = torch.tensor(owner, device=device) * k + torch.tensor(block, device=device)  # (R,) slot of each row
@@ -94,8 +103,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         slots[rows.cpu()] = rollout_rows
         return record.layout(slots.view(U, k), P, B)
 
+    images = {} if vision is None else forward_inputs(vision, lead)  # each distinct prompt's images, once
     with _replayed(replay, known):
-        logps, entropy, _ = packed_logps(model, packed, head, temperature=temperature, with_entropy=with_entropy)
+        logps, entropy, _ = packed_logps(model, packed, head, temperature=temperature, with_entropy=with_entropy,
+                                         **images)
     return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
 
 
@@ -115,7 +126,7 @@ def _num_scored(completion_mask: Tensor) -> int:
 
 
 def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
-                     paired: bool = False, per_forward: int | None = None):
+                     paired: bool = False, per_forward: int | None = None, model_inputs: dict | None = None):
     """Summed completion log-probs (N,), completion lengths (N,) and mean logits (N,) of [prompt | completion]
     rows (N, T), right-padded (the preference trainers' batches); the mean logits are detached.
 
@@ -129,17 +140,23 @@ def completion_logps(model, input_ids: Tensor, attention_mask: Tensor, completio
     uneven length then go through the model in groups of similar length (`length_groups`, `per_forward`
     = 16 tokens by default), so that less of the work is padding; on GPUs (`per_forward` None there) the
     batch stays whole.
+
+    model_inputs: what else the forward takes for these rows (a vision-language model's pixel_values,
+    image_grid_thw, ...); the rows then go through the model as they are, without pair packing (the image
+    tokens of a row must meet its image features in one sequence).
     """
     T, K = input_ids.shape[1], _num_scored(completion_mask)
+    model_inputs = model_inputs or {}
     head = plain_lm_head(model, input_ids)
-    if paired and head is not None and attention_kind(model) in ("sdpa", "eager"):
+    if paired and head is not None and attention_kind(model) in ("sdpa", "eager") and not model_inputs:
         return _paired_completion_logps(model, head, input_ids, attention_mask, completion_mask, per_forward)
     if head is None:
-        logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
+        logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True,
+                                          **model_inputs)
         with torch.no_grad():
             token_mean_logits = logits.mean(-1)  # (N, K)
     else:  # the model stops at its hidden states; the output layer is fused into the log-softmax
-        hidden = last_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask)
+        hidden = last_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask, **model_inputs)
         hidden = hidden[:, T - K - 1:T - 1]  # (N, K, H): position t scores token t + 1
         logps = linear_selective_log_softmax(hidden, head.weight, input_ids[:, T - K:])[0]
         with torch.no_grad():  # mean over the vocabulary of hidden @ W.T
@@ -178,14 +195,16 @@ def _paired_forward(model, head, input_ids: Tensor, attention_mask: Tensor, comp
     return sequence_logprobs(logps, mask), lengths, mean_logits.float()
 
 
-def completion_token_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor):
+def completion_token_logps(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
+                           model_inputs: dict | None = None):
     """Per-token log-probs (N, K) of the last K columns (as `completion_logps` scores them), the
     completion mask of those columns (N, K) and the logits that scored them (N, K, V).
 
     For losses that weight tokens (LD-DPO) or read the whole next-token distribution (WPO); unlike
-    `completion_logps` it builds the (N, K, V) logits whole."""
+    `completion_logps` it builds the (N, K, V) logits whole. model_inputs: as for `completion_logps`."""
     T, K = input_ids.shape[1], _num_scored(completion_mask)
-    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True)
+    logps, _, logits = token_logprobs(model, input_ids, attention_mask, num_scored=K, exact_positions=True,
+                                      **(model_inputs or {}))
     return logps, completion_mask[:, T - K:], logits
 
 

@@ -397,7 +397,7 @@ def pack_groups(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
 
 
 def packed_logps(model, packed: PackedGroups, head: torch.nn.Linear | None, temperature: float = 1.0,
-                 with_entropy: bool = False, by_slot: bool = False):
+                 with_entropy: bool = False, by_slot: bool = False, **model_kwargs):
     """Log-probs (U, k * C) of the packed completion tokens under softmax(logits / temperature), their
     entropies (U, k * C) or None, and the hidden states (U, k * C, H) that score them (None without `head`).
     With `by_slot`, rows (k * U, C) ordered as `PackedGroups.at_scores` orders them (for pairs: the
@@ -405,11 +405,12 @@ def packed_logps(model, packed: PackedGroups, head: torch.nn.Linear | None, temp
 
     `head`: the model's plain output layer (`plain_lm_head`), fused into the log-softmax so no
     logits are made; None computes the logits at the scoring columns through the model's own head
-    (by `logits_to_keep` when all groups share a layout, else all of them).
+    (by `logits_to_keep` when all groups share a layout, else all of them). `model_kwargs` go to the forward
+    (a vision-language model's images, one group's once).
     """
     U, k, C = packed.targets.shape
     targets = packed.targets.transpose(0, 1).reshape(k * U, C) if by_slot else packed.targets.reshape(U, k * C)
-    inputs = packed.model_inputs(model)
+    inputs = {**packed.model_inputs(model), **model_kwargs}
     if head is not None:
         hidden = packed.at_scores(last_hidden_states(model, **inputs), by_slot)
         scaled = hidden / temperature if temperature != 1.0 else hidden  # logits / T = (hidden / T) W^T

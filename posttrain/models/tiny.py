@@ -15,7 +15,7 @@ import hashlib
 from pathlib import Path
 
 from posttrain.cache import build_in, cache_dir
-from posttrain.data.chat import CHATML_TEMPLATE, IM_END, IM_START
+from posttrain.data.chat import CHATML_TEMPLATE, IM_END, IM_START, vision_chat_template
 
 PAD_TOKEN = "<|endoftext|>"
 
@@ -28,6 +28,18 @@ TINY_MODELS = {
                                  num_attention_heads=4, num_key_value_heads=2)),
     "small-qwen2": ("qwen2", dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                                   num_attention_heads=4, num_key_value_heads=2)),
+}
+# Vision-language models: name -> (architecture, vision-tower overrides). The language model is
+# tiny-qwen2's config; images are IMAGE_SIZE pixels square, cut into PATCH-pixel patches, so each
+# image becomes (IMAGE_SIZE // PATCH)^2 = 16 image tokens. LLaVA is the architecture because its
+# processor runs on the PIL image-processing backend: transformers 5's Qwen2-VL, SmolVLM and
+# Idefics3 processors also load a video processor that needs torchvision, which posttrain does not
+# depend on.
+IMAGE_TOKEN = "<image>"
+IMAGE_SIZE, PATCH = 32, 8
+TINY_VLMS = {
+    "tiny-llava": ("llava", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)),
 }
 SEED = 1234
 VOCAB_SIZE = 1024
@@ -70,8 +82,10 @@ def tiny_model_path(name: str, task: str = "causal-lm") -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    if name in TINY_VLMS:
+        return tiny_vlm_path(name)
     if name not in TINY_MODELS:
-        raise ValueError(f"unknown tiny model {name!r}; choose one of {sorted(TINY_MODELS)}")
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {sorted(TINY_MODELS) + sorted(TINY_VLMS)}")
     suffix = "" if task == "causal-lm" else "-seqcls"
 
     def build(folder: Path):
@@ -90,6 +104,58 @@ def tiny_model_path(name: str, task: str = "causal-lm") -> Path:
     recipe = TOKENIZER_FILE.read_bytes() + repr((CHATML_TEMPLATE, TINY_MODELS[name], SEED, task)).encode()
     key = hashlib.sha256(recipe).hexdigest()[:12]
     return build_in(cache_dir() / f"{name}{suffix}-{key}", build)
+
+
+# --------------------------------------------------------------------------- the tiny vision-language model
+
+def build_vlm_processor(tokenizer=None):
+    """The tiny VLM's processor: the shipped tokenizer with an `<image>` token, the vision chat template
+    (ChatML whose content may be a list of image and text parts) and a PIL-backend CLIP image processor
+    that resizes every image to IMAGE_SIZE pixels square (no torchvision needed)."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = tokenizer or build_tokenizer()
+    if IMAGE_TOKEN not in tokenizer.get_vocab():
+        tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    tokenizer.chat_template = vision_chat_template(IMAGE_TOKEN)
+    images = CLIPImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_center_crop=False)
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=tokenizer.chat_template, image_token=IMAGE_TOKEN)
+
+
+def _tiny_vlm_config(name: str, tokenizer):
+    from transformers import AutoConfig, CLIPVisionConfig
+
+    arch, vision = TINY_VLMS[name]
+    text = _tiny_config("tiny-qwen2", tokenizer)
+    return AutoConfig.for_model(
+        arch, vision_config=CLIPVisionConfig(**vision), text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), projector_hidden_act="gelu",
+        vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True,
+        image_seq_length=(IMAGE_SIZE // PATCH) ** 2, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id)
+
+
+def tiny_vlm_path(name: str = "tiny-llava") -> Path:
+    """Folder of the tiny vision-language model `name` (a key of TINY_VLMS) with its processor, built on first use."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    def build(folder: Path):
+        processor = build_vlm_processor()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            model = AutoModelForImageTextToText.from_config(_tiny_vlm_config(name, processor.tokenizer))
+        model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+        model.save_pretrained(folder)
+        processor.save_pretrained(folder)
+
+    recipe = TOKENIZER_FILE.read_bytes() + repr((vision_chat_template(IMAGE_TOKEN), TINY_VLMS[name],
+                                                 TINY_MODELS["tiny-qwen2"], IMAGE_SIZE, PATCH, SEED)).encode()
+    key = hashlib.sha256(recipe).hexdigest()[:12]
+    return build_in(cache_dir() / f"{name}-{key}", build)
 
 
 # --------------------------------------------------------------------------- regenerating the tokenizer

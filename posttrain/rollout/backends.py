@@ -52,7 +52,9 @@ class SamplerBackend(abc.ABC):
     @abc.abstractmethod
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
         """Phase 1. prompt_ids, prompt_mask, positions (B, P), left-padded (mask 1 on real tokens, positions
-        count real tokens from 0) -> the logits (B, V) that follow each prompt's last token."""
+        count real tokens from 0) -> the logits (B, V) that follow each prompt's last token. A backend that
+        takes images has a keyword `vision`: the prompts' images (`forward.vision.prompt_inputs`), given only
+        for image prompts, so the vision tower runs once per prompt and the cache holds the image tokens."""
 
     @abc.abstractmethod
     def expand(self, group: int, capacity: int) -> None:
@@ -93,9 +95,10 @@ class ModelForward(SamplerBackend):
         for m, mode in zip(self.net.modules(), self._modes):
             m.training = mode
 
-    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor,
+                vision: dict[str, Tensor] | None = None) -> Tensor:
         out = self.net(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                       logits_to_keep=1)
+                       logits_to_keep=1, **{k: v.to(self.device) for k, v in (vision or {}).items()})
         self.cache = compat.output_cache(self.net, out)
         return out.logits[:, -1, :]
 
@@ -254,9 +257,9 @@ class GeometricMixture(SamplerBackend):
         return ((1.0 - self.coef) * torch.log_softmax(policy_logits.float(), -1)
                 + self.coef * torch.log_softmax(ref_logits.float(), -1))
 
-    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
-        return self._mix(self.policy.prefill(prompt_ids, prompt_mask, positions),
-                         lambda: self.ref.prefill(prompt_ids, prompt_mask, positions))
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor, **vision) -> Tensor:
+        return self._mix(self.policy.prefill(prompt_ids, prompt_mask, positions, **vision),
+                         lambda: self.ref.prefill(prompt_ids, prompt_mask, positions, **vision))
 
     def expand(self, group: int, capacity: int) -> None:
         self.policy.expand(group, capacity)

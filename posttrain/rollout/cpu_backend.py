@@ -36,11 +36,12 @@ class CPUDecoder(ModelForward):
         self._patched.close()
         super().__exit__(*exc)
 
-    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor) -> Tensor:
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, positions: Tensor,
+                vision: dict[str, Tensor] | None = None) -> Tensor:
         self._lengths, self._width = prompt_mask.sum(1), prompt_mask.shape[1]
         recording = contextlib.nullcontext() if self.linear_outputs is None else recording_prefill(self.linear_outputs)
         with recording:
-            return super().prefill(prompt_ids, prompt_mask, positions)
+            return super().prefill(prompt_ids, prompt_mask, positions, vision)
 
     def expand(self, group: int, capacity: int) -> None:
         super().expand(group, capacity)

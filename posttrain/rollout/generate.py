@@ -25,6 +25,12 @@ depends only on the seed and the row. With sharded weights (FSDP, ZeRO-3) every 
 collective, so the processes decode in lock-step until all have stopped (`backends.decodes_in_lockstep`,
 `_keep_pace`); a rollout is the same as without it.
 
+Image prompts (a vision-language model, `generate(..., vision=...)`: per prompt, its processor's outputs
+besides the ids, {} for a prompt without images): the prefill takes each prompt's pixel values, so the
+vision tower encodes a prompt's images once whatever num_generations, the steps read the image tokens
+from the cache, and the rollout keeps each row's images (`Rollout.vision`, `forward/vision.py`) for the
+training forward. A VLM's image tokens are suppressed (`SamplingConfig.suppress_token_ids`).
+
 `forward.completions.completion_logprobs` is the teacher-forced counterpart the trainers use: the
 log-probs of given completions, computing each distinct prompt once per forward (with gradients under
 autograd). With `generate(..., record_linears=True)` the sampler also keeps every decoder layer's linear
@@ -47,6 +53,7 @@ from torch import Tensor
 
 from posttrain.core.log_softmax import selective_log_softmax
 from posttrain.data.collate import pad
+from posttrain.forward.vision import prompt_inputs, row_inputs
 from posttrain.models.modes import unwrap
 from posttrain.rollout.backends import ModelForward, SamplerBackend, model_device
 from posttrain.rollout.cpu_backend import cpu_backend
@@ -67,6 +74,7 @@ class SamplingConfig:
     num_generations: int = 1  # samples per prompt
     stop_token_ids: tuple[int, ...] = ()   # besides EOS
     stop_strings: tuple[str, ...] = ()     # decoded-text stops (needs the tokenizer)
+    suppress_token_ids: tuple[int, ...] = ()  # never sampled (a VLM's image tokens: no image stands behind them)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -84,6 +92,7 @@ class SamplingConfig:
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.suppress_token_ids = tuple(int(t) for t in self.suppress_token_ids)
         self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if any(not s for s in self.stop_strings):
             raise ValueError("stop_strings must not contain an empty string")
@@ -103,6 +112,8 @@ class Rollout:
     # with continue_turn: (N, C) 1 on tokens fed rather than sampled (tool results, the template between
     # turns); they are context (completion_mask 1) with log-prob 0, never trained on
     tool_mask: Tensor | None = None
+    # with image prompts: the rows' images and image group (`forward.vision.row_inputs`), for the training forward
+    vision: dict[str, Tensor] | None = None
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
@@ -192,7 +203,7 @@ def _keep_pace(backend: SamplerBackend, tokens: Tensor, t: int, attention: Tenso
 def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pad_token_id: int,
              eos_token_id: int | list[int] | None, tokenizer=None,
              generator: torch.Generator | None = None, record_linears: bool = False,
-             continue_turn=None) -> Rollout:
+             continue_turn=None, vision: list[dict[str, Tensor]] | None = None) -> Rollout:
     """Sample `sampling.num_generations` completions for each prompt (token-id lists, no padding).
 
     model: a causal LM, decoded by `default_backend(model)` and put in eval mode for the duration (then
@@ -207,11 +218,10 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     are fed one per step, as if sampled, so they go into the row's own KV cache after its earlier
     tokens (nothing is prefilled again) while the other rows go on decoding; `tool_mask` marks them.
     """
-    _check_inputs(prompt_ids, sampling, tokenizer)
+    _check_inputs(prompt_ids, sampling, tokenizer, vision)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    G, max_new = sampling.num_generations, sampling.max_new_tokens
-    B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-    N = B * G
+    G, max_new, B = sampling.num_generations, sampling.max_new_tokens, len(prompt_ids)
+    P, N = max(len(p) for p in prompt_ids), B * G
     backend = model if isinstance(model, SamplerBackend) else default_backend(
         model, (B, P, G, max_new) if record_linears else None)
     device = backend.device
@@ -227,7 +237,8 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     pending: dict[int, list[int]] = {}  # row -> ids still to feed (continue_turn)
     with backend:
         # 1. prefill: each prompt once -> (B, V) logits after its last token
-        logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0))
+        logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0),
+                                 **({} if vision is None else {"vision": prompt_inputs(vision)}))
         # 2. expand: each prompt's state becomes its G rows', with room for the whole completion
         backend.expand(G, P + max_new)
         logits = logits.repeat_interleave(G, dim=0)  # (A, V)
@@ -277,6 +288,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         is_truncated=~finished,
         linear_outputs=backend.linear_outputs,
         tool_mask=torch.stack(fed_masks, dim=1).long() if continue_turn is not None else None,
+        vision=None if vision is None else row_inputs(vision, G),
     )
 
 
@@ -293,9 +305,12 @@ def _prompt_batch(prompt_ids: list[list[int]], pad_token_id: int, G: int, max_ne
     return prompts, prompt_mask, attention, lengths.repeat_interleave(G)[:, None]
 
 
-def _check_inputs(prompt_ids: list[list[int]], sampling: SamplingConfig, tokenizer) -> None:
+def _check_inputs(prompt_ids: list[list[int]], sampling: SamplingConfig, tokenizer, vision) -> None:
     if not prompt_ids:
         raise ValueError("generate() got no prompts")
+    if vision is not None and len(vision) != len(prompt_ids):
+        raise ValueError(f"generate() got {len(vision)} prompts' images (vision=) for {len(prompt_ids)} prompts: "
+                         "give one dict per prompt ({} for a prompt without images)")
     for i, ids in enumerate(prompt_ids):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
@@ -363,8 +378,11 @@ def _embeddable_pad(input_vocab_size: int | None, pad_token_id: int | None, eos:
 
 
 def _pick(scaled: Tensor, sampling: SamplingConfig, seen: Tensor | None, u: Tensor | None) -> Tensor:
-    """Each row's token from its (A, V) logits / temperature: the repetition penalty on the tokens `seen` (A, V),
-    then top-k / top-p / min-p, then inverse-CDF sampling with the uniforms u (A,); the argmax for greedy."""
+    """Each row's token from its (A, V) logits / temperature: the suppressed tokens out, the repetition penalty on
+    the tokens `seen` (A, V), then top-k / top-p / min-p, then inverse-CDF sampling with the uniforms u (A,); the
+    argmax for greedy."""
+    if sampling.suppress_token_ids:  # a filter like top-k: the log-probs stay those of the whole distribution
+        scaled = scaled.index_fill(-1, torch.tensor(sampling.suppress_token_ids, device=scaled.device), float("-inf"))
     if seen is not None:
         scaled = _penalise(scaled, seen, sampling.repetition_penalty)
     if not sampling.do_sample:

@@ -301,8 +301,17 @@ def load_builtin(name: str, split: str = "train"):
     """Datasets by CLI name: "zen", "zen/<layout>", "zen-chat/<layout>", "<task>", "<task>-chat",
     "<task>/preference", "<task>/unpaired_preference", "<task>/triple_preference" (`task_preference_dataset`),
     "reverse/stepwise_supervision",
-    "add/stepwise_supervision" (`task_stepwise_dataset`)."""
+    "add/stepwise_supervision" (`task_stepwise_dataset`), "vision", "vision/preference", "vision/unpaired_preference"
+    (the visual task of `posttrain.tasks.vision`, images in an `images` column)."""
     base, _, layout = name.partition("/")
+    if base == "vision":  # the visual task (tasks/vision.py): images and questions for vision-language models
+        from posttrain.tasks import vision
+
+        if layout in ("preference", "unpaired_preference"):
+            return vision.vision_preference_dataset(split, unpaired=layout == "unpaired_preference")
+        if layout:
+            raise KeyError(name)
+        return vision.vision_dataset(split)
     if base in ("zen", "zen-chat"):
         return zen(layout or "language_modeling", conversational=base == "zen-chat")
     conversational = base.endswith("-chat")
@@ -323,4 +332,5 @@ def builtin_names() -> list[str]:
     return (names + list(TASKS) + [f"{t}-chat" for t in TASKS]
             + [f"{t}/{layout}" for t in TASKS for layout in ("preference", "unpaired_preference")]
             + [f"{t}/triple_preference" for t in TASKS]
-            + [f"{t}/stepwise_supervision" for t in ("reverse", "add")])
+            + [f"{t}/stepwise_supervision" for t in ("reverse", "add")]
+            + ["vision", "vision/preference", "vision/unpaired_preference"])

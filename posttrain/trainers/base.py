@@ -37,6 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, enable_full_determ
 from posttrain.accel import lean, products, threads
 from posttrain.accel.memory import keep_freed_memory, make_adam_state, own_file_backed
 from posttrain.callbacks import SyncRefModelCallback
+from posttrain.data import multimodal
 from posttrain.models import compat, loading
 from posttrain.trainers.guards import (MANIFEST_FILE, RUN_SETTINGS, STAGING_PREFIX, STATE_FILE,  # noqa: F401
                                        TRAINER_STATE, CheckpointError, FiniteGuard, NonFiniteError,
@@ -84,6 +85,14 @@ class BaseConfig(TrainingArguments):
                           "fault in new pages. "
                           "The process keeps its peak memory reserved, as a GPU caching allocator does. False "
                           "(or POSTTRAIN_KEEP_FREED_MEMORY=0 in the environment) leaves the C allocator untouched."})
+    freeze_vision_tower: bool = field(
+        default=False, metadata={"help": "Vision-language models: do not train the vision tower (image encoder: "
+                                         "`vision_tower`, `vision_model` or `visual`); its projector is left to "
+                                         "freeze_multi_modal_projector. An error for a text-only model."})
+    freeze_multi_modal_projector: bool = field(
+        default=False, metadata={"help": "Vision-language models: do not train the projector that maps image "
+                                         "features into the language model (`multi_modal_projector`, `connector` "
+                                         "or Qwen2-VL's `merger`). An error for a text-only model."})
     lean_activations: bool = field(
         default=True,
         metadata={"help": "Compute the model's Llama-style RMSNorms and SwiGLU MLPs (Llama, Mistral, Qwen2/3, SmolLM, "
@@ -386,10 +395,12 @@ class BaseTrainer(Trainer):
         self.processing_class_ = processing_class = loading.load_tokenizer(
             processing_class, model=model_name or model, trust_remote_code=init_kwargs.get("trust_remote_code", False))
         if model_kind != "causal-lm" and getattr(model.config, "pad_token_id", None) is None:
-            model.config.pad_token_id = processing_class.pad_token_id  # sequence scores read the last non-pad token
+            # sequence scores read the last non-pad token (a processor's tokenizer has the pad token)
+            model.config.pad_token_id = getattr(processing_class, "tokenizer", processing_class).pad_token_id
         if args.gradient_checkpointing and hasattr(model, "config"):
             model.config.use_cache = False
         self.tag_model(model)
+        peft_config = self.vision_parts(model, args, peft_config)
         model = loading.apply_peft(model, peft_config, args.gradient_checkpointing)
         check_liger(args, model)  # after PEFT: some adapters are refused with liger
         if args.lean_activations and not args.torch_compile:
@@ -410,6 +421,21 @@ class BaseTrainer(Trainer):
         self.add_callback(FiniteGuard(self))
         if threads.FitThreads.wanted() and (args.use_cpu or not _accelerator_available()):
             self.add_callback(FitThreadsCallback())
+
+    @staticmethod
+    def vision_parts(model, args, peft_config):
+        """A vision-language model's parts frozen as asked (freeze_vision_tower, freeze_multi_modal_projector),
+        and `peft_config` kept to its language model (`models.vision.language_model_only_lora`)."""
+        from posttrain.models import vision
+
+        wanted = [n for n in ("freeze_vision_tower", "freeze_multi_modal_projector") if getattr(args, n, False)]
+        if not multimodal.is_vision_model(model):
+            if wanted:
+                raise ValueError(f"{wanted[0]}=True, but {type(model).__name__} is a text-only model (no vision "
+                                 f"tower); unset it")
+            return peft_config
+        vision.freeze_vision_parts(model, args.freeze_vision_tower, args.freeze_multi_modal_projector)
+        return vision.language_model_only_lora(peft_config, model)
 
     def tag_model(self, model) -> None:
         """Tag the model `posttrain` and the trainer's own tag (`dpo`, `sft`, ...), as TRL tags its models, so that
@@ -496,7 +522,7 @@ class BaseTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self._staging_dir = staging
         try:
-            with explained_write_errors(staging):
+            with explained_write_errors(staging), weights_as_loaded(self.accelerator.unwrap_model(self.model)):
                 super()._save_checkpoint(model, trial)
                 self.save_checkpoint_extras(written)
         finally:
@@ -651,7 +677,8 @@ class BaseTrainer(Trainer):
         if ref_model is None:
             ref_model = loading.frozen_copy(policy)
         else:
-            ref_model = loading.load_causal_lm(ref_model, **(self.args.model_init_kwargs or {}))
+            load = loading.load_vision_lm if multimodal.is_vision_model(policy) else loading.load_causal_lm
+            ref_model = load(ref_model, **(self.args.model_init_kwargs or {}))
             ref_model.requires_grad_(False).eval()
             if not self.args.torch_compile:
                 products.enable(ref_model)
@@ -773,6 +800,24 @@ class BaseTrainer(Trainer):
                 logs[prefix + name] = sum(values) / len(values)
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+
+@contextlib.contextmanager
+def weights_as_loaded(model):
+    """Checkpoints of a model whose weight names transformers converts when it loads a checkpoint (LLaVA and the
+    other vision-language models: `language_model.model.*` on disk, `model.language_model.*` in memory) are
+    written under the in-memory names: resuming loads a checkpoint's state dict as it is, without the conversion,
+    so the names `save_pretrained` writes by default would match nothing. The final model keeps the on-disk names."""
+    plain = not getattr(model, "_checkpoint_conversion_mapping", None) and not multimodal.is_vision_model(model)
+    if plain or loading.is_peft_model(model) or "save_pretrained" in vars(model):
+        yield
+        return
+    model.save_pretrained = lambda *args, **kwargs: type(model).save_pretrained(
+        model, *args, **{**kwargs, "save_original_format": False})
+    try:
+        yield
+    finally:
+        del model.save_pretrained
 
 
 def _model_reference(name: str | None) -> str:

@@ -154,15 +154,16 @@ class DPOTrainer(PreferenceTrainer):
                          callbacks=callbacks, optimizers=optimizers, needs_reference=not self.reference_free,
                          compute_metrics=compute_metrics)
 
-    def policy_logps(self, model, ids, mask, cmask):
+    def policy_logps(self, model, ids, mask, cmask, model_inputs=None):
         """The policy's completion log-probs for the loss (2B,: LD-DPO-weighted with ld_alpha), the plain
         sums (2B,: for the NLL and the logs), lengths (2B,), mean logits (2B,) and the WPO pair weights
         (B,) or None. With ld_alpha or use_weighting the per-token path is taken."""
         args = self.args
         if args.ld_alpha is None and not args.use_weighting:
-            logps, lengths, mean_logits = completion_logps(model, ids, mask, cmask, paired=True)
+            logps, lengths, mean_logits = completion_logps(model, ids, mask, cmask, paired=True,
+                                                           model_inputs=model_inputs)
             return logps, logps, lengths, mean_logits, None
-        token_logps, scored, logits = completion_token_logps(model, ids, mask, cmask)
+        token_logps, scored, logits = completion_token_logps(model, ids, mask, cmask, model_inputs)
         plain = (token_logps * scored).sum(-1)
         logps = plain if args.ld_alpha is None else (token_logps * ld_token_weights(scored, args.ld_alpha)).sum(-1)
         lengths = scored.sum(-1)
@@ -181,9 +182,10 @@ class DPOTrainer(PreferenceTrainer):
         elif "ref_chosen_logps" in inputs:
             ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
         else:
-            ref = self.reference_logps(ids, mask, cmask)
+            ref = self.reference_logps(ids, mask, cmask, inputs.get("model_inputs"))
             ref_chosen, ref_rejected = ref[:B], ref[B:]
-        logps, plain, lengths, mean_logits, pair_weights = self.policy_logps(model, ids, mask, cmask)
+        logps, plain, lengths, mean_logits, pair_weights = self.policy_logps(model, ids, mask, cmask,
+                                                                            inputs.get("model_inputs"))
         inp = PreferenceInput(logps[:B], logps[B:], ref_chosen, ref_rejected, lengths[:B], lengths[B:])
 
         options = {}

@@ -87,8 +87,9 @@ class KTOTrainer(PreferenceTrainer):
 
     def add_reference_columns(self, dataset):
         if self.kl_pairs:  # fix the mismatched pairs, so their reference log-probs can be stored
-            completions = dataset["completion_ids"]
-            dataset = dataset.add_column("kl_completion_ids", completions[1:] + completions[:1])
+            column = "completion" if self.vision else "completion_ids"  # a vision row keeps its messages
+            completions = dataset[column]
+            dataset = dataset.add_column(f"kl_{column}", completions[1:] + completions[:1])
         return super().add_reference_columns(dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -96,14 +97,16 @@ class KTOTrainer(PreferenceTrainer):
         ids, mask, cmask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"], inputs["label"]
         B = labels.shape[0]  # rows [0, B): the data; with kl_pairs rows [B, 2B): the mismatched pairs
         # the reference first: its temporaries go before the policy's
-        ref = inputs["ref_logps"] if "ref_logps" in inputs else self.reference_logps(ids, mask, cmask)
+        vision = inputs.get("model_inputs")  # a VLM's images: its rows are scored together, in one forward
+        ref = inputs["ref_logps"] if "ref_logps" in inputs else self.reference_logps(ids, mask, cmask, vision)
+        every = completion_logps(model, ids, mask, cmask, model_inputs=vision)[0] if vision else None
         kl = None
         if self.kl_pairs:
             ref_kl_logps = inputs["ref_kl_logps"] if "ref_kl_logps" in inputs else ref[B:]
             with torch.no_grad():
-                kl_logps = completion_logps(model, ids[B:], mask[B:], cmask[B:])[0]
+                kl_logps = every[B:].detach() if vision else completion_logps(model, ids[B:], mask[B:], cmask[B:])[0]
             kl = self.accelerator.gather((kl_logps - ref_kl_logps).mean().reshape(1)).mean().clamp(min=0)
-        logps = completion_logps(model, ids[:B], mask[:B], cmask[:B])[0]
+        logps = every[:B] if vision else completion_logps(model, ids[:B], mask[:B], cmask[:B])[0]
         losses, rewards = self.loss.fn(logps, ref[:B], labels, kl, beta=args.beta,
                                        desirable_weight=args.desirable_weight,
                                        undesirable_weight=args.undesirable_weight)

@@ -72,14 +72,18 @@ from posttrain.core.kl import kl_penalty
 from posttrain.core.masked import AGGREGATIONS, aggregate_loss, count_tokens, masked_mean, masked_var, top_quantile_mask
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus
 from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewards
+from posttrain.data.multimodal import image_token_ids
 from posttrain.data.tokenize import check_prompts, encode_prompt
 from posttrain.forward.completions import completion_logprobs
 from posttrain.forward.logprobs import token_logprobs
+from posttrain.forward.vision import forward_inputs, has_images, row_part
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
 from posttrain.rollout.combine import take_rows
 from posttrain.rollout.generate import Rollout, SamplingConfig, generate
+from posttrain.rollout.images import (check_image_prompts, encode_image_prompts, has_image_prompts, load_policy,
+                                      text_tokenizer)
 from posttrain.rollout.multiturn import Tooling, engine_turns, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
@@ -102,6 +106,7 @@ def _prepare_policy(policy, args: OnlineConfig, peft_config, value_model, init_k
         disable_dropout(policy)
     if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
         policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
+    peft_config = BaseTrainer.vision_parts(policy, args, peft_config)  # a VLM: parts frozen, LoRA on its LM only
     policy = loading.apply_peft(policy, peft_config, args.gradient_checkpointing)
     if ADVANTAGES[args.advantage_estimator].critic:  # the critic trains with the policy, in one module
         critic = value_model if value_model is None else loading.load_sequence_classifier(
@@ -138,13 +143,15 @@ def _tooling(args: OnlineConfig, tools, environment_factory, reward_funcs, train
     return tooling, reward_funcs, train_dataset
 
 
-def _sampling_config(args: OnlineConfig) -> SamplingConfig:
-    """The sampler's settings from the config, `generation_kwargs` over the fields."""
+def _sampling_config(args: OnlineConfig, processor=None) -> SamplingConfig:
+    """The sampler's settings from the config, `generation_kwargs` over the fields. With a VLM's `processor`, its
+    image tokens are never sampled: a completion's image token would have no image for the training forward."""
     sampling = SamplingConfig(
         max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, num_generations=args.num_generations,
         stop_token_ids=tuple(args.stop_token_ids or ()), stop_strings=tuple(args.stop_strings or ()),
-        repetition_penalty=args.repetition_penalty)
+        repetition_penalty=args.repetition_penalty,
+        suppress_token_ids=tuple(sorted(image_token_ids(processor))) if processor is not None else ())
     if args.generation_kwargs:  # keys checked by the config; tuples where SamplingConfig keeps tuples
         sampling = dataclasses.replace(sampling, **{
             key: tuple(v) if key in ("stop_strings", "stop_token_ids") else v
@@ -182,8 +189,8 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
                                                    kwargs)
         seed_run(args)  # before any weights are made here (a LoRA adapter's, a critic's head), as BaseTrainer does
         init_kwargs = dict(args.model_init_kwargs or {})
-        policy = loading.load_causal_lm(model, **init_kwargs)
-        processing_class = loading.load_tokenizer(processing_class, model=model if isinstance(model, str) else policy)
+        policy, processing_class, self.vision = load_policy(model, processing_class, train_dataset,
+                                                            type(self).__name__, init_kwargs)
         policy, wrapped = _prepare_policy(policy, args, peft_config, value_model, init_kwargs)
         if reward_funcs is None and args.reward_model_path:
             reward_funcs = [args.reward_model_path]
@@ -204,7 +211,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         self._check_dataset(train_dataset, "train_dataset")
         for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if data is not None and not isinstance(data, dict) and not is_streamed(data):  # here, not at a step
-                check_prompts(data, processing_class, what)  # (a stream's prompts: when they are tokenised)
+                (check_image_prompts if self.vision else check_prompts)(data, processing_class, what)
         if args.total_episodes:  # before transformers asks a stream for max_steps; steps_per_generation
             per_generation = args.per_process_generation * args.world_size  # need not divide into accumulation
             args.max_steps = math.ceil(math.ceil(args.total_episodes / per_generation) * args.steps_per_generation
@@ -219,14 +226,14 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         self.policy = policy
         self._positions = _positions(policy, args)
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
-                                          tokenizer=processing_class, device=self.accelerator.device,
+                                          tokenizer=text_tokenizer(processing_class), device=self.accelerator.device,
                                           timeout=args.reward_timeout)
         self.reward_processing_classes = reward_processing_classes  # as TRL's trainer exposes them
         if loading.shards_weights(self.accelerator):  # ZeRO-3 / FSDP2: reward models sharded like the policy
             self.reward_scorer.funcs = [loading.prepare_frozen(self.accelerator, f) if isinstance(f, torch.nn.Module)
                                         else f for f in self.reward_scorer.funcs]
         self._set_reference(ref_model, policy, args)
-        self.sampling = _sampling_config(args)
+        self.sampling = _sampling_config(args, processing_class if self.vision else None)
         self.vllm, self._vllm_synced_step = None, None  # with use_vllm: the engine, and the step its weights are of
         if args.use_vllm:
             from posttrain.rollout.vllm_engine import make_engine
@@ -313,8 +320,16 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
 
     def _collate(self, rows: list[dict]) -> dict:
         """Prompts (as given, for reward functions), their token ids (left-cut to max_prompt_length), other columns."""
-        tok, limit = self.processing_class, self.args.max_prompt_length
-        if "prompt" in rows[0]:
+        tok, limit = text_tokenizer(self.processing_class), self.args.max_prompt_length
+        vision = None
+        if "prompt" in rows[0] and has_image_prompts(rows):  # image prompts: ids with the image tokens, and pixels
+            if self.tooling is not None:
+                raise ValueError("tools= / environment_factory= with image prompts are not supported yet: the tool "
+                                 "schemas and tool turns are rendered by the text chat template")
+            prompts = [row["prompt"] for row in rows]
+            prompt_ids, vision = encode_image_prompts(self.processing_class, rows, self.args.chat_template_kwargs,
+                                                      limit)
+        elif "prompt" in rows[0]:
             prompts = [row["prompt"] for row in rows]
             prompt_ids = [encode_prompt(tok, p, tools=self.tooling.schemas_for(row) if self.tooling else None,
                                         template_kwargs=self.args.chat_template_kwargs)
@@ -333,7 +348,9 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
                            "training goes past the positions the model was trained on; set max_prompt_length")
         skip = ("prompt", "input_ids", "attention_mask")
         columns = {key: [row[key] for row in rows] for key in rows[0] if key not in skip}
-        return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns}
+        if vision is None:
+            return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns}
+        return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns, "vision": vision}
 
     def get_train_dataloader(self):
         args = self.args
@@ -355,11 +372,13 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
 
     # ------------------------------------------------------------------ rollout
     def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None,
-                           continue_turn=None) -> Rollout:
+                           continue_turn=None, vision: list[dict] | None = None) -> Rollout:
         """Generate `num_generations` completions per prompt with the current policy. With the training
         sampling settings (`sampling` None) and `self.replays`, the rollout keeps the linear outputs.
-        continue_turn: a multi-turn rollout's `Episodes` (see `generate`)."""
-        tok = self.processing_class
+        continue_turn: a multi-turn rollout's `Episodes`; vision: image prompts' processor outputs (see `generate`)."""
+        tok = text_tokenizer(self.processing_class)
+        if self.vllm is not None and vision is not None:
+            raise ValueError("use_vllm=True does not take image prompts here: posttrain's sampler does (use_vllm=False)")
         background = getattr(self._sampling_thread, "model", None)  # the asynchronous sampler's copy, in its thread
         if self.vllm is not None:
             if self.state.global_step != self._vllm_synced_step:  # the policy moved since vLLM's weights were set
@@ -372,7 +391,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
             return self.vllm.generate(prompt_ids, sampling or self.sampling)
         return generate(background or self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
                         eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator,
-                        record_linears=self.replays and sampling is None, continue_turn=continue_turn)
+                        record_linears=self.replays and sampling is None, continue_turn=continue_turn, vision=vision)
 
     def roll_out(self, inputs: dict, prompts: list, columns: dict, sampling: SamplingConfig | None = None,
                  mode: str = "train"):
@@ -381,14 +400,14 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         The user's `rollout_func(prompts, trainer)` when given (its extra fields join `columns`); else the
         sampler, multi-turn with tools or environments (each row's environment joins `columns` as
         `environments`, for `get_reward`)."""
-        tok = self.processing_class
+        tok = text_tokenizer(self.processing_class)
         if self.rollout_func is not None:
             rollout, extra = rollout_from_func(self.rollout_func(prompts, self), len(prompts), tok.pad_token_id,
                                                tok.eos_token_id)
             columns.update(extra)
             return rollout, None
         if self.tooling is None:
-            return self.sample_completions(inputs["prompt_ids"], sampling), None
+            return self.sample_completions(inputs["prompt_ids"], sampling, vision=inputs.get("vision")), None
         G = (sampling or self.sampling).num_generations
         episodes, environments, prompt_ids = self.tooling.episodes(tok, prompts, columns, G, self.args.max_prompt_length)
         if environments is not None:
@@ -495,7 +514,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         episode's assistant turns, tool calls and tool results), token-id lists)."""
         lengths = rollout.completion_mask.sum(1).tolist()
         ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]
-        texts = self.processing_class.batch_decode(ids, skip_special_tokens=True)
+        texts = text_tokenizer(self.processing_class).batch_decode(ids, skip_special_tokens=True)
         if episodes is not None:
             return texts, episodes.completions(rollout), ids
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
@@ -516,7 +535,8 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         token tensors), `local_rollout_forward_batch_size` rows at a time."""
         step, out = self.args.local_rollout_forward_batch_size, []
         for s in range(0, batch["completion_ids"].shape[0], step):
-            chunk = {k: batch[k][s:s + step] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+            keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", *(row_part(batch) or ()))
+            chunk = {k: batch[k][s:s + step] for k in keys}  # (with image prompts, the rows' images)
             logp, _, v = self.forward(model, chunk, with_values=values)
             out.append(v if values else logp)
         return torch.cat(out)
@@ -529,8 +549,8 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         N, C = rollout.completion_ids.shape
         batch = Experience(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask,
                            completion_ids=rollout.completion_ids, completion_mask=rollout.completion_mask,
-                           old_logp=rollout.logprobs.float(),
-                           rollout_row=torch.arange(N)).to(device)  # rollout_row: where each row's record is
+                           old_logp=rollout.logprobs.float(), rollout_row=torch.arange(N),  # where each row's record is
+                           extra=dict(rollout.vision or {})).to(device)  # image prompts: each row's images
         batch.replay = rollout.linear_outputs  # the sampler's record, shared by the micro-batches (accel/replay.py)
         if self.vllm is not None:  # vLLM's log-probs are not the policy's: kept for the importance weights only
             batch.vllm_logp = batch.old_logp
@@ -637,13 +657,14 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
                 record = (held, mb.rollout_row, mb.last_of_generation)
             logp, entropy = completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                 mb["completion_mask"], self.args.temperature, with_entropy,
-                                                replay=record)
+                                                replay=record, vision=row_part(mb))
             return logp, entropy, None
         ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
         attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
         C = mb["completion_ids"].shape[1]
+        images = forward_inputs(mb, torch.arange(len(ids))) if has_images(mb) else {}  # each row's images
         logp, entropy, _, out = token_logprobs(model, ids, attention, num_scored=C, temperature=self.args.temperature,
-                                               with_entropy=with_entropy, return_outputs=True)
+                                               with_entropy=with_entropy, return_outputs=True, **images)
         values = out.value[:, -(C + 1):-1].float() if with_values else None
         return logp, entropy, values
 

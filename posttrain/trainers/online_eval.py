@@ -84,6 +84,7 @@ class OnlineEvaluation:
         args, device = self.args, self.accelerator.device
         batch = {key: getattr(rollout, key).to(device)
                  for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        batch.update({key: v.to(device) for key, v in (rollout.vision or {}).items()})  # image prompts' images
         mask = batch["completion_mask"] * (1 - rollout.tool_mask.to(device) if rollout.tool_mask is not None else 1)
         logp = self._no_grad_forward(self.policy, batch)
         scores = scores.to(device).float()

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from posttrain.core.kl import kl_penalty
 from posttrain.core.masked import masked_sum
+from posttrain.rollout.images import text_tokenizer
 
 
 class OnlineMetrics:
@@ -18,7 +19,7 @@ class OnlineMetrics:
 
     def _record_rollout(self, g: dict, scores: Tensor, truncated: Tensor):
         mask = g["loss_mask"]
-        k, eos = self.args.num_generations, self.processing_class.eos_token_id
+        k, eos = self.args.num_generations, text_tokenizer(self.processing_class).eos_token_id
         groups = scores.view(-1, k)
         group_std = groups.std(1) if k > 1 else torch.zeros_like(groups[:, 0])
         metrics = {"reward": scores.mean(), "reward_std": group_std.mean() if k > 1 else scores.std(),

@@ -35,12 +35,15 @@ from torch import Tensor
 from transformers import TrainerCallback
 
 from posttrain.core.running import RunningMean
-from posttrain.data import formats
+from posttrain.data import formats, multimodal
 from posttrain.data.collate import pad
+from posttrain.data.utils import unpair_preference_dataset
+from posttrain.data.vision_collate import VisionPreferenceCollator
 from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.forward.completions import completion_logps
 from posttrain.models import loading
 from posttrain.models.modes import disable_dropout, eval_mode
+from posttrain.models.vision import vision_run, vision_scorer
 from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, SyncRefModelCallback, as_dataset,
                                      check_datasets, classic_arguments, errors_named, is_streamed,
                                      latest_checkpoint, map_datasets)
@@ -417,6 +420,23 @@ def preference_accuracy(model, tokenizer, dataset, batch_size: int = 64) -> floa
     return wins / len(data)
 
 
+def check_vision_pair_options(args, extra_completions: tuple[str, ...] = ()) -> None:
+    """Refuse the preference options the vision path cannot honour, naming them: prompt truncation (it would cut
+    image placeholders; a row is cut from its end only, after the images are expanded) and extra completions."""
+    if getattr(args, "max_prompt_length", None) is not None or getattr(args, "truncation_mode", "keep_start") != \
+            "keep_start":
+        raise ValueError("max_prompt_length and truncation_mode='keep_end' cut prompts, which would cut the image "
+                         "placeholders of vision-language rows: leave max_prompt_length=None and truncation_mode="
+                         "'keep_start' (max_length then cuts each row's end, never its images)")
+    if extra_completions:
+        raise ValueError(f"vision-language rows with extra completions {list(extra_completions)} are not supported")
+
+
+def to_device(batch: dict, device) -> dict:
+    """A collated batch on `device`, the nested `model_inputs` dict of a vision batch included."""
+    return {k: to_device(v, device) if isinstance(v, dict) else v.to(device) for k, v in batch.items()}
+
+
 # ---------------------------------------------------------------------------------------- trainer
 
 class _FoldRewards(TrainerCallback):
@@ -457,18 +477,29 @@ class PreferenceTrainer(BaseTrainer):
             raise ValueError("precompute_ref_log_probs stores reference log-probs as a column of the whole dataset, "
                              "which a streamed dataset (IterableDataset) does not have; unset one of them")
         trust = (args.model_init_kwargs or {}).get("trust_remote_code", False)
-        tokenizer = loading.load_tokenizer(processing_class, model=model, trust_remote_code=trust)
+        # a vision-language model (or a dataset with images, refused for a text-only model) takes the vision path
+        self.vision = vision_run(model, train_dataset, type(self).__name__)
+        if self.vision:
+            check_vision_pair_options(args, self.extra_completions)
+            if model_kind == "seq-cls":  # a reward model: the VLM's body under a score head
+                model = model if not isinstance(model, str) else loading.load_sequence_classifier(
+                    model, **(args.model_init_kwargs or {}))
+                model = vision_scorer(model)
+            else:
+                model = loading.load_vision_lm(model, **(args.model_init_kwargs or {}))
+            tokenizer = loading.load_processor(processing_class, model=model, trust_remote_code=trust)
+        else:
+            tokenizer = loading.load_tokenizer(processing_class, model=model, trust_remote_code=trust)
         self._prepare = dict(tokenizer=tokenizer, paired=self.paired, max_length=args.max_length,
                              max_prompt_length=getattr(args, "max_prompt_length", None),
                              max_completion_length=getattr(args, "max_completion_length", None),
                              keep=self.keep_columns, truncation_mode=getattr(args, "truncation_mode", "keep_start"),
                              extra_completions=self.extra_completions)
         self.ref_precomputed = False
-        train_dataset = prepare_preference_dataset(train_dataset, **self._prepare)
+        train_dataset = self.prepare_rows(train_dataset, "train")
         with errors_named(EVAL_SET):
             eval_dataset = map_datasets(self.prepare_eval_dataset, eval_dataset, name="eval")
-        collator = data_collator or PreferenceCollator(tokenizer.pad_token_id, self.paired, self.kl_pairs, args.max_length,
-                                                       self.extra_completions)
+        collator = data_collator or self.make_collator(tokenizer, args.max_length, self.extra_completions)
         super().__init__(model, args, processing_class=tokenizer, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, data_collator=collator, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers, model_kind=model_kind,
@@ -491,11 +522,29 @@ class PreferenceTrainer(BaseTrainer):
             self.add_callback(_FoldRewards(self))
         self.needs_reference = needs_reference
 
+    def prepare_rows(self, dataset, name: str):
+        """Raw rows -> what the collator reads: token ids (`prepare_preference_dataset`), or for a vision-language
+        model the rows checked and kept whole (`multimodal.prepare_vision_dataset`: the collator processes the
+        images batch by batch), pairs split into unpaired rows for the unpaired trainers."""
+        if not self.vision:
+            return prepare_preference_dataset(dataset, name=name, **self._prepare)
+        columns = getattr(dataset, "column_names", None) or list(next(iter(dataset), {}))
+        if not self.paired and {"chosen", "rejected"} <= set(columns):
+            dataset = unpair_preference_dataset(dataset)
+        return multimodal.prepare_vision_dataset(dataset, "paired" if self.paired else "unpaired", name)
+
+    def make_collator(self, processing_class, max_length, extra_completions: tuple[str, ...] = ()):
+        """The collator of this trainer's rows: PreferenceCollator, or VisionPreferenceCollator for a VLM."""
+        if self.vision:
+            return VisionPreferenceCollator(processing_class, self.paired, self.kl_pairs, max_length)
+        return PreferenceCollator(processing_class.pad_token_id, self.paired, self.kl_pairs, max_length,
+                                  extra_completions)
+
     def prepare_eval_dataset(self, dataset, name: str = "eval"):
         """Raw evaluation rows -> token ids, as the train data was prepared; prepared data comes back as is."""
-        if "prompt_ids" in (dataset.column_names or ()):
+        if {"prompt_ids", "row_index"} & set(dataset.column_names or ()):
             return dataset
-        prepared = prepare_preference_dataset(dataset, name=name, **self._prepare)
+        prepared = self.prepare_rows(dataset, name)
         if not self.ref_precomputed:
             return prepared
         if self._reference_is_policy and self.state.global_step == 0:
@@ -508,11 +557,14 @@ class PreferenceTrainer(BaseTrainer):
                          f"trainer instead")
 
     # ------------------------------------------------------------------ log-probs
-    def reference_logps(self, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> Tensor:
-        """Summed completion log-probs (N,) under the reference (frozen copy or adapter-disabled model)."""
+    def reference_logps(self, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
+                        model_inputs: dict | None = None) -> Tensor:
+        """Summed completion log-probs (N,) under the reference (frozen copy or adapter-disabled model);
+        model_inputs: the rows' images for a vision-language model (the reference sees the policy's pixels)."""
         model = self.ref_model if self.ref_model is not None else self.accelerator.unwrap_model(self.model)
         with torch.no_grad(), self.reference_context(self.ref_model):
-            return completion_logps(model, input_ids, attention_mask, completion_mask, paired=self.paired)[0]
+            return completion_logps(model, input_ids, attention_mask, completion_mask, paired=self.paired,
+                                    model_inputs=model_inputs)[0]
 
     def precompute_reference(self) -> None:
         """precompute_ref_log_probs: score the train and eval data once with the reference, store the
@@ -525,12 +577,13 @@ class PreferenceTrainer(BaseTrainer):
     def add_reference_columns(self, dataset):
         """The dataset plus `reference_columns`: the collated rows' reference log-probs, split into one
         block per column (DPO: chosen, rejected; KTO: the rows, their KL rows). Each process scores its share."""
-        collate = PreferenceCollator(self.processing_class.pad_token_id, self.paired, self.kl_pairs, self.args.max_length)
+        collate = self.make_collator(self.processing_class, self.args.max_length)
         blocks = len(self.reference_columns)
 
         def score(rows: list[int]) -> Tensor:  # (len(rows), blocks)
-            batch = {k: v.to(self.accelerator.device) for k, v in collate([dataset[i] for i in rows]).items()}
-            logps = self.reference_logps(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+            batch = to_device(collate([dataset[i] for i in rows]), self.accelerator.device)
+            logps = self.reference_logps(batch["input_ids"], batch["attention_mask"], batch["completion_mask"],
+                                         batch.get("model_inputs"))
             return torch.stack(logps.chunk(blocks), dim=1)
 
         values = self.shared_pass(len(dataset), score, self.args.per_device_eval_batch_size, "reference log-probs")
@@ -691,4 +744,4 @@ class ReferenceFreePairTrainer(PreferenceTrainer):
         """Summed completion log-probs, lengths and mean logits of the [chosen; rejected] rows, each (2B,)."""
         ids, mask, cmask = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
         self.count_tokens(mask, self.mode())
-        return completion_logps(model, ids, mask, cmask, paired=True)
+        return completion_logps(model, ids, mask, cmask, paired=True, model_inputs=inputs.get("model_inputs"))

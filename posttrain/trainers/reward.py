@@ -165,14 +165,18 @@ class RewardTrainer(PreferenceTrainer):
                          peft_config=peft_for_task(peft_config, "SEQ_CLS", "a reward model is a sequence classifier"),
                          callbacks=callbacks, optimizers=optimizers,
                          needs_reference=False, model_kind="seq-cls", compute_metrics=compute_metrics)
-        # each batch's pairs as one padding-free row, each pair attending within itself (see pair_rewards)
-        document_attention.enable(self.accelerator.unwrap_model(self.model))
+        if not self.vision:  # each batch's pairs as one padding-free row, each pair attending within itself
+            document_attention.enable(self.accelerator.unwrap_model(self.model))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = self.mode()
         mask = inputs["attention_mask"]
         B = mask.shape[0] // 2
-        rewards = pair_rewards(model, inputs["input_ids"], mask, inputs["completion_mask"]).float()  # (2B,)
+        if self.vision:  # each row with its images, as it is: image tokens must meet their image features
+            rewards = model(input_ids=inputs["input_ids"], attention_mask=mask,
+                            **inputs["model_inputs"]).logits[:, 0].float()
+        else:
+            rewards = pair_rewards(model, inputs["input_ids"], mask, inputs["completion_mask"]).float()  # (2B,)
         chosen, rejected = rewards[:B], rewards[B:]
         loss = pairwise_reward_loss(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient or 0.0)
         gathered = self.accelerator.gather_for_metrics(rewards.detach())

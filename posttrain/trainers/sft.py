@@ -64,15 +64,17 @@ from transformers import TrainingArguments
 from posttrain.accel import document_attention
 from posttrain.core.log_softmax import selective_log_softmax_stats
 from posttrain.core.sft_losses import SFT_LOSSES as LOSSES  # loss_type -> per-token loss
-from posttrain.data import formats
+from posttrain.data import formats, multimodal
 from posttrain.data.chat import load_chat_template, require_chat_template, template_variables
 from posttrain.data.collate import IGNORE_INDEX, MASK_COLUMNS, LanguageModelingCollator, flatten_padded
 from posttrain.data.packing import STRATEGIES, pack_dataset, pack_rows
-from posttrain.data.tokenize import TokenizeError, encode_prompt_completion, encode_text
+from posttrain.data.tokenize import TokenizeError, encode_sft_row
+from posttrain.data.vision_collate import VisionLanguageModelingCollator
 from posttrain.forward.logprobs import attention_kind, linear_selective_log_softmax, plain_lm_head
 from posttrain.models import compat, loading
 from posttrain.models.modes import eval_mode
 from posttrain.models.offloading import OffloadActivations
+from posttrain.models.vision import vision_run
 from posttrain.trainers.base import (EVAL_SET, BaseConfig, BaseTrainer, as_dataset, check_datasets,
                                      classic_arguments, errors_named, map_datasets, seed_run)
 
@@ -219,9 +221,23 @@ def _refuse_images(dataset, columns: list[str]) -> None:
     features = getattr(dataset, "features", None) or {}
     for column in columns:
         if column in ("image", "images") or _holds_images(features.get(column)):
-            raise ValueError(f"column {column!r} holds images, but SFTTrainer trains text-only causal LMs and "
-                             "would ignore them; posttrain has no vision-language support: drop the column, or "
-                             "train the model with TRL's vision-language SFT")
+            raise ValueError(f"column {column!r} holds images, but this SFTTrainer trains a text-only causal LM, "
+                             "which would ignore them: pass a vision-language model with its images in an 'images' "
+                             "(or 'image') column, or drop the column")
+
+
+def check_vision_options(args: SFTConfig, formatting_func=None) -> None:
+    """Refuse what the vision path cannot do, naming the option: packing and padding-free (rows of several
+    sequences: a sequence's image tokens must meet its own image features, and multimodal rotary positions
+    cannot restart per sequence) and a formatting_func (it returns text, which holds no images)."""
+    for name in ("packing", "eval_packing", "padding_free"):
+        if getattr(args, name):
+            raise ValueError(f"{name}=True: vision-language rows are not packed or flattened here (each sequence's "
+                             f"image tokens must stay with its own images, and the multimodal rotary positions of "
+                             f"models such as Qwen2-VL do not restart per sequence); set {name}=False")
+    if formatting_func is not None:
+        raise ValueError("formatting_func returns text, which cannot hold images: with a vision-language model give "
+                         "conversational rows (content parts with {'type': 'image'}) and an 'images' column instead")
 
 
 def as_sft_config(args: TrainingArguments) -> SFTConfig:
@@ -257,17 +273,28 @@ class SFTTrainer(BaseTrainer):
         check_datasets(args, train_dataset, eval_dataset)
         seed_run(args)
         init_kwargs = args.model_init_kwargs or {}
-        model = loading.load_causal_lm(model, **init_kwargs)
-        tokenizer = loading.load_tokenizer(processing_class, model=model,
-                                           trust_remote_code=init_kwargs.get("trust_remote_code", False))
+        trust = init_kwargs.get("trust_remote_code", False)
+        # a vision-language model (or a dataset with images, refused for a text-only model) takes the vision path
+        self.vision = vision_run(model, train_dataset, "SFTTrainer")
+        if self.vision:
+            check_vision_options(args, formatting_func)
+            model = loading.load_vision_lm(model, **init_kwargs)
+            tokenizer = loading.load_processor(processing_class, model=model, trust_remote_code=trust)
+        else:
+            model = loading.load_causal_lm(model, **init_kwargs)
+            tokenizer = loading.load_tokenizer(processing_class, model=model, trust_remote_code=trust)
         if args.chat_template_path is not None:
-            load_chat_template(tokenizer, args.chat_template_path, model)
+            load_chat_template(getattr(tokenizer, "tokenizer", tokenizer), args.chat_template_path, model)
         self.formatting_func = formatting_func
         prepare = lambda data, pack: self.prepare_dataset(data, tokenizer, args, pack, formatting_func)  # noqa: E731
+        if self.vision:  # checked here, tokenised and processed batch by batch in the collator
+            prepare = lambda data, pack: multimodal.prepare_vision_dataset(data, "sft")  # noqa: E731
         train_dataset = prepare(train_dataset, args.packing)
         with errors_named(EVAL_SET):
             eval_dataset = map_datasets(lambda data: prepare(data, args.eval_packing), eval_dataset)
         attention = str(attention_kind(model) or "")  # document attention (a model trained before) counts as sdpa
+        if self.vision:
+            args.padding_free = False  # check_vision_options refused True
         if args.padding_free is None and (args.packing or attention not in ("sdpa", "eager")):
             # flash (varlen kernels): flat packed rows; otherwise full bins, cheaper than one flat row
             args.padding_free = bool(args.packing and "flash" in attention)
@@ -278,7 +305,12 @@ class SFTTrainer(BaseTrainer):
         hidden = getattr(model.config, "hidden_size", None)
         self._flatten_width = hidden if args.padding_free is None and isinstance(hidden, int) else None
         self._flat_rows_apart: bool | None = None  # whether the model reads restarting position_ids; checked once
-        if data_collator is None:
+        if data_collator is None and self.vision:
+            data_collator = VisionLanguageModelingCollator(
+                tokenizer, completion_only=args.completion_only_loss is not False,
+                assistant_only=args.assistant_only_loss, max_length=args.max_length,
+                template_kwargs=args.chat_template_kwargs)
+        elif data_collator is None:
             data_collator = LanguageModelingCollator(tokenizer.pad_token_id, padding_free=bool(args.padding_free))
         elif args.padding_free:  # the flattening is the collator's work: a custom one would silently skip it
             raise ValueError("padding_free=True flattens batches in SFT's own collator, so it cannot be combined "
@@ -314,6 +346,8 @@ class SFTTrainer(BaseTrainer):
         columns = set(_column_names(dataset) or ())
         if "input_ids" in columns and columns <= {"input_ids", "loss_mask", "seq_lengths"}:
             return dataset  # already prepared
+        if self.vision:
+            return dataset if "row_index" in columns else multimodal.prepare_vision_dataset(dataset, "sft", name)
         return self.prepare_dataset(dataset, self.processing_class, self.args, self.args.eval_packing,
                                     self.formatting_func)
 
@@ -392,24 +426,11 @@ class SFTTrainer(BaseTrainer):
             return data, info
 
         def encode(row, i, info):
-            tools = row.get("tools")
             variables = template_variables(args.chat_template_kwargs, row.get("chat_template_kwargs"))
             try:
-                if info.name == "language_modeling":
-                    out = encode_text(tokenizer, row["messages"] if info.conversational else row["text"],
-                                      assistant_only=assistant_only, tools=tools, template_kwargs=variables)
-                    return {"input_ids": out["input_ids"], "loss_mask": out["loss_mask"],
-                            "truncated": max_length is not None and len(out["input_ids"]) > max_length}
-                out = encode_prompt_completion(tokenizer, row["prompt"], row["completion"], max_length, row=i,
-                                               tools=tools, template_kwargs=variables)
-                n_prompt, n_completion = len(out["prompt_ids"]), len(out["completion_ids"])
-                ids = out["prompt_ids"] + out["completion_ids"]
-                mask = [0] * n_prompt + [1] * n_completion if completion_only else [1] * len(ids)
-                if assistant_only:
-                    full = encode_text(tokenizer, list(row["prompt"]) + list(row["completion"]), assistant_only=True,
-                                       tools=tools, template_kwargs=variables)
-                    mask = [m & a for m, a in zip(mask, full["loss_mask"])]
-                return {"input_ids": ids, "loss_mask": mask, "truncated": out["truncated"]}
+                return encode_sft_row(tokenizer, row, i, language_modeling=info.name == "language_modeling",
+                                      conversational=info.conversational, completion_only=completion_only,
+                                      assistant_only=assistant_only, max_length=max_length, template_kwargs=variables)
             except TokenizeError as err:
                 message = str(err) if str(err).startswith("row ") else f"row {i}: {err}"
                 raise TokenizeError(message) from None
@@ -445,6 +466,7 @@ class SFTTrainer(BaseTrainer):
         targets[:, :-1] = labels[:, 1:]  # targets[:, t] is predicted by the logits at t
         keep = targets != IGNORE_INDEX  # (B, T)
         model_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        model_inputs.update(inputs.get("model_inputs") or {})  # a vision-language model's pixel_values, ...
         if self._documents and "position_ids" in inputs and "attention_mask" not in inputs:
             model_inputs.update(document_attention.boundaries(inputs["position_ids"]))  # where each sequence starts
         if self.aux_loss_enabled:

@@ -1,0 +1,91 @@
+"""The prompts' images on the online engine's path: from the processor's output to the model's forward.
+
+A vision-language prompt comes with its processor outputs besides the token ids: `pixel_values` and what
+goes with them (`image_sizes`, `image_grid_thw`, ...), one dict per prompt, whose tensors hold that prompt's
+images (or image patches) along dim 0. Three places need them:
+
+* the sampler's prefill (`rollout.generate`): the batch's prompts once each, their images concatenated in
+  prompt order (`prompt_inputs`), so the vision tower encodes each prompt's images once per group, and the
+  KV cache the group's samples decode from already holds the image tokens;
+* the micro-batches of the online trainers: one row per completion, so each image tensor is kept per row,
+  padded along its image dim to the longest row and given a trailing dim of 1 (never 2-D, so never taken
+  for completion columns when a micro-batch is trimmed), with each row's count (`row_inputs`); rows are
+  indexed, shuffled and checkpointed like the other per-row tensors. `IMAGE_GROUP` numbers the prompt of each row:
+  two prompts with the same text but different images have the same token ids, so it is what tells the
+  training forward which rows share a prompt;
+* the training forward (`forward.completions.completion_logprobs`): the images of the rows it computes, in
+  their order (`forward_inputs`): once per distinct prompt where the completions of a group are packed into
+  one sequence, once per row otherwise.
+
+Departures from TRL: TRL repeats each prompt's pixels for every completion and runs the vision tower once
+per completion, in generation and in every training forward; here it runs once per prompt in both.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+PIXELS = "pixels."  # micro-batch keys of the per-row image tensors: PIXELS + name, and PIXELS + name + COUNT
+COUNT = ".count"
+IMAGE_GROUP = "image_group"  # (N,) the row's prompt, numbered within its generation batch
+
+
+def prompt_inputs(per_prompt: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """One forward's vision inputs for `per_prompt` (one dict per prompt, in the batch's order): each key's
+    tensors concatenated along dim 0, the order in which the model fills its image placeholder tokens."""
+    names = _names(per_prompt)
+    return {name: torch.cat([p[name] for p in per_prompt if name in p]) for name in names}
+
+
+def row_inputs(per_prompt: list[dict[str, Tensor]], group: int, first_group: int = 0) -> dict[str, Tensor]:
+    """The per-row tensors of `group` rows per prompt (prompt-major): for each key, (N, n_max, ..., 1) padded with
+    zeros along the image dim and its counts (N,); and `IMAGE_GROUP` (N,): first_group + the prompt's index."""
+    rows: dict[str, Tensor] = {}
+    for name in _names(per_prompt):
+        parts = [p.get(name) for p in per_prompt]
+        shape = next(t for t in parts if t is not None).shape[1:]
+        longest = max(0 if t is None else len(t) for t in parts)
+        padded = torch.zeros(len(parts), longest, *shape, dtype=next(t for t in parts if t is not None).dtype)
+        counts = torch.zeros(len(parts), dtype=torch.long)
+        for i, t in enumerate(parts):
+            if t is not None:
+                padded[i, :len(t)], counts[i] = t, len(t)
+        rows[PIXELS + name] = padded.repeat_interleave(group, dim=0)[..., None]
+        rows[PIXELS + name + COUNT] = counts.repeat_interleave(group)
+    rows[IMAGE_GROUP] = torch.arange(first_group, first_group + len(per_prompt)).repeat_interleave(group)
+    return rows
+
+
+def has_images(batch: dict) -> bool:
+    """Whether a micro-batch (or a Rollout's row tensors) carries prompt images."""
+    return IMAGE_GROUP in batch
+
+
+def row_part(batch: dict) -> dict[str, Tensor] | None:
+    """The vision keys of a micro-batch (what `forward_inputs` reads), or None for a text batch."""
+    if not has_images(batch):
+        return None
+    return {k: v for k, v in batch.items() if k == IMAGE_GROUP or k.startswith(PIXELS)}
+
+
+def forward_inputs(rows: dict[str, Tensor], which: Tensor) -> dict[str, Tensor]:
+    """The model's vision inputs for a forward over the rows `which` (indices into `rows`, in the forward's
+    order): each key's real images of those rows, concatenated along dim 0."""
+    which = which.to(rows[IMAGE_GROUP].device)
+    out = {}
+    for key, padded in rows.items():
+        if not key.startswith(PIXELS) or key.endswith(COUNT):
+            continue
+        counts = rows[key + COUNT][which]
+        picked = padded[which]  # (R, n_max, ...)
+        keep = torch.arange(picked.shape[1], device=picked.device)[None] < counts.to(picked.device)[:, None]
+        out[key[len(PIXELS):]] = picked[keep][..., 0]
+    return out
+
+
+def _names(per_prompt: list[dict[str, Tensor]]) -> list[str]:
+    names = []
+    for p in per_prompt:
+        names += [n for n in p if n not in names]
+    return names
