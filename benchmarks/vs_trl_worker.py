@@ -265,8 +265,10 @@ def main():
     if kind in ONLINE:
         from transformers import AutoProcessor, AutoTokenizer
 
-        # TRL's OnlineDPOTrainer requires the tokenizer; a vision workload's model takes its processor
-        tokenizer = (AutoProcessor if images else AutoTokenizer).from_pretrained(spec["model"])
+        # TRL's OnlineDPOTrainer requires the tokenizer; a vision workload's model takes its processor; posttrain
+        # loads its own from the model (which may be a built-in name that transformers cannot resolve)
+        tokenizer = None if side == "posttrain" else (AutoProcessor if images else AutoTokenizer).from_pretrained(
+            spec["model"])
         trainer = Trainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data,
                           processing_class=tokenizer)
     else:
