@@ -431,7 +431,7 @@ def run_guess_number(plan: DemoPlan) -> tuple[tuple, list[dict]]:
     return ("held-out reward", before, after), _episode(trainer, test[0])
 
 
-DISTILLERS = ("distillation", "gkd", "minillm", "sft on teacher samples")
+DISTILLERS = ("distillation", "gkd", "minillm", "iw_opd", "sft on teacher samples")
 
 
 def _teacher_samples(plan, tokenizer, prompts, teacher, rows: int):
@@ -477,10 +477,12 @@ def run_distill(plan, name, tokenizer, train, test, start, start_acc, teacher):
             # one sample per prompt, as the other distillers: no reward function, so no group baseline is needed
             args=posttrain.MiniLLMConfig(**common, num_generations=1, max_completion_length=plan.max_new_tokens))
     else:
-        config_cls, trainer_cls = ((posttrain.DistillationConfig, posttrain.DistillationTrainer)
-                                   if name == "distillation" else (posttrain.GKDConfig, posttrain.GKDTrainer))
+        config_cls, trainer_cls = {"distillation": (posttrain.DistillationConfig, posttrain.DistillationTrainer),
+                                   "gkd": (posttrain.GKDConfig, posttrain.GKDTrainer),
+                                   "iw_opd": (posttrain.IWOPDConfig, posttrain.IWOPDTrainer)}[name]
+        support = {} if name == "iw_opd" else {"loss_top_k": 0}  # IW-OPD reads the sampled tokens only
         trainer = trainer_cls(model=start, teacher_model=teacher, processing_class=tokenizer, train_dataset=train,
-                              args=config_cls(**common, loss_top_k=0, max_completion_length=plan.max_new_tokens))
+                              args=config_cls(**common, **support, max_completion_length=plan.max_new_tokens))
     _train(trainer, plan)
     if name == "distillation":  # the completion tokens it trained on: the SFT baseline gets as many
         lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
