@@ -3,8 +3,8 @@
 Runs the same GRPO workload (tiny-qwen2 on the `reverse` task: `--steps` steps of 8 prompts x 8 samples,
 8 new tokens, from step 0) in a fresh process, once on the otherwise idle machine and once beside `--busy`
 processes that spin in a busy loop, each with posttrain's thread setup (`posttrain/accel/threads.py`: threads from
-the affinity mask and the cgroup quota, a short OpenMP spin, the count fitted each step to the CPUs the other
-processes leave free), with that count fixed instead ("fixed count"), with libgomp's defaults
+the affinity mask and the cgroup quota, a short OpenMP spin, the count fitted when the run starts to the CPUs
+the other processes leave free), with that count fixed instead ("fixed count"), with libgomp's defaults
 (OMP_NUM_THREADS = the CPUs, GOMP_SPINCOUNT 300,000: what runs did before), and with one thread. Reported per setting: the wall time and the CPU
 time the workload used, its slowdown against the idle run, and the fair-share bound -- the slowdown of a
 process that loses only its share of the CPU: with T threads beside N busy loops on C CPUs it gets

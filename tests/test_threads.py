@@ -85,40 +85,56 @@ def test_running_tasks_are_read_from_proc(tmp_path):
     assert threads.own_running(str(tasks)) == 2
 
 
-def test_fit_threads_follows_the_median_of_the_last_looks(monkeypatch):
-    import torch
-
-    before = torch.get_num_threads()
-    looks = iter([0, 3, 3, 0, 0])
-    fit = threads.FitThreads(share=4, cpus=4, sample=lambda: next(looks))
-    try:
-        torch.set_num_threads(4)
-        assert fit.look() is None  # (0): 4 free, as now
-        assert fit.look() is None  # (0, 3): one busy look changes nothing
-        assert fit.look() == 1 and torch.get_num_threads() == 1  # (0, 3, 3): 3 others on 4 CPUs leave one
-        assert fit.look() is None  # (3, 3, 0)
-        assert fit.look() == 4 and torch.get_num_threads() == 4  # (3, 0, 0): the machine is free again
-        fit.sample = lambda: 9
-        fit.seen.clear()
-        assert fit.target() == 1  # never below one thread
-        fit.sample = lambda: None
-        assert fit.target() is None  # no reading: leave the count alone
-    finally:
-        torch.set_num_threads(before)
+def test_fitted_threads_leave_the_cpus_others_keep_busy():
+    looks = iter([3, 0, 3])
+    assert threads.fitted_threads(share=4, cpus=4, sample=lambda: next(looks), pause=0) == 1  # lower median 3
+    looks = iter([0, 3, 0])
+    assert threads.fitted_threads(share=4, cpus=4, sample=lambda: next(looks), pause=0) == 4  # one busy look: none
+    assert threads.fitted_threads(share=2, cpus=4, sample=lambda: 0, pause=0) == 2  # never above the share
+    assert threads.fitted_threads(share=4, cpus=4, sample=lambda: 9, pause=0) == 1  # never below one thread
+    assert threads.fitted_threads(share=4, cpus=4, sample=lambda: None, pause=0) is None  # no reading
 
 
-def test_fit_threads_stays_off_where_the_count_is_fixed(monkeypatch):
+def test_fit_stays_off_where_the_count_is_fixed(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_FIT_THREADS", "1")
     monkeypatch.delenv("POSTTRAIN_THREADS", raising=False)
     monkeypatch.delenv("POSTTRAIN_USER_OMP_THREADS", raising=False)
     monkeypatch.setattr(threads, "procs_running", lambda: 3)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert threads.FitThreads.wanted()
+    assert threads.fit_wanted()
     monkeypatch.setattr(os, "cpu_count", lambda: 8)  # a slice of a larger machine: the host's count says nothing
-    assert not threads.FitThreads.wanted()
+    assert not threads.fit_wanted()
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     for name, value in (("POSTTRAIN_FIT_THREADS", "0"), ("POSTTRAIN_THREADS", "2"), ("POSTTRAIN_USER_OMP_THREADS", "1")):
         monkeypatch.setenv(name, value)
-        assert not threads.FitThreads.wanted(), name
+        assert not threads.fit_wanted(), name
         monkeypatch.delenv(name)
+
+
+def test_a_run_keeps_its_fitted_count_when_resumed(tmp_path, monkeypatch):
+    """The count chosen at the start is saved with each checkpoint; a resumed run takes it whatever the load."""
+    import torch
+
+    from posttrain import SFTConfig, SFTTrainer
+    from posttrain.tasks.builtin import task_dataset
+
+    monkeypatch.setenv("POSTTRAIN_FIT_THREADS", "1")
+    monkeypatch.setattr(threads, "fit_wanted", lambda: True)
+    before = torch.get_num_threads()
+    args = dict(output_dir=str(tmp_path), max_steps=2, save_strategy="steps", save_steps=1, per_device_train_batch_size=2,
+                report_to="none",
+                disable_tqdm=True, learning_rate=1e-3)
+    data = task_dataset("reverse", "train", size=8)
+    try:
+        monkeypatch.setattr(threads, "fitted_threads", lambda: 1)  # busy when the run starts
+        trainer = SFTTrainer("posttrain/tiny-qwen2", args=SFTConfig(**args), train_dataset=data)
+        trainer.train()
+        assert trainer.run_threads == 1 and torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "fitted_threads", lambda: 2)  # idle when it resumes
+        resumed = SFTTrainer("posttrain/tiny-qwen2", args=SFTConfig(**{**args, "max_steps": 3}), train_dataset=data)
+        resumed.train(resume_from_checkpoint=True)
+        assert resumed.run_threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -24,22 +24,22 @@ the thread count outright. `benchmarks/busy_machine.py` measures the effect.
 
 A fixed team is still too many when other processes keep cores busy: with two busy loops beside a 2-thread
 run on 2 CPUs, every parallel region waits for whichever thread the scheduler has parked, and a step took
-6-8x as long as alone, against 1.5x with one thread (busy_machine.py, tiny GRPO, 2-core Xeon). `FitThreads`
-therefore follows, once per optimizer step, the CPUs that other processes leave free: from the kernel's
-count of runnable tasks (/proc/stat `procs_running`) less this process's own running threads, the median
-of the last three looks, it sets torch's thread count to the free CPUs, between 1 and `cpu_share()`. It
-acts only where those counts mean this process's CPUs (Linux, an affinity mask of the whole machine), and
-not when the user fixed the count (OMP_NUM_THREADS, POSTTRAIN_THREADS) or set POSTTRAIN_FIT_THREADS=0.
-Float sums can depend on the thread count: for runs bit-identical whatever the load, fix the count.
+6-8x as long as alone, against 1.5x with one thread (busy_machine.py, tiny GRPO, 2-core Xeon). So when a
+run starts (`fitted_threads`), posttrain counts the CPUs that other processes keep busy -- the kernel's
+runnable tasks (/proc/stat `procs_running`) less this process's own running threads, the lower median of a
+few looks -- and trains with the CPUs left free, between 1 and `cpu_share()`. The count is chosen once and
+saved in the run's checkpoints, and a resumed run takes the saved count: float sums depend on the thread
+count, and a run and its resumption must sum alike. It acts only where those counts mean this process's
+CPUs (Linux, an affinity mask of the whole machine), and not when the user fixed the count
+(OMP_NUM_THREADS, POSTTRAIN_THREADS) or set POSTTRAIN_FIT_THREADS=0; for figures bit-identical from run to
+run whatever the load, fix the count.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import statistics
 import sys
-from collections import deque
 
 SPIN_COUNT = "10000"  # libgomp spins before sleeping: about 10-50 µs, against libgomp's default 300,000
 
@@ -136,41 +136,31 @@ def others_running() -> int | None:
     return None if total is None else max(0, total - own_running())
 
 
-class FitThreads:
-    """Torch's thread count fitted to the CPUs other processes leave free (see the module docstring).
-    `look()` is called once per optimizer step; `sample` gives the other processes' runnable tasks."""
+def fit_wanted() -> bool:
+    """Whether a run's thread count may follow the load: Linux, the whole machine in the affinity mask, and no
+    count fixed by the user."""
+    if os.environ.get("POSTTRAIN_FIT_THREADS", "1").strip() == "0":
+        return False
+    if os.environ.get("POSTTRAIN_THREADS", "").strip() or os.environ.get("POSTTRAIN_USER_OMP_THREADS"):
+        return False
+    return (hasattr(os, "sched_getaffinity") and procs_running() is not None
+            and len(os.sched_getaffinity(0)) == os.cpu_count())
 
-    def __init__(self, share: int | None = None, cpus: int | None = None, sample=others_running, window: int = 3):
-        self.share = share or cpu_share()
-        self.cpus = cpus or len(os.sched_getaffinity(0))
-        self.sample, self.seen = sample, deque(maxlen=window)
 
-    @staticmethod
-    def wanted() -> bool:
-        """Whether the count may follow the load: Linux, the whole machine in the affinity mask, and no
-        count fixed by the user."""
-        if os.environ.get("POSTTRAIN_FIT_THREADS", "1").strip() == "0":
-            return False
-        if os.environ.get("POSTTRAIN_THREADS", "").strip() or os.environ.get("POSTTRAIN_USER_OMP_THREADS"):
-            return False
-        return (hasattr(os, "sched_getaffinity") and procs_running() is not None
-                and len(os.sched_getaffinity(0)) == os.cpu_count())
+def fitted_threads(share: int | None = None, cpus: int | None = None, sample=others_running, looks: int = 3,
+                   pause: float = 0.02) -> int | None:
+    """The thread count for a run starting now: the CPUs other processes leave free (the lower median of
+    `looks` readings, `pause` seconds apart, so that one passing process changes nothing), between 1 and
+    `share`; None where the readings are unknown."""
+    import statistics
+    import time
 
-    def target(self) -> int | None:
-        """The thread count for the next step, from the median of the last looks; None: no reading."""
-        others = self.sample()
-        if others is None:
+    share, cpus = share or cpu_share(), cpus or len(os.sched_getaffinity(0))
+    seen = []
+    for i in range(looks):
+        if (others := sample()) is None:
             return None
-        self.seen.append(others)
-        free = self.cpus - statistics.median_low(self.seen)  # one odd look changes nothing
-        return max(1, min(self.share, free))
-
-    def look(self) -> int | None:
-        """Set torch's thread count to `target()` when it differs; returns the count set, or None."""
-        import torch
-
-        threads = self.target()
-        if threads is None or threads == torch.get_num_threads():
-            return None
-        torch.set_num_threads(threads)
-        return threads
+        seen.append(others)
+        if i + 1 < looks:
+            time.sleep(pause)
+    return max(1, min(share, cpus - statistics.median_low(seen)))

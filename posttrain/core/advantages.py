@@ -34,6 +34,9 @@
   reverse_kl_return     MiniLLM (Gu et al. 2024, "MiniLLM: Knowledge Distillation of Large Language
                         Models"): the policy gradient of -KL(student || teacher) over sequences; the
                         per-token rewards are log q_teacher - log q_student of the sampled tokens.
+  iw_opd                IW-OPD ("On the Position Bias of On-Policy Distillation", 2026): the sampled-token
+                        distillation signal log q_teacher - log q_student of each token, weighted by how
+                        little of the completion's total |signal| came before it (early tokens more).
 
 Each takes an `AdvantageInput` plus keyword-only options (each read from the config field of
 its name) and returns `(advantages, returns)`: advantages `(B, T)`, 0 on padding; returns
@@ -391,3 +394,28 @@ def reverse_kl_return(inp: AdvantageInput, *, gamma: float = 1.0, length_normali
         steps = mask.flip(1).cumsum(1).flip(1).to(scores.dtype)  # masked tokens from t to the end
         returns = returns / (steps - float(single_step_decomposition)).clamp(min=1)
     return advantages + torch.where(mask, returns, 0.0), None
+
+
+ADVANTAGES.option("iw_opd_gamma", 0.5, "iw_opd: how much more an early token weighs than a late one (weights run "
+                  "from 1 + gamma down to 1).", bound=(0.0, None))
+ADVANTAGES.option("iw_opd_epsilon", 1e-8, "iw_opd: the smallest total |signal| a completion's weights divide by.",
+                  bound=(0.0, None))
+
+
+def iw_opd_weights(signal: Tensor, mask: Tensor, gamma: float, epsilon: float) -> Tensor:
+    """IW-OPD's weight of each token (B, T): 1 + γ (1 - Σ_{s<t} |a_s| / max(Σ_s |a_s|, ε)), a = `signal` on the mask."""
+    size = torch.where(mask.bool(), signal, 0.0).abs()
+    before = size.cumsum(1) - size  # Σ_{s<t} |a_s|
+    return 1.0 + gamma * (1.0 - before / size.sum(1, keepdim=True).clamp(min=epsilon))
+
+
+@register_advantage("iw_opd", per_token=True, critic=False, min_group=1)
+def iw_opd(inp: AdvantageInput, *, iw_opd_gamma: float = 0.5, iw_opd_epsilon: float = 1e-8):
+    """IW-OPD's advantage of each sampled token: a_t = `token_rewards` (log q_T(y_t) - log q_S(y_t)) times its
+    weight (`iw_opd_weights`): a token after much teacher-student disagreement (a prefix the teacher's supervision
+    has drifted on) weighs less, the first token 1 + γ. The scores are not used (no token rewards: no signal)."""
+    mask = inp.mask.bool()
+    if inp.token_rewards is None:
+        return torch.zeros(mask.shape, dtype=inp.scores.dtype, device=mask.device), None
+    signal = torch.where(mask, inp.token_rewards, 0.0)
+    return torch.where(mask, iw_opd_weights(signal, mask, iw_opd_gamma, iw_opd_epsilon) * signal, 0.0), None

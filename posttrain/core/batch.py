@@ -128,6 +128,8 @@ class Experience:
         def cut(name: str, value: Tensor) -> Tensor:
             if name.startswith("prompt"):
                 return value[:, start:]
+            if name.startswith("teacher_prompt"):  # a teacher's own prompt (self-distillation): its own padding
+                return value
             return value[:, :width] if value.dim() == 2 else value
         return self._map_rows(cut)
 

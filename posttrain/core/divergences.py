@@ -12,7 +12,8 @@
 
 Every divergence has one signature, `fn(student_logp, teacher_logp, *, options) -> (R,)`: two (R, K)
 tensors of log-probabilities over the same K outcomes (the vocabulary, or a top-k support with a tail
-bucket), one value per row. `token_divergence` is the driver the trainers call: from the two models'
+bucket), one value per row. `token_divergence` is the driver the trainers call (`sparse_teacher_divergence` its
+form for a teacher known only on a support, a teacher server's): from the two models'
 logits, or from their final hidden states and output layers (`LinearLogits`: the logits are made a block of
 rows at a time and never exist whole), it computes the log-softmax of both models a block of rows at a
 time, optionally restricts them to a top-k support, and returns the per-token divergence (B, T), 0 on
@@ -35,6 +36,7 @@ Pure tensor code: nothing of posttrain outside core/ is imported here.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -73,8 +75,10 @@ def register_divergence(name: str, *, support: str) -> Callable[[DivergenceFn], 
 
 def _kl(p_logp: Tensor, q_logp: Tensor) -> Tensor:
     """KL(p || q) per row of (R, K) log-probs; outcomes with p = 0 add nothing (0 log 0 = 0)."""
-    terms = p_logp.exp() * (p_logp - q_logp)
-    return torch.where(p_logp > -math.inf, terms, 0.0).sum(-1)
+    live = p_logp > -math.inf
+    # the empty outcomes' terms are made from 0s, not -inf: their 0 * nan would poison the gradient through where
+    p_logp, q_logp = torch.where(live, p_logp, 0.0), torch.where(live, q_logp, 0.0)
+    return torch.where(live, p_logp.exp() * (p_logp - q_logp), 0.0).sum(-1)
 
 
 @register_divergence("forward_kl", support="teacher")
@@ -98,7 +102,10 @@ def generalized_jsd(student_logp: Tensor, teacher_logp: Tensor, *, beta: float =
         return forward_kl(student_logp, teacher_logp)
     if beta == 1.0:
         return reverse_kl(student_logp, teacher_logp)
-    mixture = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log1p(-beta))
+    live = (teacher_logp > -math.inf) | (student_logp > -math.inf)  # an empty outcome of both: its log is -inf
+    mixture = torch.logaddexp(torch.where(live, teacher_logp, 0.0) + math.log(beta),
+                              torch.where(live, student_logp, 0.0) + math.log1p(-beta))
+    mixture = torch.where(live, mixture, -math.inf)  # (logaddexp(-inf, -inf)'s gradient is nan)
     return beta * _kl(teacher_logp, mixture) + (1.0 - beta) * _kl(student_logp, mixture)
 
 
@@ -139,12 +146,18 @@ def _support(student_logp: Tensor, teacher_logp: Tensor, side: str, k: int, samp
 
 def restrict_to_support(logp: Tensor, index: Tensor, valid: Tensor, add_tail: bool) -> Tensor:
     """(R, V) log-probs -> (R, K'(+1)) over the support: renormalised, or with a tail bucket of the rest."""
-    picked = torch.where(valid, logp.gather(-1, index), -math.inf)
+    return on_support(torch.where(valid, logp.gather(-1, index), -math.inf), add_tail)
+
+
+def on_support(picked: Tensor, add_tail: bool) -> Tensor:
+    """(R, K') log-probs of the support's tokens (-inf where a slot is empty) -> renormalised over the support, or
+    (R, K' + 1) with a tail bucket holding the rest of the mass, log(1 - sum p)."""
     if not add_tail:
         return picked.log_softmax(-1)
-    # log(1 - sum p) computed as log(-expm1(logsumexp)) keeps precision when the support holds most of the mass
+    # log(1 - sum p) computed as log(-expm1(logsumexp)) keeps precision when the support holds most of the mass;
+    # the rest is clamped before the log (a support holding all of it: log 0, whose gradient 0 * inf is nan)
     total = torch.logsumexp(picked, -1, keepdim=True).clamp(max=0.0)
-    tail = torch.log(-torch.expm1(total)).clamp(min=-1e4 if logp.dtype == torch.float32 else -1e30)
+    tail = torch.log((-torch.expm1(total)).clamp(min=torch.finfo(picked.dtype).tiny))
     return torch.cat([picked, tail], -1)
 
 
@@ -162,6 +175,50 @@ def _block(fn, options, support, top_k, add_tail, temperature, dtype, student, t
     return fn(s_logp, t_logp, **options)
 
 
+def _part(rows, part: slice):
+    if rows is None:
+        return None
+    return LinearLogits(rows.hidden[part], rows.weight) if isinstance(rows, LinearLogits) else rows[part]
+
+
+def _chunked(block, student, mask: Tensor, others: tuple, chunk_rows: int) -> Tensor:
+    """(B, T), 0 off the mask: `block(student_rows, *other_rows)` -> (R,) over the masked-in positions of `student`
+    (logits (B, T, V) or LinearLogits) and of each (B, T, ...) tensor in `others` (None passes as None), `chunk_rows`
+    positions at a time. With gradients, each block is recomputed in backward instead of keeping its (rows, V)
+    temporaries (activation checkpointing)."""
+    where = mask.reshape(-1).bool().nonzero().squeeze(-1)
+    s_rows = _flat_rows(student, where)
+    o_rows = [None if o is None else _flat_rows(o, where) if isinstance(o, LinearLogits)
+              else o.reshape(-1, *o.shape[2:])[where] for o in others]
+    probe = student.hidden if isinstance(student, LinearLogits) else student
+    dtype = torch.float64 if probe.dtype == torch.float64 else torch.float32
+    grad = torch.is_grad_enabled() and (probe.requires_grad or (isinstance(student, LinearLogits)
+                                                                and student.weight.requires_grad))
+    values = []
+    for start in range(0, where.numel(), chunk_rows):
+        part = slice(start, start + chunk_rows)
+        args = (_part(s_rows, part), *(_part(o, part) for o in o_rows))
+        values.append(checkpoint(block, *args, use_reentrant=False) if grad else block(*args))
+    out = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
+    if values:
+        out = out.index_put((where,), torch.cat(values).to(dtype))
+    return out.view(mask.shape)
+
+
+def _entry(name: str, beta: float):
+    """(the registered divergence, its options, whose top-k forms the support: beta decides for the JSD)."""
+    entry = DIVERGENCES[name]
+    options = {"beta": beta} if "beta" in entry.options else {}
+    support = entry.support if entry.support != "both" else (
+        "teacher" if beta == 0.0 else "student" if beta == 1.0 else "both")
+    return entry, options, support
+
+
+def _dtype(source) -> torch.dtype:
+    probe = source.hidden if isinstance(source, LinearLogits) else source
+    return torch.float64 if probe.dtype == torch.float64 else torch.float32
+
+
 def token_divergence(student, teacher, mask: Tensor, name: str = "generalized_jsd", *, beta: float = 0.5,
                      temperature: float = 1.0, top_k: int = 0, add_tail: bool = True, sampled_ids: Tensor | None = None,
                      chunk_rows: int = CHUNK_ROWS) -> Tensor:
@@ -172,30 +229,29 @@ def token_divergence(student, teacher, mask: Tensor, name: str = "generalized_js
     none). top_k: 0 for the whole vocabulary, else the top-k support (module docstring), `sampled_ids`
     (B, T) the sampled tokens for a top-1 student side. The float64 inputs are computed in float64, others
     in float32. Only masked-in positions are computed, `chunk_rows` at a time."""
-    entry = DIVERGENCES[name]
-    options = {"beta": beta} if "beta" in entry.options else {}
-    support = entry.support if entry.support != "both" else (
-        "teacher" if beta == 0.0 else "student" if beta == 1.0 else "both")
-    where = mask.reshape(-1).bool().nonzero().squeeze(-1)
-    s_rows, t_rows = _flat_rows(student, where), _flat_rows(teacher, where)
-    sampled = sampled_ids.reshape(-1)[where] if sampled_ids is not None else None
-    probe = student.hidden if isinstance(student, LinearLogits) else student
-    dtype = torch.float64 if probe.dtype == torch.float64 else torch.float32
-    grad = torch.is_grad_enabled() and (probe.requires_grad or (isinstance(student, LinearLogits)
-                                                                and student.weight.requires_grad))
-    values = []
-    for start in range(0, where.numel(), chunk_rows):
-        part = slice(start, start + chunk_rows)
-        s_part = LinearLogits(s_rows.hidden[part], s_rows.weight) if isinstance(s_rows, LinearLogits) else s_rows[part]
-        t_part = LinearLogits(t_rows.hidden[part], t_rows.weight) if isinstance(t_rows, LinearLogits) else t_rows[part]
-        args = (entry.fn, options, support, top_k, add_tail, temperature, dtype, s_part, t_part,
-                None if sampled is None else sampled[part])
-        # with gradients, the block's (rows, V) temporaries are recomputed in backward instead of kept
-        values.append(checkpoint(_block, *args, use_reentrant=False) if grad else _block(*args))
-    out = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
-    if values:
-        out = out.index_put((where,), torch.cat(values))
-    return out.view(mask.shape)
+    entry, options, support = _entry(name, beta)
+    block = functools.partial(_block, entry.fn, options, support, top_k, add_tail, temperature, _dtype(student))
+    return _chunked(block, student, mask, (teacher, sampled_ids), chunk_rows)
+
+
+def _sparse_block(fn, options, add_tail, temperature, dtype, student, index, valid, teacher_picked):
+    s_logp = (_logits(student, slice(0, None), dtype) / temperature).log_softmax(-1)
+    s_logp = restrict_to_support(s_logp, torch.where(valid, index, 0), valid, add_tail)  # empty slots: any id
+    t_logp = on_support(torch.where(valid, teacher_picked.to(dtype), -math.inf), add_tail)
+    return fn(s_logp, t_logp, **options)
+
+
+def sparse_teacher_divergence(student, mask: Tensor, index: Tensor, valid: Tensor, teacher_logp: Tensor,
+                              name: str = "generalized_jsd", *, beta: float = 0.5, temperature: float = 1.0,
+                              add_tail: bool = True, chunk_rows: int = CHUNK_ROWS) -> Tensor:
+    """Per-token divergence (B, T) on a support given with the teacher's log-probs on it, for a teacher known only
+    there (a teacher server's top-k and sampled-token log-probs): index (B, T, K) token ids of the support, valid
+    (B, T, K) which slots count (a token listed twice counts once), teacher_logp (B, T, K) the teacher's log-probs
+    of those tokens at `temperature`. The student's log-softmax over its vocabulary at `temperature`, restricted to
+    the support as `token_divergence` restricts a top-k support (tail bucket or renormalised)."""
+    entry, options, _ = _entry(name, beta)
+    block = functools.partial(_sparse_block, entry.fn, options, add_tail, temperature, _dtype(student))
+    return _chunked(block, student, mask, (index, valid, teacher_logp), chunk_rows)
 
 
 def sequence_divergence(per_token: Tensor, mask: Tensor) -> Tensor:

@@ -354,14 +354,18 @@ def warn_still_running() -> None:
 
 
 class FitThreadsCallback(TrainerCallback):
-    """Before each optimizer step, torch's thread count fitted to the CPUs other processes leave free
-    (accel/threads.py: a busy machine cost a 2-thread run 6-8x, one thread 1.5x)."""
+    """When training starts, torch's thread count fitted to the CPUs other processes leave free
+    (accel/threads.py: a busy machine cost a 2-thread run 6-8x, one thread 1.5x); a resumed run takes the
+    count its checkpoint saved (`run_threads`), so that it sums as the run it continues."""
 
-    def __init__(self):
-        self.fit = threads.FitThreads()
+    def __init__(self, trainer):
+        self.trainer = trainer
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.fit.look()
+    def on_train_begin(self, args, state, control, **kwargs):
+        count = self.trainer.run_threads or threads.fitted_threads()
+        if count is not None and count != torch.get_num_threads():
+            torch.set_num_threads(count)
+        self.trainer.run_threads = torch.get_num_threads()
 
 
 class BaseTrainer(Trainer):
@@ -373,7 +377,7 @@ class BaseTrainer(Trainer):
     aux_loss_enabled = False  # the loss adds the model's auxiliary (MoE router) loss; SFT sets it from the config
     # attributes that the next steps depend on and transformers does not save: ints, floats, lists or dicts of
     # them, torch.Generators and objects with state_dict/load_state_dict; absent ones are skipped
-    checkpointed: tuple[str, ...] = ("_num_tokens",)
+    checkpointed: tuple[str, ...] = ("_num_tokens", "run_threads")
 
     def __init__(self, model, args: BaseConfig, *, processing_class=None, train_dataset=None,
                  eval_dataset=None, data_collator=None, peft_config=None, callbacks=None,
@@ -419,8 +423,9 @@ class BaseTrainer(Trainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
         self.add_callback(FiniteGuard(self))
-        if threads.FitThreads.wanted() and (args.use_cpu or not _accelerator_available()):
-            self.add_callback(FitThreadsCallback())
+        self.run_threads = None  # the thread count of this run, when fitted to the machine's load
+        if threads.fit_wanted() and (args.use_cpu or not _accelerator_available()):
+            self.add_callback(FitThreadsCallback(self))
 
     @staticmethod
     def vision_parts(model, args, peft_config):

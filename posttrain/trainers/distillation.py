@@ -15,7 +15,10 @@ A preset of the online engine (`posttrain.trainers.online`): its prompt batches,
 denominators, checkpoints and resume; `make_experience` chooses where the completions come from and
 `compute_loss` is the divergence. The teacher is a frozen model prepared as the engine's reference model
 (`BaseTrainer.make_reference`: dtype and device, sharded under ZeRO-3 / FSDP2); without one it is a frozen
-copy of the student's initial weights (or, with PEFT, the adapter-disabled student), as TRL's default.
+copy of the student's initial weights (or, with PEFT, the adapter-disabled student), as TRL's default. With
+`use_teacher_server`, the teacher is a server (`rollout.teacher_server`, TRL's protocol) that sends its top-k and
+sampled-token log-probs; the divergence is then taken on TRL's support (the teacher's top-k for beta = 0, the
+sampled token for beta = 1, both top-1s in between: `core.divergences.sparse_teacher_divergence`).
 
 Departures from TRL: the on-/off-policy choice is made per generation batch (TRL: per gradient-accumulation
 slice; the same with steps_per_generation == gradient_accumulation_steps, the default); `beta` is the
@@ -27,19 +30,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from posttrain.core.divergences import token_divergence
+from posttrain.core.divergences import sparse_teacher_divergence, token_divergence
 from posttrain.core.masked import aggregate_loss, masked_mean
 from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.forward.completions import completion_logits
 from posttrain.models import loading
 from posttrain.models.modes import unwrap
 from posttrain.rollout.generate import generate
+from posttrain.rollout.teacher_server import TeacherServer
 from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_config import OnlineConfig, estimator_help
 
@@ -86,9 +91,15 @@ class DistillationConfig(OnlineConfig):
     teacher_model_init_kwargs: dict | None = field(default=None, metadata={"help": "Keyword arguments for "
                                                    "from_pretrained when the teacher is given as a string."})
     use_teacher_server: bool = field(default=False, metadata={"help": "Take the teacher's log-probs from a server "
-                                     "(not implemented here: refused)."})
-    teacher_model_server_url: str | None = field(default=None, metadata={"help": "The teacher server's base URL "
-                                                 "(with use_teacher_server)."})
+                                     "(TRL's /get_sequence_logprobs protocol, e.g. `trl vllm-serve`) instead of a "
+                                     "local teacher: then beta = 0 needs loss_top_k > 0 (the teacher's top-k), "
+                                     "beta > 0 needs loss_top_k = 1 and reverse_kl_top_1_mode='sampled'."})
+    teacher_model_server_url: str | None = field(default=None, metadata={"help": "The teacher server's base URL, e.g. "
+                                                 "'http://localhost:8000' (with use_teacher_server)."})
+    teacher_model_server_timeout: float = field(default=240.0, metadata={"help": "Seconds one request to the teacher "
+                                                "server may take, connecting and answering (posttrain's)."})
+    teacher_model_server_retries: int = field(default=2, metadata={"help": "Further tries of a request when the "
+                                              "teacher server is unreachable or answers 5xx / 429 (posttrain's)."})
     log_completions_steps: int = field(default=100, metadata={"help": "Accepted for TRL compatibility; completions "
                                        "are not logged by distillation trainers."})
     use_fused_linear_loss: bool = field(default=False, metadata={"help": "Accepted for TRL compatibility: the loss "
@@ -134,8 +145,24 @@ class DistillationConfig(OnlineConfig):
             raise ValueError(f"vllm_sync_frequency={self.vllm_sync_frequency}: posttrain syncs vLLM's weights every "
                              "step (1)")
         if self.use_teacher_server:
-            raise ValueError("use_teacher_server=True is not implemented in posttrain yet: give a local teacher "
-                             "(teacher_model or teacher_model_name_or_path)")
+            self._check_teacher_server()
+
+    def _check_teacher_server(self):
+        """What a teacher known only through a server's top-k and sampled-token log-probs allows (TRL's rules)."""
+        if not (self.teacher_model_server_url or "").strip():
+            raise ValueError("use_teacher_server=True needs teacher_model_server_url, e.g. 'http://localhost:8000'")
+        if self.beta == 0.0 and self.loss_top_k < 1:
+            raise ValueError(f"use_teacher_server=True with beta=0 needs loss_top_k > 0 (got {self.loss_top_k}): the "
+                             "server sends the teacher's top-k log-probs, not its whole distribution")
+        if self.beta > 0.0 and self.loss_top_k != 1:
+            raise ValueError(f"use_teacher_server=True with beta={self.beta} > 0 needs loss_top_k=1 (got "
+                             f"{self.loss_top_k}): the server knows the sampled token and its own top-1 only")
+        if self.reverse_kl_top_1_mode != "sampled":
+            raise ValueError("use_teacher_server=True needs reverse_kl_top_1_mode='sampled': the server cannot score "
+                             "the student's own top-1 token")
+        if self.teacher_model_server_timeout <= 0 or self.teacher_model_server_retries < 0:
+            raise ValueError(f"teacher_model_server_timeout={self.teacher_model_server_timeout} must be > 0 and "
+                             f"teacher_model_server_retries={self.teacher_model_server_retries} >= 0")
 
 
 class DistillationTrainer(OnlineTrainer):
@@ -167,13 +194,23 @@ class DistillationTrainer(OnlineTrainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config, **kwargs)
         args = self.args
+        self.teacher_server = None
+        if args.use_teacher_server:
+            if teacher_model is not None:
+                raise ValueError("use_teacher_server=True takes the teacher's log-probs from teacher_model_server_url; "
+                                 "give no teacher_model (or set use_teacher_server=False)")
+            self.teacher_server = TeacherServer(args.teacher_model_server_url, args.teacher_model_server_timeout,
+                                                args.teacher_model_server_retries)
         teacher = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
-        if isinstance(teacher, str):
+        if args.use_teacher_server:
+            teacher = None
+        elif isinstance(teacher, str):
             init = dict(args.teacher_model_init_kwargs or {})
             if args.teacher_model_revision:
                 init.setdefault("revision", args.teacher_model_revision)
             teacher = loading.load_causal_lm(teacher, **init)
-        self.teacher_model = self.make_reference(teacher)  # frozen, placed (and sharded) as a reference model
+        # frozen, placed (and sharded) as a reference model; with a server, no local teacher
+        self.teacher_model = None if args.use_teacher_server else self.make_reference(teacher)
         self._mixing = torch.Generator().manual_seed(args.seed + 15485863)  # the on-/off-policy draws, checkpointed
 
     @staticmethod
@@ -212,6 +249,11 @@ class DistillationTrainer(OnlineTrainer):
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
         return {key: getattr(rollout, key) for key in keys}
 
+    def teacher_inputs(self, inputs: dict, prompts: list, columns: dict) -> dict:
+        """Tensors the teacher reads besides the student's batch, one row per completion (`teacher_prompt_*`: a
+        prompt of the teacher's own, left-padded, kept whole by the micro-batch trim); none here."""
+        return {}
+
     @torch.no_grad()
     def make_experience(self, inputs: dict) -> list[dict]:
         """The generation batch's completions, on-policy with probability lmbda, split into micro-batches."""
@@ -229,6 +271,7 @@ class DistillationTrainer(OnlineTrainer):
                 loss_mask = batch["completion_mask"] * (1 - rollout.tool_mask)
         else:
             batch = self.off_policy_batch(inputs, prompts, columns)
+        batch.update(self.teacher_inputs(inputs, prompts, columns))
         device = self.accelerator.device
         batch = {key: value.to(device) for key, value in batch.items()}
         batch["loss_mask"] = (batch["completion_mask"] if loss_mask is None else loss_mask.to(device)).clone()
@@ -241,6 +284,8 @@ class DistillationTrainer(OnlineTrainer):
     def divergence(self, model, mb: dict) -> Tensor:
         """Per-token divergence (B, C) between the student (`model`, with gradients) and the teacher on `mb`."""
         args = self.args
+        if self.teacher_server is not None:
+            return self.server_divergence(model, mb)
         student = completion_logits(model, mb)
         with self.teacher() as teacher:
             target = completion_logits(teacher, mb)
@@ -248,6 +293,49 @@ class DistillationTrainer(OnlineTrainer):
         return token_divergence(student, target, mb["loss_mask"], "generalized_jsd", beta=args.beta,
                                 temperature=args.temperature, top_k=args.loss_top_k, add_tail=args.loss_add_tail,
                                 sampled_ids=sampled).float()
+
+    def server_logprobs(self, mb: dict, top_k: int) -> dict[str, Tensor]:
+        """The teacher server's log-probs of `mb`'s completions at `temperature`: `top_ids`, `top_logp` (B, C, top_k)
+        its most likely tokens (-inf past a completion), `sampled_logp` (B, C) each completion token's (-inf where
+        the server sent none)."""
+        prompts = [ids[m.bool()].tolist() for ids, m in zip(mb["prompt_ids"], mb["prompt_mask"])]
+        completions = [ids[m.bool()].tolist() for ids, m in zip(mb["completion_ids"], mb["completion_mask"])]
+        reply = self.teacher_server.sequence_logprobs([p + c for p, c in zip(prompts, completions)],
+                                                      list(map(len, prompts)), top_k, self.args.temperature)
+        (B, C), device = mb["completion_ids"].shape, mb["completion_ids"].device
+        out = {"top_ids": torch.zeros(B, C, top_k, dtype=torch.long), "top_logp": torch.full((B, C, top_k), -math.inf),
+               "sampled_logp": torch.full((B, C), -math.inf)}
+        for i, n in enumerate(map(len, completions)):  # completions are right-padded: position j is token j
+            if n:
+                out["top_ids"][i, :n] = torch.tensor(reply["logprob_token_ids"][i])[:, :top_k]
+                out["top_logp"][i, :n] = torch.tensor(reply["logprobs"][i])[:, :top_k]
+                if "actual_logprobs" in reply:
+                    out["sampled_logp"][i, :n] = torch.tensor(reply["actual_logprobs"][i])
+        return {key: value.to(device) for key, value in out.items()}
+
+    def server_divergence(self, model, mb: dict) -> Tensor:
+        """Per-token divergence (B, C) to a teacher server on TRL's support: the teacher's top-k for beta = 0; the
+        sampled token for beta = 1; both top-1s in between (the teacher's top-1 and the sampled token)."""
+        args, mask = self.args, mb["loss_mask"]
+        got = self.server_logprobs(mb, max(args.loss_top_k, 1))
+        sampled = mb["completion_ids"][..., None]
+        if args.beta == 0.0:
+            index, teacher = got["top_ids"], got["top_logp"]
+        elif args.beta == 1.0:
+            index, teacher = sampled, got["sampled_logp"][..., None]
+        else:
+            index = torch.cat([got["top_ids"][..., :1], sampled], -1)
+            teacher = torch.cat([got["top_logp"][..., :1], got["sampled_logp"][..., None]], -1)
+        valid = torch.ones_like(index, dtype=torch.bool)
+        if index.shape[-1] == 2 and args.beta not in (0.0, 1.0):
+            valid[..., 1] = index[..., 1] != index[..., 0]  # the sampled token is the teacher's top-1: counted once
+        missing = mask.bool() & ~torch.isfinite(torch.where(valid, teacher, 0.0)).all(-1)
+        if missing.any():
+            raise ValueError(f"the teacher server sent no log-probs for {int(missing.sum())} of {int(mask.sum())} "
+                             "completion tokens the loss needs (the sampled tokens' `actual_logprobs` when beta > 0)")
+        return sparse_teacher_divergence(completion_logits(model, mb), mask, index, valid, teacher, "generalized_jsd",
+                                         beta=args.beta, temperature=args.temperature,
+                                         add_tail=args.loss_add_tail).float()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mask = inputs["loss_mask"]
@@ -274,6 +362,8 @@ class DistillationTrainer(OnlineTrainer):
             rollout = self.sample_completions(batch["prompt_ids"], sampling)
             mb = {key: getattr(rollout, key).to(acc.device) for key in ("prompt_ids", "prompt_mask", "completion_ids",
                                                                       "completion_mask")}
+            mb.update({key: value.to(acc.device) for key, value in
+                       self.teacher_inputs(batch, batch["prompt"], batch["columns"]).items()})
             mb["loss_mask"] = mb["completion_mask"]
             total += float(self.divergence(self.policy, mb).sum())
             tokens += float(mb["loss_mask"].sum())

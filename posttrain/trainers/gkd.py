@@ -44,6 +44,9 @@ class GKDConfig(DistillationConfig):
     def _check(self):
         resolve_aliases(self, [("max_new_tokens", "max_completion_length")])
         super()._check()
+        if self.seq_kd and self.use_teacher_server:
+            raise ValueError("seq_kd=True samples the teacher's completions, which needs a local teacher; a teacher "
+                             "server only scores them: set seq_kd=False or use_teacher_server=False")
 
 
 class GKDTrainer(DistillationTrainer):

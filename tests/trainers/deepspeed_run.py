@@ -1,9 +1,10 @@
 """Two optimizer steps of SFT, DPO (dpo_sync: its reference synced after each step), GRPO (beta > 0;
-grpo_rm: with a reward model too) or PPO (ppo: a value head on the policy; ppo_critic: a separate value model
-and a reward model, both loaded by name), run by tests/trainers/test_deepspeed.py under
-`accelerate launch` with a DeepSpeed ZeRO config (2 CPU processes) and as a plain single process with the same
-global batch; writes each step's loss and gradient norm, whether the policy and the reference model were
-ZeRO-3 partitioned, and for PPO how far each weight of the policy and the critic moved (its sum and norm).
+grpo_rm: with a reward model too), distillation (a teacher loaded by name, prepared as a reference) or PPO
+(ppo: a value head on the policy; ppo_critic: a separate value model and a reward model, both loaded by name),
+run by tests/trainers/test_deepspeed.py under `accelerate launch` with a DeepSpeed ZeRO config (2 CPU processes)
+and as a plain single process with the same global batch; writes each step's loss and gradient norm, whether the
+policy and the reference model were ZeRO-3 partitioned, and for PPO how far each weight of the policy and the
+critic moved (its sum and norm).
 
 DPO's first loss is log 2 only if the reference scores exactly as the policy does (both start from the same
 weights), and GRPO's first KL is 0 only then: a reference that is not prepared for ZeRO-3 fails or differs.
@@ -48,6 +49,13 @@ def main(out_path: str, algorithm: str, processes: int):
             else {}
         trainer = DPOTrainer("posttrain/tiny-qwen2", args=DPOConfig(**common, **sync),
                              train_dataset=task_preference_dataset("reverse", size=16))
+    elif algorithm == "distillation":  # the dataset's completions (lmbda=0), the teacher loaded by name
+        from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
+
+        trainer = DistillationTrainer("posttrain/tiny-qwen2", teacher_model="posttrain/tiny-llama",
+                                      args=DistillationConfig(**common, lmbda=0.0, beta=0.5, loss_top_k=0,
+                                                              max_completion_length=6, shuffle_dataset=False),
+                                      train_dataset=task_dataset("reverse", size=16))
     elif algorithm in ("ppo", "ppo_critic"):
         from distributed_grpo import PerPromptSeededGRPO, first_token_reward
         from posttrain.trainers.ppo import PPOConfig, PPOTrainer
@@ -76,7 +84,7 @@ def main(out_path: str, algorithm: str, processes: int):
     before = _weights(trainer.accelerator.unwrap_model(trainer.model)) if algorithm.startswith("ppo") else {}
     trainer.train()
     steps = [log for log in trainer.state.log_history if "loss" in log]
-    ref = getattr(trainer, "ref_model", None)
+    ref = getattr(trainer, "ref_model", None) or getattr(trainer, "teacher_model", None)  # a teacher: as a reference
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     critic = getattr(unwrapped, "v_head", None) or getattr(unwrapped, "value_model", None)
     scorer = getattr(trainer, "reward_scorer", None)
@@ -111,7 +119,8 @@ def _weights(model) -> dict:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | dpo | dpo_sync | grpo | grpo_rm | ppo | ppo_critic, processes
+        # out.json, sft | dpo | dpo_sync | grpo | grpo_rm | distillation | ppo | ppo_critic, processes
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
     finally:  # see cli.close_process_group
         close_process_group()
     end_process(0)  # see cli.end_process

@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 (the shipped accelerate configs) on 2 CPU processes (gloo) against a plain
-process with the same global batch: SFT, DPO, GRPO with beta > 0 (a reference model) and PPO (a critic trained
+process with the same global batch: SFT, DPO, GRPO with beta > 0 (a reference model), distillation (a teacher)
+and PPO (a critic trained
 with the policy, a reference, and a reward model).
 
 Skipped when deepspeed is not installed (`pip install 'posttrain[deepspeed]'`; on a machine without CUDA
@@ -40,6 +41,8 @@ def plain_runs(tmp_path_factory):
                          # GRPO with a reward model loaded by name (partitioned under ZeRO-3); DPO whose
                          # reference moves towards the policy after every step (sync_ref_model)
                          + [("grpo_rm", 3), ("dpo_sync", 3)]
+                         # distillation: the teacher (loaded by name) partitioned as a reference
+                         + [("distillation", 3)]
                          # PPO: a value head on the policy; a separate value model and a reward model by name
                          + [("ppo", 3), ("ppo_critic", 2), ("ppo_critic", 3)])
 def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algorithm, stage):

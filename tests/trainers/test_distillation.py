@@ -149,7 +149,7 @@ def test_distillation_resumes_after_sigkill(tmp_path):
 @pytest.mark.parametrize("fields, message", [
     ({"lmbda": 1.5}, "lmbda=1.5 must be in"), ({"beta": 1.5}, "beta=1.5 must be in"),
     ({"loss_top_k": -1}, "loss_top_k=-1"), ({"reverse_kl_top_1_mode": "best"}, "reverse_kl_top_1_mode"),
-    ({"use_teacher_server": True}, "use_teacher_server=True is not implemented"),
+    ({"use_teacher_server": True}, "use_teacher_server=True needs teacher_model_server_url"),
     ({"max_length": 100, "max_completion_length": 200}, "leaves no prompt tokens"),
 ])
 def test_config_refuses(tmp_path, fields, message):

@@ -339,3 +339,11 @@ def test_the_cli_trains_the_tiny_vlm_on_the_visual_task_and_saves_a_loadable_mod
     assert trainer.state.global_step == 1 and trainer.vision
     assert AutoConfig.from_pretrained(out).model_type == "llava"
     assert type(AutoProcessor.from_pretrained(out)).__name__ == "LlavaProcessor"  # the processor is saved too
+
+
+def test_vision_sft_on_a_streamed_dataset(tmp_path):
+    data = vision_dataset("train", 8).to_iterable_dataset()
+    trainer = SFTTrainer(VLM, args=SFTConfig(**fields(tmp_path)), train_dataset=data)
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert trainer.state.global_step == 2 and changed(before, trainer.model) == []
