@@ -182,7 +182,8 @@ class DPOTrainer(PreferenceTrainer):
         elif "ref_chosen_logps" in inputs:
             ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
         else:
-            ref = self.reference_logps(ids, mask, cmask, inputs.get("model_inputs"))
+            extra = inputs.get("model_inputs")  # passed only with images: subclasses may keep the text-only signature
+            ref = self.reference_logps(ids, mask, cmask, *([extra] if extra else []))
             ref_chosen, ref_rejected = ref[:B], ref[B:]
         logps, plain, lengths, mean_logits, pair_weights = self.policy_logps(model, ids, mask, cmask,
                                                                             inputs.get("model_inputs"))

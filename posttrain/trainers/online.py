@@ -408,7 +408,9 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
             columns.update(extra)
             return rollout, None
         if self.tooling is None:
-            return self.sample_completions(inputs["prompt_ids"], sampling, vision=inputs.get("vision")), None
+            vision = inputs.get("vision")  # passed only with images: subclasses may override the text-only signature
+            extra = {} if vision is None else {"vision": vision}
+            return self.sample_completions(inputs["prompt_ids"], sampling, **extra), None
         G = (sampling or self.sampling).num_generations
         episodes, environments, prompt_ids = self.tooling.episodes(tok, prompts, columns, G, self.args.max_prompt_length)
         if environments is not None:
