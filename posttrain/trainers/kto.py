@@ -98,7 +98,7 @@ class KTOTrainer(PreferenceTrainer):
         B = labels.shape[0]  # rows [0, B): the data; with kl_pairs rows [B, 2B): the mismatched pairs
         # the reference first: its temporaries go before the policy's
         vision = inputs.get("model_inputs")  # a VLM's images: its rows are scored together, in one forward
-        ref = inputs["ref_logps"] if "ref_logps" in inputs else self.reference_logps(ids, mask, cmask, vision)
+        ref = inputs["ref_logps"] if "ref_logps" in inputs else self.reference_logps(ids, mask, cmask, *([vision] if vision else []))
         every = completion_logps(model, ids, mask, cmask, model_inputs=vision)[0] if vision else None
         kl = None
         if self.kl_pairs:

@@ -582,8 +582,9 @@ class PreferenceTrainer(BaseTrainer):
 
         def score(rows: list[int]) -> Tensor:  # (len(rows), blocks)
             batch = to_device(collate([dataset[i] for i in rows]), self.accelerator.device)
+            extra = batch.get("model_inputs")  # passed only with images (overrides may keep the text-only signature)
             logps = self.reference_logps(batch["input_ids"], batch["attention_mask"], batch["completion_mask"],
-                                         batch.get("model_inputs"))
+                                         *([extra] if extra else []))
             return torch.stack(logps.chunk(blocks), dim=1)
 
         values = self.shared_pass(len(dataset), score, self.args.per_device_eval_batch_size, "reference log-probs")
