@@ -79,7 +79,7 @@ class BaseConfig(TrainingArguments):
         default=True,
         metadata={"help": "Training on CPU under glibc (Linux): keep freed memory in the process heap (mallopt: "
                           "no mmap for large blocks, no trimming), so each step's large tensors reuse memory "
-                          "instead of faulting in fresh pages from the OS; the backward pass runs ~9% faster. "
+                          "instead of faulting in fresh pages from the OS (what it saves: benchmarks/README.md). "
                           "An Adam/AdamW optimizer's state is then made with the optimizer, before the first step "
                           "and below the steps' memory (same values as made lazily), so the second step does not "
                           "fault in new pages. "
@@ -355,7 +355,7 @@ def warn_still_running() -> None:
 
 class FitThreadsCallback(TrainerCallback):
     """When training starts, torch's thread count fitted to the CPUs other processes leave free
-    (accel/threads.py: a busy machine cost a 2-thread run 6-8x, one thread 1.5x); a resumed run takes the
+    (accel/threads.py; what a busy machine costs: benchmarks/README.md); a resumed run takes the
     count its checkpoint saved (`run_threads`), so that it sums as the run it continues."""
 
     def __init__(self, trainer):
