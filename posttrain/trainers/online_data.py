@@ -12,7 +12,8 @@ import torch
 from posttrain.data.tokenize import encode_prompt
 from posttrain.rollout.images import encode_image_prompts, has_image_prompts, text_tokenizer
 from posttrain.trainers.base import is_streamed
-from posttrain.trainers.prompts import PromptBatches, _collate_streamed, _PromptStream, new_stream_position, top_up_prompts
+from posttrain.trainers.prompts import (PromptBatches, _collate_streamed, _PromptStream, new_stream_position,
+                                        top_up_prompts)
 
 logger = logging.getLogger(__name__)
 
