@@ -24,7 +24,8 @@ VISION_MODEL = "posttrain/tiny-llava"
 VISION_RECIPES = {"sft": dict(steps=300, lr=1e-3, batch=32),
                   "dpo": dict(steps=200, lr=5e-4, batch=16, beta=0.1, rpo_alpha=1.0),
                   # GRPO: batch counts completions, 8 prompts x 8 samples of at most 4 tokens (an answer and EOS)
-                  "grpo": dict(steps=30, lr=1e-4, batch=64, generations=8)}
+                  "grpo": dict(steps=30, lr=1e-4, batch=64, generations=8, temperature=1.0, beta=0.0),
+                  "rloo": dict(steps=30, lr=1e-4, batch=64, generations=8, temperature=1.0, beta=0.0)}
 VISION_TRAIN, VISION_EVAL = 2000, 200
 
 
@@ -121,18 +122,33 @@ def run_vision_dpo(ctx: VisionContext):
     return path, ("held-out accuracy", ctx.start_acc, ctx.accuracy(trainer.model))
 
 
-@vision_row("grpo")
-def run_vision_grpo(ctx: VisionContext):
+def _online_row(ctx: VisionContext, name: str, trainer_cls, config_cls):
+    """An online row (GRPO, RLOO) from the SFT checkpoint: `generations` sampled answers per training image,
+    rewarded by exact match (`tasks.vision.vision_reward`)."""
     from posttrain.tasks.vision import vision_reward
-    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(**ctx.args("grpo", num_generations=VISION_RECIPES["grpo"]["generations"],
-                                 max_completion_length=4, temperature=1.0, beta=0.0, num_sample_generations=0))
-    trainer = GRPOTrainer(ctx.start, vision_reward, args=args, train_dataset=ctx.train.remove_columns("completion"),
+    recipe = VISION_RECIPES[name]
+    args = config_cls(**ctx.args(name, num_generations=recipe["generations"], max_completion_length=4,
+                                 temperature=recipe["temperature"], beta=recipe["beta"], num_sample_generations=0))
+    trainer = trainer_cls(ctx.start, vision_reward, args=args, train_dataset=ctx.train.remove_columns("completion"),
                           processing_class=ctx.processor)
     trainer.train()
-    path = _finish(trainer, ctx, "grpo")
+    path = _finish(trainer, ctx, name)
     return path, ("held-out accuracy", ctx.start_acc, ctx.accuracy(trainer.model))
+
+
+@vision_row("grpo")
+def run_vision_grpo(ctx: VisionContext):
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    return _online_row(ctx, "grpo", GRPOTrainer, GRPOConfig)
+
+
+@vision_row("rloo")
+def run_vision_rloo(ctx: VisionContext):
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    return _online_row(ctx, "rloo", RLOOTrainer, RLOOConfig)
 
 
 def run_vision_stages(plan, record) -> None:
