@@ -766,6 +766,11 @@ class BaseTrainer(Trainer):
         else:
             hyper.pop("max_steps", None)
         hyper["lr_scheduler_type"] = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+        if getattr(self, "vision", False):  # a vision-language model: the hub's task and what of it was trained
+            meta["pipeline_tag"] = "image-text-to-text"
+            meta["tags"].append("vision-language")
+            hyper.update({n: getattr(args, n) for n in ("freeze_vision_tower", "freeze_multi_modal_projector")
+                          if hasattr(args, n)})
         base = _model_reference(self.model_name)
         versions = {"posttrain": getattr(posttrain, "__version__", "unknown"), "transformers": transformers.__version__,
                     "torch": torch.__version__, "datasets": datasets.__version__}
