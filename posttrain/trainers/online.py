@@ -88,7 +88,7 @@ from posttrain.rollout.multiturn import Tooling, engine_turns, rollout_from_func
 from posttrain.rollout.rewards import RewardScorer
 from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
                                      classic_arguments, is_streamed, seed_run)
-from posttrain.trainers.online_async import AsyncRollouts, Sampled
+from posttrain.trainers.online_async import AsyncRollouts, Sampled, gather_rows
 from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options, shaping_steps
 from posttrain.trainers.online_eval import OnlineEvaluation
 from posttrain.trainers.online_metrics import OnlineMetrics
@@ -274,9 +274,6 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         if not self.samples_in_background:
             raise ValueError(f"{type(self).__name__} samples with more than the policy (a teacher, the reference) "
                              "and does not run asynchronous rollouts: set max_staleness=0")
-        if self.rollout_func is not None:
-            raise ValueError("max_staleness > 0 samples in a background thread with a copy of the policy; a "
-                             "rollout_func samples with the trainer itself: set max_staleness=0")
         if train_dataset is not None and is_streamed(train_dataset):
             raise ValueError("max_staleness > 0 samples the next generation batches before their turn, which needs "
                              "a map-style train_dataset (a stream's later prompts are not known ahead): set "
@@ -381,8 +378,8 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         if self.vllm is not None and vision is not None:
             raise ValueError("use_vllm=True does not take image prompts here: posttrain's sampler does (use_vllm=False)")
         background = getattr(self._sampling_thread, "model", None)  # the asynchronous sampler's copy, in its thread
-        if self.vllm is not None:
-            if self.state.global_step != self._vllm_synced_step:  # the policy moved since vLLM's weights were set
+        if self.vllm is not None:  # in the asynchronous sampler's thread, its job has synced the engine already
+            if background is None and self.state.global_step != self._vllm_synced_step:  # moved since the last sync
                 self.vllm.sync(self.policy)  # its weights, or its LoRA adapter alone (vllm_sync_strategy)
                 self.accelerator.wait_for_everyone()  # server mode: the main process sends for all
                 self._vllm_synced_step = self.state.global_step
@@ -531,6 +528,8 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         """(N, ...) per process -> (processes * N, ...), per-token tensors padded to a common width."""
         if self.accelerator.num_processes == 1:
             return x
+        if getattr(self._sampling_thread, "group", None) is not None:  # the asynchronous sampler's own group
+            return gather_rows(x, self._sampling_thread.group)
         if x.dim() > 1:
             x = self.accelerator.pad_across_processes(x, dim=1)
         return self.accelerator.gather(x)

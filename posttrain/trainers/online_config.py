@@ -389,7 +389,8 @@ class OnlineConfig(BaseConfig):
                 raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
 
     def _check_staleness(self):
-        """max_staleness: a whole number of generation batches ahead, on the in-process sampler."""
+        """max_staleness: a whole number of generation batches ahead (what the background sampler cannot do is
+        refused when the trainer is built: `online_async.check_background_sampling`)."""
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 optimizer steps (0: synchronous), got {self.max_staleness}")
         if not self.max_staleness:
@@ -400,12 +401,6 @@ class OnlineConfig(BaseConfig):
                              f"{steps} optimizer steps old when it starts training (steps_per_generation * "
                              "num_iterations / gradient_accumulation_steps); set max_staleness >= "
                              f"{steps}, or 0 for the synchronous engine")
-        if self.use_vllm:
-            raise ValueError("max_staleness > 0 samples with an in-process copy of the policy in a background thread; "
-                             "it does not drive vLLM yet: set use_vllm=False or max_staleness=0")
-        if self.world_size > 1:
-            raise ValueError(f"max_staleness > 0 runs on one process (the sampler's lock-step collectives would "
-                             f"interleave with training's); this run has {self.world_size}: set max_staleness=0")
 
     def _check_algorithm(self):
         """The registered estimator, loss, aggregation and KL estimator and their options; reference and update."""
