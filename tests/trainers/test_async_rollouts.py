@@ -198,9 +198,11 @@ def _preset(name: str):
     import importlib
 
     module, config, trainer, fields, kwargs = {
-        "rloo": ("rloo", "RLOOConfig", "RLOOTrainer", {}, {}),
+        "rloo": ("rloo", "RLOOConfig", "RLOOTrainer", {"num_iterations": 1}, {}),
         "reinforce_pp": ("reinforce_pp", "ReinforcePPConfig", "ReinforcePPTrainer", {}, {}),
-        "gfpo": ("gfpo", "GFPOConfig", "GFPOTrainer", {"num_generations": 4, "num_remains_in_group": 2}, {}),
+        "gfpo": ("gfpo", "GFPOConfig", "GFPOTrainer", {"num_generations": 4, "num_remains_in_group": 2},
+                 {"group_filter_func": lambda group_completions, **kw: [[-len(c) for c in group]
+                                                                        for group in group_completions]}),
         "gmpo": ("gmpo", "GMPOConfig", "GMPOTrainer", {"num_generations": 4}, {}),
         "gspo_token": ("gspo_token", "GSPOTokenConfig", "GSPOTokenTrainer", {"num_generations": 4}, {}),
         "replay_buffer": ("grpo_replay_buffer", "GRPOWithReplayBufferConfig", "GRPOWithReplayBufferTrainer",
