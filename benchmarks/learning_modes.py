@@ -8,25 +8,26 @@ the sampled digit_match reward (100 test prompts) before and after:
   overlong           `overlong_buffer_len=4`, `overlong_penalty_factor=1.0` with `max_completion_length=10`:
                      completions longer than 6 tokens (a correct one is " dddd" + EOS) lose up to 1;
   token_truncate,    `use_vllm=True` with each `vllm_importance_sampling_mode`. No GPU here, so the engine is a
-  token_mask,        stand-in (`RoundedEngine`): posttrain's sampler on a copy of the policy whose weights each
-  sequence_truncate, sync rounds to bfloat16, so the behaviour log-probs differ from the float32 trainer's as a
-  sequence_mask      vLLM engine's do, and the correction has something to correct;
+  token_mask,        stand-in (tests/helpers/engine.py `RoundedEngine`): posttrain's sampler on a copy of the
+  sequence_truncate, policy whose weights each sync rounds to `--precision` (bf16, or fp8 with a scale per
+  sequence_mask      tensor), so the behaviour log-probs differ from the float32 trainer's as an inference
+                     engine's do, and the correction has something to correct; `--clip_min` / `--clip_max`
+                     narrow its caps (TRL's defaults: none and 3) so that they bite;
   async_vllm         sequence_mask with `max_staleness=1`: the stand-in engine synced from the background
                      sampler's copy, one step behind.
 
     python benchmarks/learning_modes.py --steps 60                    # every mode
     python benchmarks/learning_modes.py --steps 60 --modes overlong,token_mask
+    python benchmarks/learning_modes.py --steps 60 --precision fp8 --clip_min 0.97 --clip_max 1.03 \
+        --modes token_truncate,token_mask,sequence_truncate,sequence_mask
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import tempfile
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's tests/
 
@@ -40,40 +41,14 @@ MODES = {
 }
 
 
-class RoundedEngine:
-    """Stands in for vLLM (`use_vllm=True`): posttrain's sampler on a copy of the policy whose weights each sync
-    rounds to bfloat16, as a bf16 inference engine holds them."""
+def use_rounded_engine(seed: int, precision: str):
+    """`use_vllm=True` builds the stand-in engine (tests/helpers/engine.py)."""
+    from tests.helpers.engine import engine_patches
 
-    def __init__(self, policy, pad_token_id: int, eos_token_id, seed: int):
-        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
-        self.generator = torch.Generator().manual_seed(seed)
-        self.syncs = 0
-
-    def sync(self, policy, group=None):
-        from posttrain.rollout.vllm_engine import policy_weights
-
-        state = self.model.state_dict()
-        with torch.no_grad():
-            for name, tensor in policy_weights(policy):
-                state[name].copy_(tensor.to(torch.bfloat16).float())
-        self.syncs += 1
-
-    def generate(self, prompt_ids, sampling):
-        from posttrain.rollout.generate import generate
-
-        return generate(self.model, prompt_ids, sampling, pad_token_id=self.pad_token_id,
-                        eos_token_id=self.eos_token_id, generator=self.generator)
-
-
-def use_rounded_engine(seed: int):
-    """`use_vllm=True` builds a RoundedEngine (and the config's vLLM and GPU checks pass)."""
     from posttrain.rollout import vllm_engine
 
-    vllm_engine.vllm_installed = lambda: True
-    vllm_engine.cuda_available = lambda: True
-    vllm_engine.make_engine = lambda args, name, accelerator, pad, eos, extra=None, policy=None: RoundedEngine(
-        policy, pad, eos, seed)
+    for name, value in engine_patches(seed, precision).items():
+        setattr(vllm_engine, name, value)
 
 
 def mean_logged(trainer, key: str) -> float | None:
@@ -81,7 +56,8 @@ def mean_logged(trainer, key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def run(mode: str, model_path: str, steps: int, out: str) -> str:
+def run(mode: str, model_path: str, steps: int, out: str, **caps) -> tuple[tuple, tuple, dict]:
+    """(held-out (greedy accuracy, sampled reward) before, the same after, the run's mean of a few metrics)."""
     from tests.helpers.online import heldout_scores, learning_args
 
     from posttrain.tasks.builtin import digit_match_reward, task_dataset
@@ -89,14 +65,20 @@ def run(mode: str, model_path: str, steps: int, out: str) -> str:
 
     train = task_dataset("reverse", "train").remove_columns("completion")
     fields = {**learning_args(out, num_generations=8, max_steps=steps), **MODES[mode]}
+    if fields.get("use_vllm"):
+        fields.update({f"vllm_importance_sampling_{k}": v for k, v in caps.items() if v is not None})
     trainer = GRPOTrainer(model_path, digit_match_reward, train_dataset=train, args=GRPOConfig(**fields))
     before = heldout_scores(trainer)
     trainer.train()
     after = heldout_scores(trainer)
-    extra = {k: mean_logged(trainer, k) for k in ("shaping/overlong", "completions/mean_length",
+    means = {k: mean_logged(trainer, k) for k in ("shaping/overlong", "completions/mean_length",
                                                    "sampling/sampling_logp_difference/mean",
                                                    "sampling/importance_sampling_ratio/mean", "rollout/staleness")}
-    shown = ", ".join(f"{k} {v:.4g}" for k, v in extra.items() if v is not None)
+    return before, after, {k: v for k, v in means.items() if v is not None}
+
+
+def line(mode: str, before: tuple, after: tuple, means: dict) -> str:
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in means.items())
     return (f"{mode:18s} held-out greedy accuracy {before[0]:.2f} -> {after[0]:.2f}, sampled reward "
             f"{before[1]:.3f} -> {after[1]:.3f} (mean over the run: {shown})")
 
@@ -104,6 +86,9 @@ def run(mode: str, model_path: str, steps: int, out: str) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="the stand-in engine's weights")
+    parser.add_argument("--clip_min", type=float, default=None, help="vllm_importance_sampling_clip_min")
+    parser.add_argument("--clip_max", type=float, default=None, help="vllm_importance_sampling_clip_max")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     options = parser.parse_args()
     modes = options.modes.split(",")
@@ -112,13 +97,15 @@ def main():
         parser.error(f"unknown modes {unknown}; choose among {list(MODES)}")
     from tests.trainers.conftest import sft_reverse
 
-    use_rounded_engine(seed=42)
+    use_rounded_engine(seed=42, precision=options.precision)
     with tempfile.TemporaryDirectory() as folder:
         model, tok = sft_reverse()
         model.save_pretrained(f"{folder}/sft")
         tok.save_pretrained(f"{folder}/sft")
         for mode in modes:
-            print(run(mode, f"{folder}/sft", options.steps, f"{folder}/{mode}"), flush=True)
+            result = run(mode, f"{folder}/sft", options.steps, f"{folder}/{mode}", clip_min=options.clip_min,
+                         clip_max=options.clip_max)
+            print(line(mode, *result), flush=True)
 
 
 if __name__ == "__main__":

@@ -268,7 +268,10 @@ class OnlineConfig(BaseConfig):
                                "(k / optimizer steps per generation batch of them) are sampled and scored in a "
                                "background thread by a copy of the policy whose weights are published after each "
                                "step, while the current batch trains; the ratio's old log-probs are the sampling "
-                               "policy's (trainers/online_async.py). One process, no vLLM, no streamed dataset."})
+                               "policy's (trainers/online_async.py). With use_vllm the worker generates through "
+                               "vLLM, synced with each published snapshot. DDP: each process samples its own "
+                               "prompts. Not with sharded weights (FSDP, ZeRO-3), a streamed dataset, dynamic "
+                               "sampling, or a rollout_func without vLLM."})
     local_rollout_forward_batch_size: int = field(default=64, metadata={"help": "Rows per no-grad forward "
                                                   "(reference log-probs, old values)."})
     total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (>= 1; sets "

@@ -244,3 +244,17 @@ def test_presets_that_sample_with_more_than_the_policy_refuse(tmp_path, module, 
     with pytest.raises(ValueError, match=r"samples with more than the policy \(a teacher, the reference\) and does "
                                          "not run asynchronous rollouts: set max_staleness=0"):
         getattr(mod, trainer)("posttrain/tiny-qwen2", args=args, train_dataset=prompts(8), **kwargs)
+
+
+def test_sharded_weights_are_refused():
+    """FSDP2 / ZeRO-3: the background sampler's whole copy would run forwards that are collectives of their own."""
+    import types
+
+    from posttrain.trainers.online_async import check_background_sampling
+
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(), distributed_type=None, is_fsdp2=True)
+    trainer = types.SimpleNamespace(accelerator=accelerator, rollout_func=None, vllm=None)
+    with pytest.raises(ValueError, match=r"with sharded weights \(fsdp2\) each of its forwards would be a collective"):
+        check_background_sampling(trainer)
+    accelerator.is_fsdp2 = False
+    check_background_sampling(trainer)  # DDP or one process: allowed
