@@ -24,7 +24,7 @@ from posttrain.rollout.combine import take_rows
 from posttrain.rollout.generate import Rollout, SamplingConfig, generate
 from posttrain.rollout.images import text_tokenizer
 from posttrain.rollout.multiturn import engine_turns, rollout_from_func
-from posttrain.trainers.online_async import Sampled
+from posttrain.trainers.online_async import Sampled, gather_rows
 
 
 class OnlineSampling:
@@ -39,8 +39,8 @@ class OnlineSampling:
         if self.vllm is not None and vision is not None:
             raise ValueError("use_vllm=True does not take image prompts here: posttrain's sampler does (use_vllm=False)")
         background = getattr(self._sampling_thread, "model", None)  # the asynchronous sampler's copy, in its thread
-        if self.vllm is not None:
-            if self.state.global_step != self._vllm_synced_step:  # the policy moved since vLLM's weights were set
+        if self.vllm is not None:  # in the asynchronous sampler's thread, its job has synced the engine already
+            if background is None and self.state.global_step != self._vllm_synced_step:  # moved since the last sync
                 self.vllm.sync(self.policy)  # its weights, or its LoRA adapter alone (vllm_sync_strategy)
                 self.accelerator.wait_for_everyone()  # server mode: the main process sends for all
                 self._vllm_synced_step = self.state.global_step
@@ -165,6 +165,8 @@ class OnlineSampling:
         """(N, ...) per process -> (processes * N, ...), per-token tensors padded to a common width."""
         if self.accelerator.num_processes == 1:
             return x
+        if getattr(self._sampling_thread, "group", None) is not None:  # the asynchronous sampler's own group
+            return gather_rows(x, self._sampling_thread.group)
         if x.dim() > 1:
             x = self.accelerator.pad_across_processes(x, dim=1)
         return self.accelerator.gather(x)

@@ -198,9 +198,6 @@ class OnlineSetup:
         if not self.samples_in_background:
             raise ValueError(f"{type(self).__name__} samples with more than the policy (a teacher, the reference) "
                              "and does not run asynchronous rollouts: set max_staleness=0")
-        if self.rollout_func is not None:
-            raise ValueError("max_staleness > 0 samples in a background thread with a copy of the policy; a "
-                             "rollout_func samples with the trainer itself: set max_staleness=0")
         if train_dataset is not None and is_streamed(train_dataset):
             raise ValueError("max_staleness > 0 samples the next generation batches before their turn, which needs "
                              "a map-style train_dataset (a stream's later prompts are not known ahead): set "
