@@ -54,6 +54,7 @@ _EXPORTS = {
     "IWOPDConfig": "posttrain.trainers.iw_opd", "IWOPDTrainer": "posttrain.trainers.iw_opd",
     "GOLDConfig": "posttrain.trainers.gold", "GOLDTrainer": "posttrain.trainers.gold",
     "SDFTConfig": "posttrain.trainers.sdft", "SDFTTrainer": "posttrain.trainers.sdft",
+    "SDPOConfig": "posttrain.trainers.sdpo", "SDPOTrainer": "posttrain.trainers.sdpo",
     "TeacherServer": "posttrain.rollout.teacher_server", "TeacherServerError": "posttrain.rollout.teacher_server",
     "TrlParser": "posttrain.scripts", "ScriptArguments": "posttrain.scripts", "ModelConfig": "posttrain.scripts",
     "DatasetConfig": "posttrain.scripts", "DatasetMixtureConfig": "posttrain.scripts", "get_dataset": "posttrain.scripts",

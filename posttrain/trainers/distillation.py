@@ -190,7 +190,8 @@ class DistillationTrainer(OnlineTrainer):
             raise ValueError("data_collator is not used: the distillation trainers tokenise prompts and completions "
                              "themselves; leave it None")
         train_dataset, eval_dataset = split_messages(train_dataset), split_messages(eval_dataset)
-        super().__init__(model, reward_funcs=[no_reward], args=args, train_dataset=train_dataset,
+        reward_funcs = kwargs.pop("reward_funcs", None) or [no_reward]  # a preset that scores rollouts (SDPO)
+        super().__init__(model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config, **kwargs)
         args = self.args
