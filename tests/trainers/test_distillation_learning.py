@@ -5,7 +5,8 @@ the measured gains.
 
 SDPO's teacher here is the frozen initial model (`teacher_model_kind="base"`), not TRL's default EMA: trained on
 plain prompts only, the tiny student forgets how to read a shown answer, and an EMA teacher follows it (measured:
-0.47 -> 0.52 at 60 steps, then down to 0.14 at 120), while the frozen one keeps teaching (0.47 -> 0.59 in this test, 0.74 in a separate run of the same settings)."""
+0.47 -> 0.52 at 60 steps, then down to 0.14 at 120), while the frozen one keeps teaching (0.47 -> 0.59 in this
+test, 0.74 in a separate run of the same settings)."""
 
 import pytest
 from datasets import Dataset
