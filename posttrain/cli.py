@@ -317,6 +317,13 @@ TRAINERS = {
              "GOLD: GKD, or with --use_uld_loss ULD to a teacher with another tokenizer."),
     "sdft": ("posttrain.trainers.sdft:SDFTTrainer", build_offline, ScriptArguments,
              "SDFT: the model distils itself shown the dataset's privileged_context."),
+    "sdpo": ("posttrain.trainers.sdpo:SDPOTrainer", build_online, OnlineScriptArguments,
+             "SDPO: GRPO's rollouts; the model, shown a successful peer, distils itself."),
+    "server_distillation": ("posttrain.trainers.server_distillation:ServerDistillationTrainer", build_offline,
+                            ScriptArguments, "Distillation from the teacher server at --teacher_model_server_url."),
+    "async_distillation": ("posttrain.trainers.server_distillation:AsyncDistillationTrainer", build_offline,
+                           ScriptArguments, "Distillation from --teacher_server_urls, the next batches sampled and "
+                           "scored in the background (--max_staleness)."),
     "orpo": ("posttrain.trainers.orpo:ORPOTrainer", build_offline, ScriptArguments,
              "ORPO: NLL on the chosen plus an odds-ratio term, no reference model."),
     "cpo": ("posttrain.trainers.cpo:CPOTrainer", build_offline, ScriptArguments,
