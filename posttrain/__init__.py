@@ -82,6 +82,7 @@ _EXPORTS = {
     "ProcessRewardFunction": "posttrain.rollout.process_rewards",
     "task_stepwise_dataset": "posttrain.tasks.builtin",
     "GFPOConfig": "posttrain.trainers.gfpo", "GFPOTrainer": "posttrain.trainers.gfpo",
+    "GPGConfig": "posttrain.trainers.gpg", "GPGTrainer": "posttrain.trainers.gpg",
     # vision-language models (docs/vision.md); prepare_multimodal_messages is TRL's trl.data_utils name
     "prepare_multimodal_messages": "posttrain.data.multimodal",
     "vision_dataset": "posttrain.tasks.vision", "vision_preference_dataset": "posttrain.tasks.vision",

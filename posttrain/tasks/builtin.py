@@ -200,6 +200,13 @@ def _corrupt_step(step: str, rng: random.Random, corruption: str) -> str:
     return step[:k] + rng.choice(pool) + step[k + 1:]
 
 
+def _corruptible_steps(task: str, steps: list[str], corruption: str) -> int:
+    """How many leading steps may be the wrong one. A wrong digit in `add`'s answer step ("answer 132") is a
+    copying error that only the column steps before it reveal, so "digit" errors go into the column steps
+    ("7+5+0=12"), whose correctness is in their own tokens."""
+    return len(steps) - 1 if task == "add" and corruption == "digit" else len(steps)
+
+
 def task_stepwise_dataset(task: str = "reverse", split: str = "train", size: int | None = None, seed: int = 0,
                           corrupted_fraction: float = 0.5, corruption: str = "letter"):
     """Stepwise supervision for process reward models: `prompt`, `completions` (the solution's steps, see
@@ -223,7 +230,7 @@ def task_stepwise_dataset(task: str = "reverse", split: str = "train", size: int
         steps = _steps(task, row["prompt"], row["answer"])
         labels = [True] * len(steps)
         if rng.random() < corrupted_fraction:
-            k = rng.randrange(len(steps))
+            k = rng.randrange(_corruptible_steps(task, steps, corruption))
             steps, labels = steps[:k] + [_corrupt_step(steps[k], rng, corruption)], labels[:k] + [False]
         rows.append({"prompt": row["prompt"], "completions": steps, "labels": labels, "answer": row["answer"]})
     return Dataset.from_list(rows)
