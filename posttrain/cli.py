@@ -295,6 +295,8 @@ TRAINERS = {
                                 OnlineScriptArguments, "GRPO replaying high-variance groups in place of flat ones."),
     "a2po": ("posttrain.trainers.a2po:A2POTrainer", build_online, OnlineScriptArguments,
              "A*-PO: V* from reference samples, then regression on one on-policy sample."),
+    "dppo": ("posttrain.trainers.dppo:DPPOTrainer", build_online, OnlineScriptArguments,
+             "DPPO: GRPO with a per-token divergence trust region instead of the ratio clip."),
     "gpg": ("posttrain.trainers.gpg:GPGTrainer", build_online, OnlineScriptArguments,
             "GPG: GRPO as the plain policy gradient, rescaled for groups without signal."),
     "async_grpo": ("posttrain.trainers.async_grpo:AsyncGRPOTrainer", build_online, OnlineScriptArguments,
