@@ -108,8 +108,9 @@ def test_prm_learns_to_find_the_wrong_step_on_held_out_rows(tmp_path):
       add, body SFT'd on correct stepwise solutions, 600 steps at 1e-3: 0.16 -> 0.25; at 3e-3: -> 0.00.
     Since then `add`'s digit errors sit in the column steps only, whose correctness is in their own tokens (sums
     written as two digits, a wrong carry digit 0 or 1): random init, batch 32, all steps labelled, 1500 steps at
-    3e-3 or 1e-2, or small-qwen2 (4 layers, 128 wide) 1500 steps at 1e-3: the training accuracy stays at the
-    label prior (0.77) and held-out wrong steps end at 0.00 (every step called correct). With a carry digit 2-9
+    3e-3: the training accuracy stays at the label prior (0.77) and held-out wrong steps end at 0.00 (every step
+    called correct); runs at 1e-2 (stopped at 900 steps) and of small-qwen2, 4 layers 128 wide (stopped at 300
+    steps at 1e-3), were still at the prior when stopped. With a carry digit 2-9
     allowed (wrong by its form), 3000 steps at 3e-3 reached 0.60 on the wrong steps: the form, not the sum.
     train_on_last_step_only=True is the wrong setting for such rows: a correct row's last step is always the
     answer step, so the head learns "a column step is wrong" (held-out wrong 1.00, correct 0.28).
