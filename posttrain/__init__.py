@@ -87,6 +87,8 @@ _EXPORTS = {
     "ProcessRewardFunction": "posttrain.rollout.process_rewards",
     "task_stepwise_dataset": "posttrain.tasks.builtin",
     "GFPOConfig": "posttrain.trainers.gfpo", "GFPOTrainer": "posttrain.trainers.gfpo",
+    "GPGConfig": "posttrain.trainers.gpg", "GPGTrainer": "posttrain.trainers.gpg",
+    "DPPOConfig": "posttrain.trainers.dppo", "DPPOTrainer": "posttrain.trainers.dppo",
     # vision-language models (docs/vision.md); prepare_multimodal_messages is TRL's trl.data_utils name
     "prepare_multimodal_messages": "posttrain.data.multimodal",
     "vision_dataset": "posttrain.tasks.vision", "vision_preference_dataset": "posttrain.tasks.vision",
