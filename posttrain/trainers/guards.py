@@ -321,13 +321,21 @@ class NonFiniteError(RuntimeError):
 
 def first_non_finite(named) -> str | None:
     """The name of the first tensor of (name, tensor) pairs holding a NaN or an infinity; None if all are finite.
-    One pass: the largest magnitude of each tensor (NaN propagates, and unlike a 2-norm it cannot overflow)."""
+
+    One pass in the common case: each tensor's 2-norm, finite only if every element is (NaN and infinities
+    propagate). A 2-norm can also overflow on finite values, so where one is not finite the largest magnitudes
+    (which cannot overflow) decide; they are the exact test but take several times as long on CPU (PyTorch's
+    infinity-norm is not vectorised there: 0.41 against 0.05 CPU s for SmolLM2-135M's 135 M weights)."""
     # a DTensor (FSDP2) is checked by its local shard: no collective here; ZeRO-3's empty placeholders are skipped
     named = [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named if t is not None]
     named = [(n, t) for n, t in named if t.numel() > 0]
     if not named:
         return None
-    peaks = torch._foreach_norm([t.detach() for _, t in named], float("inf"))
+    tensors = [t.detach() for _, t in named]
+    norms = torch._foreach_norm(tensors, 2.0)
+    if bool(torch.stack([n.float().to(norms[0].device) for n in norms]).isfinite().all()):
+        return None
+    peaks = torch._foreach_norm(tensors, float("inf"))
     if bool(torch.stack([p.float().to(peaks[0].device) for p in peaks]).isfinite().all()):
         return None
     return next(name for (name, _), peak in zip(named, peaks) if not torch.isfinite(peak))
