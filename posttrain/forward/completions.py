@@ -73,16 +73,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
             logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
                                               with_entropy=with_entropy, exact_positions=True, head=head, **images)
         return logp, entropy
-    head = plain_lm_head(unwrap(model), shared.packed.input_ids)  # on the bare module; the forward keeps any DDP wrapper
+    head = plain_lm_head(unwrap(model), shared.packed.input_ids)  # the bare module; the forward keeps any DDP wrapper
     U, k, rows = shared.prompts, shared.slots, shared.rows
-
-    def known(record, rollout_rows):  # the rollout row in each slot, -1 in empty ones
-        slots = torch.full((U * k,), -1, dtype=torch.long)
-        slots[rows.cpu()] = rollout_rows
-        return record.layout(slots.view(U, k), P, C - 1)
-
     images = {} if vision is None else forward_inputs(vision, shared.lead)  # each distinct prompt's images, once
-    with _replayed(replay, known):
+    with _replayed(replay, shared.layout):
         logps, entropy, _ = packed_logps(model, shared.packed, head, temperature=temperature,
                                          with_entropy=with_entropy, **images)
     return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
@@ -97,6 +91,14 @@ class SharedPrompts:
     slots: int  # k, the most rows of one prompt
     rows: Tensor  # (R,) the slot of each row in the (U * k) slots, prompt by prompt
     lead: Tensor  # (U,) a row of each distinct prompt
+    prompt_width: int  # P, the prompt columns of every sequence
+    block: int  # C - 1, the columns of every completion block
+
+    def layout(self, record: LinearRecord, rollout_rows: Tensor) -> Tensor:
+        """Where each packed position is in the sampler's `record`, the rows (R,) being rollout rows `rollout_rows`."""
+        slots = torch.full((self.prompts * self.slots,), -1, dtype=torch.long)  # the rollout row in each slot, or -1
+        slots[self.rows.cpu()] = rollout_rows
+        return record.layout(slots.view(self.prompts, self.slots), self.prompt_width, self.block)
 
 
 def shared_prompts(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
@@ -135,7 +137,7 @@ def shared_prompts(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_id
     slot_mask = torch.zeros(U * k, C, dtype=torch.bool, device=device)
     slot_mask[rows] = completion_mask.bool()
     packed = pack_groups(prompt_ids[lead], prompt_mask[lead], slot_ids.view(U, k, C), slot_mask.view(U, k, C), block=B)
-    return SharedPrompts(packed, U, k, rows, lead)
+    return SharedPrompts(packed, U, k, rows, lead, P, B)
 
 
 def _replayed(replay, layout):
@@ -236,11 +238,13 @@ def completion_token_logps(model, input_ids: Tensor, attention_mask: Tensor, com
     return logps, completion_mask[:, T - K:], logits
 
 
-def completion_logits(model, mb: dict):
+def completion_logits(model, mb: dict,
+                      replay: tuple[LinearRecord, Tensor] | tuple[LinearRecord, Tensor, bool] | None = None):
     """The logits that score each completion token, (B, C, V), or `LinearLogits` (hidden (B, C, H), the output
     layer's weight) where the output layer is plain (`plain_lm_head`): then no logits are made here. With a plain
     output layer, rows that share a prompt go through the model packed (`shared_prompts`: each distinct prompt
-    once), where that is cheaper; the hidden states equal the plain forward's up to float rounding."""
+    once), where that is cheaper; the hidden states equal the plain forward's up to float rounding. `replay`: as
+    for `completion_logprobs`, the sampler's record of these rows' linear outputs (the policy's forward only)."""
     ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
     attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
     P, C = mb["prompt_ids"].shape[1], mb["completion_ids"].shape[1]
@@ -249,11 +253,13 @@ def completion_logits(model, mb: dict):
     shared = None if head is None else shared_prompts(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                       mb["completion_mask"])
     if shared is not None:  # each distinct prompt once: its rows' completions side by side in one sequence
-        hidden = shared.packed.at_scores(last_hidden_states(model, **shared.packed.model_inputs(model)))
+        with _replayed(replay, shared.layout):
+            hidden = shared.packed.at_scores(last_hidden_states(model, **shared.packed.model_inputs(model)))
         return LinearLogits(hidden.view(shared.prompts * shared.slots, C, -1)[shared.rows], head.weight)
-    if head is not None:
-        hidden = last_hidden_states(model, input_ids=ids, attention_mask=attention, position_ids=positions)
-        return LinearLogits(hidden[:, P - 1:P + C - 1], head.weight)
-    keep = torch.arange(P - 1, P + C - 1, device=ids.device)
-    return model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=keep,
-                 use_cache=False).logits
+    with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
+        if head is not None:
+            hidden = last_hidden_states(model, input_ids=ids, attention_mask=attention, position_ids=positions)
+            return LinearLogits(hidden[:, P - 1:P + C - 1], head.weight)
+        keep = torch.arange(P - 1, P + C - 1, device=ids.device)
+        return model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=keep,
+                     use_cache=False).logits

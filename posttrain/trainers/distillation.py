@@ -65,8 +65,10 @@ class DistillationConfig(OnlineConfig):
     top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling mass of on-policy generation."})
     advantage_estimator: str = field(default="reinforce_pp", metadata={"help": estimator_help(
         "Not used by distillation (no rewards); a one-sample estimator so that num_generations=1 is valid.")})
-    replay_linear_outputs: bool = field(default=False, metadata={"help": "Not used by distillation (the loss "
-                                        "reads logits, not the sampler's linear outputs)."})
+    replay_linear_outputs: bool = field(default=True, metadata={"help": "On-policy batches: the student's training "
+                                        "forward takes its decoder layers' linear outputs from the sampler's record "
+                                        "instead of recomputing them (the engine's option; the teacher's forward "
+                                        "always computes its own)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature, and the temperature of both "
                                "models' softmax in the loss."})
     lmbda: float = field(default=1.0, metadata={"help": "Probability that a generation batch is on-policy (the "
@@ -212,6 +214,9 @@ class DistillationTrainer(OnlineTrainer):
         # frozen, placed (and sharded) as a reference model; with a server, no local teacher
         self.teacher_model = None if args.use_teacher_server else self.make_reference(teacher)
         self._mixing = torch.Generator().manual_seed(args.seed + 15485863)  # the on-/off-policy draws, checkpointed
+        if type(self).divergence is not DistillationTrainer.divergence or \
+                type(self).compute_loss is not DistillationTrainer.compute_loss:
+            self.replays = False  # a loss of its own may not hand the record to the student's forward: none kept
 
     @staticmethod
     def uses_reference(args) -> bool:
@@ -275,6 +280,9 @@ class DistillationTrainer(OnlineTrainer):
         device = self.accelerator.device
         batch = {key: value.to(device) for key, value in batch.items()}
         batch["loss_mask"] = (batch["completion_mask"] if loss_mask is None else loss_mask.to(device)).clone()
+        if on_policy and rollout.linear_outputs is not None:  # the sampler's record, for the student's forward
+            rows = torch.arange(len(batch["loss_mask"]), device=device)
+            batch.update(replay=rollout.linear_outputs, rollout_row=rows)
         self._episodes += batch["loss_mask"].shape[0] * self.accelerator.num_processes
         self.record({"on_policy": float(on_policy),
                      "completions/mean_length": batch["loss_mask"].sum(1).float().mean()}, "train")
@@ -286,13 +294,22 @@ class DistillationTrainer(OnlineTrainer):
         args = self.args
         if self.teacher_server is not None:
             return self.server_divergence(model, mb)
-        student = completion_logits(model, mb)
+        student = completion_logits(model, mb, replay=self.student_replay(mb))
         with self.teacher() as teacher:
             target = completion_logits(teacher, mb)
         sampled = mb["completion_ids"] if args.reverse_kl_top_1_mode == "sampled" else None
         return token_divergence(student, target, mb["loss_mask"], "generalized_jsd", beta=args.beta,
                                 temperature=args.temperature, top_k=args.loss_top_k, add_tail=args.loss_add_tail,
                                 sampled_ids=sampled).float()
+
+    @staticmethod
+    def student_replay(mb) -> tuple | None:
+        """(record, rollout rows, last use) for the student's forward of micro-batch `mb` when the engine kept the
+        sampler's record for it (`_micro_batches`: on-policy, weights unchanged since sampling), else None."""
+        record = getattr(mb, "replay", None)
+        if record is None or not mb.old_is_current or mb.rollout_row is None:
+            return None
+        return record, mb.rollout_row, mb.last_of_generation
 
     def server_logprobs(self, mb: dict, top_k: int) -> dict[str, Tensor]:
         """The teacher server's log-probs of `mb`'s completions at `temperature`: `top_ids`, `top_logp` (B, C, top_k)
@@ -333,7 +350,8 @@ class DistillationTrainer(OnlineTrainer):
         if missing.any():
             raise ValueError(f"the teacher server sent no log-probs for {int(missing.sum())} of {int(mask.sum())} "
                              "completion tokens the loss needs (the sampled tokens' `actual_logprobs` when beta > 0)")
-        return sparse_teacher_divergence(completion_logits(model, mb), mask, index, valid, teacher, "generalized_jsd",
+        student = completion_logits(model, mb, replay=self.student_replay(mb))
+        return sparse_teacher_divergence(student, mask, index, valid, teacher, "generalized_jsd",
                                          beta=args.beta, temperature=args.temperature,
                                          add_tail=args.loss_add_tail).float()
 
