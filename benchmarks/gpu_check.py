@@ -46,11 +46,13 @@ TINY = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_atte
             max_position_embeddings=1024, tie_word_embeddings=True)
 
 # Wheels beyond torch and transformers, for `pip install --no-index --find-links WHEELS ...` on a machine offline.
+# The main environment's list is pyproject.toml's dependencies (tests/test_gpu_check.py keeps them equal) and
+# what the check itself runs (peft for the LoRA tests, pytest); the TRL side's is what setup_trl_env.sh installs.
 WHEELS = {
     "posttrain (main environment)": ["accelerate", "datasets", "tokenizers", "safetensors", "numpy", "pyyaml", "rich",
-                                     "peft", "pytest"],
+                                     "pillow", "peft", "pytest"],
     "TRL side (its own environment, benchmarks/setup_trl_env.sh)": [
-        "trl==1.16.0", "accelerate", "datasets", "transformers (the main environment's version)",
+        "trl==1.16.0", "accelerate", "datasets", "pillow", "transformers (the main environment's version)",
         "torch (a CUDA build)"],
 }
 

@@ -121,10 +121,10 @@ def own_file_backed(params) -> int:
     transformers loads safetensors checkpoints on CPU as private maps of the file: a parameter's pages
     are the file's until the first write to each page copies it (a copy-on-write fault per 4 KiB page).
     The optimizer's first step writes every trained parameter, so a training run would pay one such
-    fault per page there: 139k faults for SmolLM2-135M, 1.3-3 s on a 2-core EPYC. One copy of each
-    parameter first costs 0.25-0.4 s and lets the mapping go once no tensor uses it. A parameter keeps
-    its identity (the optimizer and tied weights still refer to it): its storage is copied, once for
-    all the parameters that share it, and each is set to the same view of the copy.
+    fault per page there. One copy of each parameter first costs a fraction of those faults' time (the
+    counts and times are in benchmarks/README.md) and lets the mapping go once no tensor uses it. A
+    parameter keeps its identity (the optimizer and tied weights still refer to it): its storage is copied,
+    once for all the parameters that share it, and each is set to the same view of the copy.
     """
     in_file = _file_mapped()
     if in_file is None:
@@ -148,7 +148,7 @@ def hand_over_file_backed(trained: torch.nn.Module, frozen: torch.nn.Module) -> 
 
     The trained weights must leave the checkpoint's file mapping before the optimizer writes them
     (`own_file_backed`), and the deep copy has just made a copy of each in process memory: swapping the
-    two saves that second copy (540 MB for SmolLM2-135M, 0.5-1.5 s of fresh pages here) and the frozen
+    two saves that second copy (a model's size of fresh pages; benchmarks/README.md) and the frozen
     model, never written, reads the file's pages. Parameters are paired by name; a pair swaps only when
     both are plain CPU tensors of the same shape, strides and dtype, the trained one in a file mapping
     and the frozen one not. Identities stay (each keeps its Parameter object), and storage sharing

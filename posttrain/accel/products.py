@@ -3,10 +3,10 @@
 PyTorch's x86 builds multiply float32 matrices on CPU with MKL's sgemm (`torch.mm`, `F.linear` and their
 backward). MKL chooses its code by CPU vendor: on a CPU that is not Intel's it runs its AVX2 code, also
 where the CPU has AVX-512. oneDNN, in the same PyTorch build (`torch.ops.mkldnn._linear_pointwise`, what
-PyTorch runs for bfloat16 products), chooses its kernels by the instruction sets the CPU reports. On a
-2-core AMD EPYC with AVX-512 (Zen 5), at SmolLM2-135M's training shapes (a few hundred tokens by 576 to
-1536 wide): sgemm 186-199 GFLOP/s, oneDNN 382-453; with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2),
-208-236 against sgemm's 176-201.
+PyTorch runs for bfloat16 products), chooses its kernels by the instruction sets the CPU reports. On an AMD
+EPYC with AVX-512, at SmolLM2-135M's training shapes, sgemm leaves half the vector width unused and oneDNN
+does not; held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2), oneDNN still matches sgemm (the figures are in
+benchmarks/README.md, "Float32 products through oneDNN").
 
 `backend()` says which library posttrain's float32 CPU products use: "onednn" on an x86 CPU that is not
 Intel's when the build has both MKL and oneDNN, else "torch" (PyTorch's own choice, unchanged). The

@@ -24,7 +24,8 @@ the thread count outright. `benchmarks/busy_machine.py` measures the effect.
 
 A fixed team is still too many when other processes keep cores busy: with two busy loops beside a 2-thread
 run on 2 CPUs, every parallel region waits for whichever thread the scheduler has parked, and a step took
-6-8x as long as alone, against 1.5x with one thread (busy_machine.py, tiny GRPO, 2-core Xeon). So when a
+several times as long as alone, far more than a one-thread run lost (benchmarks/README.md, "A busy
+machine"). So when a
 run starts (`fitted_threads`), posttrain counts the CPUs that other processes keep busy -- the kernel's
 runnable tasks (/proc/stat `procs_running`) less this process's own running threads, the lower median of a
 few looks -- and trains with the CPUs left free, between 1 and `cpu_share()`. The count is chosen once and

@@ -2,8 +2,9 @@
 its micro-batches), every tensor field with its shape.
 
 build_experience fills one `Experience` for the whole generation batch (N rows); `select` and `trimmed` cut
-it into the micro-batches that `compute_loss` receives. The sampler's record of linear outputs
-(`accel/replay.py`) travels in the `replay` field of the micro-batches that may use it, not as trainer state.
+it into the micro-batches that `compute_loss` receives. It holds only what the loss needs: the sampler's record of
+linear outputs (`accel/replay.py`) is kept by the CPU sampler backend (`rollout.cpu_backend.keep_record`), which
+a micro-batch's `rollout_row` indexes.
 
 Departures: a trainer's `compute_loss` reads a micro-batch as a mapping too (`mb["advantages"]`,
 `"ref_logp" in mb`, `mb.get(...)`): a field that is None is absent, and a preset's own per-row tensors
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 # the fields that are not per-row tensors (kept as they are by `select` and `trimmed`)
-_SCALARS = ("denominator", "token_denominator", "old_is_current", "last_of_generation", "replay")
+_SCALARS = ("denominator", "token_denominator", "old_is_current")
 
 
 @dataclass
@@ -41,17 +42,15 @@ class Experience:
     old_values: Tensor | None = None        # (B, C) the critic's values at sampling, only with a critic
     ref_logp: Tensor | None = None          # (B, C) log pi_ref, only with beta > 0 and the KL in the loss
     vllm_logp: Tensor | None = None         # (B, C) vLLM's log-probs of the sampled tokens (use_vllm)
-    rollout_row: Tensor | None = None       # (B,) each row's index in its rollout (its place in the replay record)
+    rollout_row: Tensor | None = None       # (B,) each row's index in its rollout (its row of the sampler's record)
     denominator: Tensor | None = None       # () this optimizer step's global loss-mode count / processes
     token_denominator: Tensor | None = None  # () this optimizer step's global token count / processes
     old_is_current: bool = False            # the policy has not moved since sampling: old_logp = logp.detach()
-    last_of_generation: bool = False        # the generation batch's last micro-batch (the record's last use)
-    replay: Any = None                      # the sampler's LinearRecord shared by the batch's micro-batches, or None
     extra: dict[str, Any] = field(default_factory=dict)  # a preset's own per-row tensors, by name
 
     # ------------------------------------------------------------------ the mapping view
     def _names(self) -> list[str]:
-        names = [f.name for f in dataclasses.fields(self) if f.name not in ("extra", "replay")]
+        names = [f.name for f in dataclasses.fields(self) if f.name != "extra"]
         return [n for n in names if getattr(self, n) is not None] + list(self.extra)
 
     def __getitem__(self, key: str):
@@ -68,8 +67,7 @@ class Experience:
             self.extra[key] = value
 
     def __contains__(self, key: object) -> bool:
-        return key in self.extra or (key in _FIELDS and key not in ("extra", "replay")
-                                     and getattr(self, key) is not None)
+        return key in self.extra or (key in _FIELDS and key != "extra" and getattr(self, key) is not None)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())
@@ -135,16 +133,18 @@ class Experience:
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
-        """Plain tensors and numbers (what `torch.load(weights_only=True)` reads back); the record is never kept."""
-        out = {name: getattr(self, name) for name in _FIELDS if name not in ("extra", "replay")}
+        """Plain tensors and numbers (what `torch.load(weights_only=True)` reads back)."""
+        out = {name: getattr(self, name) for name in _FIELDS if name != "extra"}
         return {k: v for k, v in out.items() if v is not None} | {"extra": dict(self.extra)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Experience:
-        """The inverse of `state` (also reads the plain dicts that checkpoints held before this class)."""
+        """The inverse of `state` (also reads the plain dicts that checkpoints held before this class, and drops
+        `last_of_generation`, which they held before the replay record moved to the sampler backend)."""
         if "extra" not in state:
-            return cls.of(state)
-        return cls(**{k: v for k, v in state.items() if k != "extra"}, extra=dict(state["extra"]))
+            return cls.of({k: v for k, v in state.items() if k != "last_of_generation"})
+        return cls(**{k: v for k, v in state.items() if k not in ("extra", "last_of_generation")},
+                   extra=dict(state["extra"]))
 
     @property
     def num_rows(self) -> int:

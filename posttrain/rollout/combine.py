@@ -1,5 +1,6 @@
 """Rollouts put together: chosen rows of several rollouts (generation batches drawn one after another, as
-dynamic sampling draws them) as one `Rollout`, prompts left-padded and completions right-padded to the widest.
+dynamic sampling draws them; the groups a replay buffer kept, `trainers/grpo_replay_buffer.join_groups`) as one
+`Rollout`, prompts left-padded and completions right-padded to the widest.
 The sampler's record of linear outputs (`accel/replay.py`) indexes one rollout's rows, so none is kept."""
 
 from __future__ import annotations

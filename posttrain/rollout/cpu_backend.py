@@ -1,11 +1,17 @@
 """The sampler's CPU backend, `CPUDecoder`: the sampler interface (`backends.ModelForward`) over the CPU
 speed code in `posttrain.accel` (the lean decoding step, the few-rows kernels, the record of linear outputs
 for replay). `generate.default_backend` picks it on CPU; nothing else in the sampler knows of `accel`.
+
+The record a generation batch's sampling filled is kept here, by the backend, for that batch's training
+forwards (`keep_record`, `replay_rows`, `holds_record`): the trainer and its `Experience` never hold it. It is
+kept per policy module (weakly: it goes with the model), serves each rollout row once, and is let go layer by
+layer by the forward that reads its last rows (`accel.replay.replaying(..., last=True)`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import Tensor
@@ -86,3 +92,43 @@ def cpu_backend(net, record: tuple[int, int, int, int] | None = None) -> CPUDeco
         return CPUDecoder(net, lean)
     B, P, G, T = record
     return CPUDecoder(net, lean, LinearRecord(lean.linears, B, P, B * G, T, G))
+
+
+# ------------------------------------------------------------------ the record kept for the training forwards
+class _Kept:
+    """A generation batch's record and how many of its rollout rows the training forwards have read."""
+
+    def __init__(self, record: LinearRecord):
+        self.record, self.read = record, 0
+
+
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # policy module -> _Kept
+
+
+def keep_record(model: torch.nn.Module, record: LinearRecord | None) -> None:
+    """Keep `record` (a rollout's `linear_outputs`) for the training forwards of `model`, the policy that sampled
+    it, in place of any record kept before; None lets the kept one go (a new generation batch, a restored one)."""
+    if record is None:
+        _KEPT.pop(model, None)
+    else:
+        _KEPT[model] = _Kept(record)
+
+
+def replay_rows(model: torch.nn.Module, rows: Tensor) -> tuple[LinearRecord, Tensor, bool] | None:
+    """`completion_logprobs`'s `replay` argument for the rollout rows `rows` (R,) of `model`'s kept record, or None
+    when none is kept. When these rows complete the record's (each row is read once), it is the last use: the
+    forward lets the record go layer by layer and it is no longer kept here."""
+    kept = _KEPT.get(model)
+    if kept is None:
+        return None
+    kept.read += len(rows)
+    last = kept.read >= kept.record.shape[2]  # N rollout rows
+    if last:
+        del _KEPT[model]
+    return kept.record, rows, last
+
+
+def holds_record(model: torch.nn.Module) -> bool:
+    """Whether a record with outputs not yet let go is kept for `model`."""
+    kept = _KEPT.get(model)
+    return kept is not None and any(t is not None for t in kept.record.layers)

@@ -123,6 +123,22 @@ def assistant_turn(text: str, max_call_chars: int | None = None) -> dict:
     return message
 
 
+class ToolImageError(ValueError):
+    """A tool returned an image, which this rollout cannot show to the model."""
+
+
+def _holds_image(value: Any, depth: int = 0) -> bool:
+    """Whether a tool's result is or holds an image: a PIL image, or a content part / dict `{"type": "image"}`
+    (or with an "image" key) at the top or inside a list of parts."""
+    if type(value).__module__.startswith("PIL."):
+        return True
+    if isinstance(value, Mapping):
+        return value.get("type") == "image" or "image" in value
+    if isinstance(value, (list, tuple)) and depth == 0:
+        return any(_holds_image(v, 1) for v in value)
+    return False
+
+
 def _as_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -188,6 +204,12 @@ def _finish(name: str, thread: threading.Thread, box: dict, timeout: float,
         error = cap(f"Error: {name} {kind}: {type(err).__name__}: {_as_text(err)}", max_result_chars)
     else:
         error = None
+        if _holds_image(box.get("value")):
+            raise ToolImageError(
+                f"tool {name!r} returned an image ({type(box['value']).__name__}): tool results are fed to the model "
+                "as the chat template's text tokens, so its pixels would never reach the model (a text-only model "
+                "cannot read images, and tool turns with images are not supported for vision-language models "
+                "yet); return text from the tool, e.g. a description of the image")
     content = error if error is not None else cap(_as_text(box.get("value")), max_result_chars)
     return {"role": "tool", "name": name, "content": content}, error
 

@@ -281,10 +281,11 @@ class ColocateEngine:
             self.llm.apply_model(lambda model, item=(name, tensor): model.load_weights([item]))
         self.llm.reset_prefix_cache()
 
-    def sync(self, policy) -> None:
+    def sync(self, policy, group=None) -> None:
         """The policy into vLLM: its weights, or (`vllm_sync_strategy="lora_adapter"`) its LoRA adapter alone,
         saved and named in the LoRA request of the generations that follow (a new id: vLLM loads it afresh,
-        and its prefix cache keys blocks by adapter, so nothing computed with the old one is reused)."""
+        and its prefix cache keys blocks by adapter, so nothing computed with the old one is reused). `group`:
+        unused here (each process syncs its own engine)."""
         if self.adapters is None:
             return self.load_weights(policy_weights(policy))
         from vllm.lora.request import LoRARequest
@@ -422,12 +423,13 @@ class _ServerClient:
     def wait_until_healthy(self, timeout: float) -> None:
         _wait_for(self.base_url, self.health_path, timeout)
 
-    def sync(self, policy) -> None:
+    def sync(self, policy, group=None) -> None:
         """The policy to the server: every weight, or (`vllm_sync_strategy="lora_adapter"`, ServerEngine) its
-        LoRA adapter alone (`load_adapter`)."""
+        LoRA adapter alone (`load_adapter`). `group`: the process group of the adapter name's broadcast (None:
+        the default one; the asynchronous sampler's thread passes its own)."""
         if self.adapters is None:
             return self.load_weights(policy_weights(policy))
-        self.load_adapter(policy)
+        self.load_adapter(policy, group)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Send every weight (main process only; the others must still iterate `weights`, which may gather
@@ -467,7 +469,7 @@ class ServerEngine(_ServerClient):
         self.model = self._request("/v1/models", method="GET")["data"][0]["id"]
         self.adapters = None if adapter_root is None else AdapterFolders(adapter_root)
 
-    def load_adapter(self, policy) -> None:
+    def load_adapter(self, policy, group=None) -> None:
         """`vllm_sync_strategy="lora_adapter"`: the main process saves the policy's LoRA adapter (a new folder
         each time, which the server must see), POST /v1/load_lora_adapter loads it under a new name, generations
         name it as their model, and the previous adapter is unloaded. Every process then generates with it."""
@@ -479,7 +481,7 @@ class ServerEngine(_ServerClient):
                 self._request("/v1/unload_lora_adapter", {"lora_name": self.adapter_name})
             names = [name]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(names, src=0)  # the other processes generate with it too
+            torch.distributed.broadcast_object_list(names, src=0, group=group)  # the other processes use it too
         self.adapter_name = names[0]
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Rollout:

@@ -79,7 +79,7 @@ class BaseConfig(TrainingArguments):
         default=True,
         metadata={"help": "Training on CPU under glibc (Linux): keep freed memory in the process heap (mallopt: "
                           "no mmap for large blocks, no trimming), so each step's large tensors reuse memory "
-                          "instead of faulting in fresh pages from the OS; the backward pass runs ~9% faster. "
+                          "instead of faulting in fresh pages from the OS (what it saves: benchmarks/README.md). "
                           "An Adam/AdamW optimizer's state is then made with the optimizer, before the first step "
                           "and below the steps' memory (same values as made lazily), so the second step does not "
                           "fault in new pages. "
@@ -355,7 +355,7 @@ def warn_still_running() -> None:
 
 class FitThreadsCallback(TrainerCallback):
     """When training starts, torch's thread count fitted to the CPUs other processes leave free
-    (accel/threads.py: a busy machine cost a 2-thread run 6-8x, one thread 1.5x); a resumed run takes the
+    (accel/threads.py; what a busy machine costs: benchmarks/README.md); a resumed run takes the
     count its checkpoint saved (`run_threads`), so that it sums as the run it continues."""
 
     def __init__(self, trainer):
@@ -766,6 +766,11 @@ class BaseTrainer(Trainer):
         else:
             hyper.pop("max_steps", None)
         hyper["lr_scheduler_type"] = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+        if getattr(self, "vision", False):  # a vision-language model: the hub's task and what of it was trained
+            meta["pipeline_tag"] = "image-text-to-text"
+            meta["tags"].append("vision-language")
+            hyper.update({n: getattr(args, n) for n in ("freeze_vision_tower", "freeze_multi_modal_projector")
+                          if hasattr(args, n)})
         base = _model_reference(self.model_name)
         versions = {"posttrain": getattr(posttrain, "__version__", "unknown"), "transformers": transformers.__version__,
                     "torch": torch.__version__, "datasets": datasets.__version__}

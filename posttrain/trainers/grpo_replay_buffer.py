@@ -26,6 +26,7 @@ from torch import Tensor
 
 from posttrain.core.advantages import GROUP_STD_EPS
 from posttrain.data.collate import pad
+from posttrain.rollout.combine import take_rows
 from posttrain.rollout.generate import Rollout
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
@@ -85,15 +86,14 @@ def split_groups(rollout: Rollout, scores: Tensor, k: int) -> list[dict]:
 
 
 def join_groups(groups: list[dict], pad_token_id: int) -> tuple[Rollout, Tensor]:
-    """A rollout (prompts left-padded, completions right-padded) and its scores from groups, in order."""
-    prompts = [ids for g in groups for ids in g["prompt_ids"]]
-    rows = {f: [row for g in groups for row in g[f]] for f in ROW_FIELDS}
-    return Rollout(prompt_ids=pad(prompts, pad_token_id, side="left"),
-                   prompt_mask=pad([[1] * len(p) for p in prompts], 0, side="left"),
-                   completion_ids=pad([r.tolist() for r in rows["completion_ids"]], pad_token_id, side="right"),
-                   completion_mask=pad([r.tolist() for r in rows["completion_mask"]], 0, side="right"),
-                   logprobs=pad([r.tolist() for r in rows["logprobs"]], 0.0, side="right", dtype=torch.float32),
-                   is_truncated=torch.cat([g["is_truncated"] for g in groups])), torch.cat([g["scores"] for g in groups])
+    """A rollout (prompts left-padded, completions right-padded) and its scores from groups, in order: each group
+    as a rollout of its own, joined by `rollout.combine.take_rows`."""
+    parts = [Rollout(prompt_ids=pad(g["prompt_ids"], pad_token_id, side="left"),
+                     prompt_mask=pad([[1] * len(p) for p in g["prompt_ids"]], 0, side="left"),
+                     completion_ids=g["completion_ids"].long(), completion_mask=g["completion_mask"].long(),
+                     logprobs=g["logprobs"].float(), is_truncated=g["is_truncated"]) for g in groups]
+    rows = torch.arange(sum(len(g["is_truncated"]) for g in groups))
+    return take_rows(parts, rows, pad_token_id), torch.cat([g["scores"] for g in groups])
 
 
 @dataclass

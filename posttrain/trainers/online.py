@@ -18,15 +18,18 @@
      Policy and reference log-probs come from one forward that computes each prompt once per group
      (`forward.completions.completion_logprobs`: block attention mask, logits at scoring positions only).
      When old == current, the policy's forward takes every decoder layer's linear outputs from the
-     sampler's record instead of recomputing them (`accel/replay.py`, `replay_linear_outputs`).
+     record the CPU sampler backend keeps of the batch's sampling (`rollout.cpu_backend.keep_record`,
+     `accel/replay.py`, `replay_linear_outputs`) instead of recomputing them.
 
-With `max_staleness` > 0 (asynchronous rollouts, `online_async.py`), steps 1-3 of the next generation batches
-run in a background thread, by a copy of the policy up to `max_staleness` optimizer steps old, while the current
-batch trains; old_logp is then that policy's and the clipped ratio corrects for the staleness.
+Steps 1-3 are `make_experience` (sampling and scoring: `online_sampling.py`), 4-5 `build_experience`, 6
+`compute_loss`. With `max_staleness` > 0 (asynchronous rollouts, `online_async.py`), steps 1-3 of the next
+generation batches run in a background thread, by a copy of the policy up to `max_staleness` optimizer steps
+old, while the current batch trains; old_logp is then that policy's and the clipped ratio corrects for it.
 
-The configuration, `OnlineConfig`, lives in `online_config.py` (imported here); what flows between the
-phases is `core.batch.Experience`; evaluation, metrics and checkpointed state are mixins in `online_eval.py`,
-`online_metrics.py` and `online_state.py`.
+The rest is in files of its own: the configuration (`online_config.py`), the setup (`online_setup.py`), the
+prompt data (`online_data.py` over `prompts.py`), evaluation (`online_eval.py`), metrics (`online_metrics.py`)
+and checkpointed state (`online_state.py`: resuming is bit-identical to never stopping). What flows between
+the phases is `core.batch.Experience`.
 
 Batch semantics (as GRPO in TRL): `per_device_train_batch_size` counts completions per
 micro-batch. Each process generates `per_device_train_batch_size * steps_per_generation`
@@ -39,138 +42,44 @@ Reductions are global: rewards, normalisation and advantages are computed on the
 gathered from every process (each group stays on its process, prompt-major), and loss
 denominators count the tokens/sequences of the whole optimizer step over all processes, so the
 update does not depend on how a batch is split across micro-batches or processes.
-
-Resuming (`train(resume_from_checkpoint=...)`) is bit-identical to never stopping: the prompt order
-is a function of (seed, epoch), so transformers skips the micro-batches already trained on, and each
-checkpoint also holds, per process, the sampler's and the shuffle's generators, the episode count and
-the generation batch's micro-batches not yet trained on (`checkpointed`); with a critic, the critic
-is saved next to the policy and read back by `load_critic`. A streamed train_dataset (IterableDataset)
-is read in order (`prompts._PromptStream`), and its place in the stream is checkpointed too. Prompt
-batching and streaming live in `prompts.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import logging
-import math
 import os
-import threading
 import time
-from collections import defaultdict
 
 import torch
 from torch import Tensor
-from transformers import TrainerCallback
 
 from posttrain.core.advantages import ADVANTAGES, AdvantageInput, compute_advantages
 from posttrain.core.batch import Experience
-from posttrain.core.dynamic_sampling import informative_groups, kept_rows
 from posttrain.core.importance import IMPORTANCE_CORRECTIONS
 from posttrain.core.kl import kl_penalty
 from posttrain.core.masked import AGGREGATIONS, aggregate_loss, count_tokens, masked_mean, masked_var, top_quantile_mask
 from posttrain.core.policy_losses import POLICY_LOSSES, clipped_value_loss, entropy_bonus
-from posttrain.core.shaping import RewardShaping, normalize_then_sum, shape_rewards
-from posttrain.data.multimodal import image_token_ids
-from posttrain.data.tokenize import check_prompts, encode_prompt
+from posttrain.core.shaping import RewardShaping, shape_rewards
 from posttrain.forward.completions import completion_logprobs
 from posttrain.forward.logprobs import token_logprobs
 from posttrain.forward.vision import forward_inputs, has_images, row_part
 from posttrain.models import loading
-from posttrain.models.modes import disable_dropout
-from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
-from posttrain.rollout.combine import take_rows
-from posttrain.rollout.generate import Rollout, SamplingConfig, generate
-from posttrain.rollout.images import (check_image_prompts, encode_image_prompts, has_image_prompts, load_policy,
-                                      text_tokenizer)
-from posttrain.rollout.multiturn import Tooling, engine_turns, rollout_from_func
-from posttrain.rollout.rewards import RewardScorer
-from posttrain.trainers.base import (BaseTrainer, SyncRefModelCallback, as_dataset, check_datasets,
-                                     classic_arguments, is_streamed, seed_run)
-from posttrain.trainers.online_async import AsyncRollouts, Sampled
-from posttrain.trainers.online_config import GENERATION_KWARGS, OnlineConfig, config_options, shaping_steps
+from posttrain.rollout.cpu_backend import holds_record, keep_record, replay_rows
+from posttrain.rollout.generate import Rollout
+from posttrain.rollout.images import load_policy
+from posttrain.trainers import online_setup as setup
+from posttrain.trainers.base import BaseTrainer, classic_arguments, is_streamed, seed_run
+from posttrain.trainers.online_config import OnlineConfig, config_options, shaping_steps
+from posttrain.trainers.online_data import OnlinePromptData
 from posttrain.trainers.online_eval import OnlineEvaluation
 from posttrain.trainers.online_metrics import OnlineMetrics
+from posttrain.trainers.online_sampling import OnlineSampling
+from posttrain.trainers.online_setup import OnlineSetup
 from posttrain.trainers.online_state import OnlineCheckpoints
-from posttrain.trainers.prompts import (PromptBatches, _collate_streamed, _PromptStream, new_stream_position,
-                                        top_up_prompts)
-
-logger = logging.getLogger(__name__)
+from posttrain.trainers.prompts import new_stream_position
 
 
-def _prepare_policy(policy, args: OnlineConfig, peft_config, value_model, init_kwargs: dict):
-    """The loaded policy made ready to train (dropout off, the output layer in float32 if asked, the PEFT adapter)
-    and the module the trainer trains: the policy, or the policy with its critic for critic estimators."""
-    if args.disable_dropout:
-        disable_dropout(policy)
-    if args.cast_lm_head_to_fp32 and policy.get_output_embeddings() is not None:
-        policy.get_output_embeddings().float()  # the log-probs' last matmul and softmax in float32
-    peft_config = BaseTrainer.vision_parts(policy, args, peft_config)  # a VLM: parts frozen, LoRA on its LM only
-    policy = loading.apply_peft(policy, peft_config, args.gradient_checkpointing)
-    if ADVANTAGES[args.advantage_estimator].critic:  # the critic trains with the policy, in one module
-        critic = value_model if value_model is None else loading.load_sequence_classifier(
-            value_model, convert_causal_lm=True, **init_kwargs)  # a causal LM: a fresh score head, with a warning
-        return policy, CausalLMWithValueHead(policy) if critic is None else PolicyWithCritic(policy, critic)
-    if value_model is not None:
-        raise ValueError(f"value_model is only used by critic estimators "
-                         f"{sorted(name for name, e in ADVANTAGES.items() if e.critic)}, "
-                         f"not advantage_estimator={args.advantage_estimator!r}")
-    return policy, policy
-
-
-def _tooling(args: OnlineConfig, tools, environment_factory, reward_funcs, train_dataset):
-    """tools= / environment_factory=: multi-turn rollouts (rollout/multiturn.py) -> (the `Tooling` or None, the
-    reward functions, the train dataset). An environment's get_reward() is one more reward function, named after
-    its class; without a train_dataset, the environments' reset() supplies the prompts."""
-    if not tools and environment_factory is None:
-        return None, reward_funcs, train_dataset
-    if args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
-        raise ValueError("tools= / environment_factory= with vLLM make one request per turn, and the processes "
-                         "sharing a colocated engine (vllm_tensor_parallel_size > 1) would make different numbers "
-                         "of them: use vllm_tensor_parallel_size=1 or vllm_mode='server'")
-    tooling = Tooling(tools, environment_factory, max_iterations=args.max_tool_calling_iterations
-                      if args.max_tool_calling_iterations is not None else 2 ** 31,
-                      timeout=args.tool_call_timeout, max_call_chars=args.max_tool_call_chars,
-                      max_result_chars=args.max_tool_result_chars)
-    env_rewards = tooling.environment_rewards()
-    if env_rewards:
-        given = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
-            else [reward_funcs]
-        reward_funcs = given + env_rewards
-    if train_dataset is None and environment_factory is not None:  # reset() supplies the prompts
-        train_dataset = tooling.reset_dataset(args)
-    return tooling, reward_funcs, train_dataset
-
-
-def _sampling_config(args: OnlineConfig, processor=None) -> SamplingConfig:
-    """The sampler's settings from the config, `generation_kwargs` over the fields. With a VLM's `processor`, its
-    image tokens are never sampled: a completion's image token would have no image for the training forward."""
-    sampling = SamplingConfig(
-        max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, num_generations=args.num_generations,
-        stop_token_ids=tuple(args.stop_token_ids or ()), stop_strings=tuple(args.stop_strings or ()),
-        repetition_penalty=args.repetition_penalty,
-        suppress_token_ids=tuple(sorted(image_token_ids(processor))) if processor is not None else ())
-    if args.generation_kwargs:  # keys checked by the config; tuples where SamplingConfig keeps tuples
-        sampling = dataclasses.replace(sampling, **{
-            key: tuple(v) if key in ("stop_strings", "stop_token_ids") else v
-            for key, v in args.generation_kwargs.items() if key in GENERATION_KWARGS})
-    return sampling
-
-
-def _positions(policy, args: OnlineConfig) -> int | None:
-    """The model's max_position_embeddings (None if it has none), warning when the configured limits reach past
-    it; prompts that do when max_prompt_length is None are warned about once they are seen (`_collate`)."""
-    positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-    if positions and (args.max_prompt_length or 0) + args.max_completion_length > positions:
-        logger.warning(f"max_prompt_length={args.max_prompt_length} + max_completion_length="
-                       f"{args.max_completion_length} exceeds the model's max_position_embeddings="
-                       f"{positions}: sequences that long go past the positions it was trained on")
-    return positions
-
-
-class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrainer):
+class OnlineTrainer(OnlineSampling, OnlinePromptData, OnlineSetup, OnlineMetrics, OnlineEvaluation, OnlineCheckpoints,
+                    BaseTrainer):
     """Rollout -> score -> advantages -> clipped policy update, configured by an `OnlineConfig`."""
 
     config_class = OnlineConfig
@@ -192,64 +101,38 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         init_kwargs = dict(args.model_init_kwargs or {})
         policy, processing_class, self.vision = load_policy(model, processing_class, train_dataset,
                                                             type(self).__name__, init_kwargs)
-        policy, wrapped = _prepare_policy(policy, args, peft_config, value_model, init_kwargs)
+        critics = sorted(name for name, e in ADVANTAGES.items() if e.critic)
+        policy, wrapped = setup.prepare_policy(policy, args, peft_config, value_model, init_kwargs, critics)
         if reward_funcs is None and args.reward_model_path:
             reward_funcs = [args.reward_model_path]
-        tooling, reward_funcs, train_dataset = _tooling(args, tools, environment_factory, reward_funcs, train_dataset)
-        if train_dataset is None and self.prompts_required:
-            raise ValueError(f"train_dataset is required: {type(self).__name__} samples completions of its prompts "
-                             "(or give environment_factory= whose environments' reset() supply them)")
-        if rollout_func is not None and tooling is not None:
-            raise ValueError("rollout_func replaces the built-in sampler, tools and environments included; give "
-                             "rollout_func or tools= / environment_factory=, not both")
-        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
-            raise ValueError("reward_funcs is required: reward functions, reward models, or model names "
-                             "(or set reward_model_path, or give an environment_factory whose environments "
-                             "have get_reward)")
-        train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset, "eval_dataset")
-        if train_dataset is not None:  # None is allowed: PPO's manual loop (generate / step) needs no prompts
-            check_datasets(args, train_dataset, eval_dataset)
-        self._check_dataset(train_dataset, "train_dataset")
-        for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if data is not None and not isinstance(data, dict) and not is_streamed(data):  # here, not at a step
-                (check_image_prompts if self.vision else check_prompts)(data, processing_class, what)
-        if args.total_episodes:  # before transformers asks a stream for max_steps; steps_per_generation
-            per_generation = args.per_process_generation * args.world_size  # need not divide into accumulation
-            args.max_steps = math.ceil(math.ceil(args.total_episodes / per_generation) * args.steps_per_generation
-                                       * args.num_iterations / args.gradient_accumulation_steps)
+        tooling, reward_funcs, train_dataset = setup.tooling(args, tools, environment_factory, reward_funcs,
+                                                             train_dataset)
+        train_dataset, eval_dataset = setup.checked_inputs(self, args, processing_class, reward_funcs, train_dataset,
+                                                           eval_dataset, tooling, rollout_func)
         super().__init__(wrapped, args, processing_class=processing_class, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers,
                          data_collator=lambda rows: rows)
         if isinstance(model, str):  # the name as given, for the model card (BaseTrainer sees the loaded policy)
             self.model_name = model
         self.loss_is_scaled_for_ga = True  # our denominators already span the whole optimizer step
-        self.tooling, self.rollout_func = tooling, rollout_func
-        self.policy = policy
-        self._positions = _positions(policy, args)
-        self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
-                                          tokenizer=text_tokenizer(processing_class), device=self.accelerator.device,
-                                          timeout=args.reward_timeout)
+        self.tooling, self.rollout_func, self.policy = tooling, rollout_func, policy
+        self._positions = setup.positions(policy, args)
+        self.reward_scorer = setup.reward_scorer(args, reward_funcs, reward_processing_classes, processing_class,
+                                                 self.accelerator)
         self.reward_processing_classes = reward_processing_classes  # as TRL's trainer exposes them
-        if loading.shards_weights(self.accelerator):  # ZeRO-3 / FSDP2: reward models sharded like the policy
-            self.reward_scorer.funcs = [loading.prepare_frozen(self.accelerator, f) if isinstance(f, torch.nn.Module)
-                                        else f for f in self.reward_scorer.funcs]
         self._set_reference(ref_model, policy, args)
-        self.sampling = _sampling_config(args, processing_class if self.vision else None)
-        self.vllm, self._vllm_synced_step = None, None  # with use_vllm: the engine, and the step its weights are of
-        if args.use_vllm:
-            from posttrain.rollout.vllm_engine import make_engine
-
-            name = model if isinstance(model, str) else getattr(policy.config, "_name_or_path", None)
-            extra = {k: v for k, v in (args.generation_kwargs or {}).items() if k not in GENERATION_KWARGS}
-            self.vllm = make_engine(args, name, self.accelerator, processing_class.pad_token_id,
-                                    processing_class.eos_token_id, extra, policy=policy)
+        self.sampling = setup.sampling_config(args, processing_class if self.vision else None)
+        # with use_vllm: the engine, and the step its weights are of
+        self.vllm = setup.vllm_engine(args, model, policy, self.accelerator, processing_class)
+        self._vllm_synced_step = None
         self.generator = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
         self._shuffle = torch.Generator().manual_seed(args.seed + 1)
         self.loss_mode, self.global_denominator = args.loss_aggregation()
         # the policy can move between sampling and training only with several optimizer steps or passes, or sampling ahead
         self.old_is_current = not args.max_staleness and args.num_iterations == 1 and \
             args.steps_per_generation == args.gradient_accumulation_steps
-        self.replays = _replays(args, policy, self.old_is_current)
+        self.replays = setup.replays(args, policy, self.old_is_current, args.advantage_estimator in critics)
+        keep_record(policy, None)  # a record the sampler backend kept for this model before is not this run's
         self._buffer, self._next_micro = [], 0  # the generation batch's micro-batches (Experience), the next's index
         self._episodes, self._start_time, self._samples, self._last_sample_step = 0, None, None, -1
         from posttrain.callbacks import CompletionsTable
@@ -265,161 +148,6 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
                              f"({per_generation // args.num_generations}); add prompts or lower "
                              "per_device_train_batch_size / steps_per_generation")
 
-    def _async_rollouts(self, train_dataset) -> AsyncRollouts | None:
-        """With max_staleness > 0, the background sampler (`online_async.py`); None for the synchronous engine."""
-        args, self._sampling_thread = self.args, threading.local()  # in the sampler's thread: its model and metrics
-        depth = args.max_staleness // max(self.optimizer_steps_per_generation, 1)
-        if not depth:
-            return None
-        if not self.samples_in_background:
-            raise ValueError(f"{type(self).__name__} samples with more than the policy (a teacher, the reference) "
-                             "and does not run asynchronous rollouts: set max_staleness=0")
-        if self.rollout_func is not None:
-            raise ValueError("max_staleness > 0 samples in a background thread with a copy of the policy; a "
-                             "rollout_func samples with the trainer itself: set max_staleness=0")
-        if train_dataset is not None and is_streamed(train_dataset):
-            raise ValueError("max_staleness > 0 samples the next generation batches before their turn, which needs "
-                             "a map-style train_dataset (a stream's later prompts are not known ahead): set "
-                             "max_staleness=0 or pass a datasets.Dataset")
-        rollouts = AsyncRollouts(self, depth)
-        self.add_callback(_CloseRollouts(rollouts))
-        return rollouts
-
-    @staticmethod
-    def uses_reference(args) -> bool:
-        """Whether the engine loads a reference policy: a KL term with `beta > 0`. A preset whose `beta` means
-        something else (distillation: the divergence's interpolation) says no here."""
-        return args.beta > 0
-
-    def _set_reference(self, ref_model, policy, args: OnlineConfig):
-        """`self.ref_model`: only when `uses_reference` (beta > 0); a frozen copy of the policy unless one is given
-        or the policy is a PEFT model (whose reference is the adapter-disabled policy); synced to the policy with
-        sync_ref_model."""
-        needs_ref = self.uses_reference(args)
-        if needs_ref and ref_model is None and not loading.is_peft_model(policy):
-            ref_model = loading.frozen_copy(policy)  # the policy alone, never the critic
-        self.ref_model = self.make_reference(ref_model, needed=needs_ref)
-        self.needs_reference = needs_ref  # build_experience computes reference log-probs
-        if args.sync_ref_model:
-            if self.ref_model is None:
-                raise ValueError("sync_ref_model needs a separate reference model; with PEFT the reference is the "
-                                 "adapter-disabled policy, which cannot be synced")
-            self.add_callback(SyncRefModelCallback(self.ref_model))
-
-    # ------------------------------------------------------------------ data
-    @staticmethod
-    def _check_dataset(dataset, what: str):
-        if dataset is None:
-            return
-        if is_streamed(dataset):  # the first row's columns (a stream may not know its features)
-            columns = dataset.column_names or list(next(iter(dataset), {}))
-        else:
-            columns = getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else [])
-        if "prompt" not in columns and "input_ids" not in columns:
-            raise ValueError(f"{what} needs a 'prompt' column (text or chat messages) or a tokenised 'input_ids' "
-                             f"column; it has {columns}")
-
-    def _collate(self, rows: list[dict]) -> dict:
-        """Prompts (as given, for reward functions), their token ids (left-cut to max_prompt_length), other columns."""
-        tok, limit = text_tokenizer(self.processing_class), self.args.max_prompt_length
-        vision = None
-        if "prompt" in rows[0] and has_image_prompts(rows):  # image prompts: ids with the image tokens, and pixels
-            if self.tooling is not None:
-                raise ValueError("tools= / environment_factory= with image prompts are not supported yet: the tool "
-                                 "schemas and tool turns are rendered by the text chat template")
-            prompts = [row["prompt"] for row in rows]
-            prompt_ids, vision = encode_image_prompts(self.processing_class, rows, self.args.chat_template_kwargs,
-                                                      limit)
-        elif "prompt" in rows[0]:
-            prompts = [row["prompt"] for row in rows]
-            prompt_ids = [encode_prompt(tok, p, tools=self.tooling.schemas_for(row) if self.tooling else None,
-                                        template_kwargs=self.args.chat_template_kwargs)
-                          for p, row in zip(prompts, rows)]
-        else:  # pre-tokenised prompts, as in classic PPO/RLOO datasets
-            prompt_ids = [list(row["input_ids"]) for row in rows]
-            prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
-        if limit:
-            prompt_ids = [ids[-limit:] for ids in prompt_ids]
-        positions, completion = getattr(self, "_positions", None), self.args.max_completion_length
-        longest = max(map(len, prompt_ids), default=0)
-        if positions and not limit and longest + completion > positions:
-            self._positions = None  # said once
-            logger.warning(f"a prompt of {longest} tokens + max_completion_length={completion} exceeds the model's "
-                           f"max_position_embeddings={positions}: max_prompt_length=None does not cut prompts, so "
-                           "training goes past the positions the model was trained on; set max_prompt_length")
-        skip = ("prompt", "input_ids", "attention_mask")
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key not in skip}
-        if vision is None:
-            return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns}
-        return {"prompt": prompts, "prompt_ids": prompt_ids, "columns": columns, "vision": vision}
-
-    def get_train_dataloader(self):
-        args = self.args
-        if is_streamed(self.train_dataset):
-            # a resumed run (`_stream_position` restored) reads on from the checkpoint's place; a fresh one from the start
-            resumed, self._stream_resumed = self._stream_resumed and not args.ignore_data_skip, False
-            if not resumed:
-                self._stream_pos = new_stream_position()
-            stream = _PromptStream(self.train_dataset, args.per_process_generation // args.num_generations,
-                                   self.accelerator.num_processes, self.accelerator.process_index,
-                                   args.steps_per_generation * args.num_iterations, self._stream_pos,
-                                   placeholders=self._stream_pos["yielded"] if resumed else 0)
-            return torch.utils.data.DataLoader(stream, batch_size=None,
-                                               collate_fn=functools.partial(_collate_streamed, self._collate))
-        return PromptBatches(self.train_dataset, self._collate, args.per_process_generation // args.num_generations,
-                             self.accelerator.num_processes, self.accelerator.process_index,
-                             args.steps_per_generation * args.num_iterations, args.shuffle_dataset, args.seed,
-                             ahead=self.rollouts.depth if getattr(self, "rollouts", None) else 0)
-
-    # ------------------------------------------------------------------ rollout
-    def sample_completions(self, prompt_ids: list[list[int]], sampling: SamplingConfig | None = None,
-                           continue_turn=None, vision: list[dict] | None = None) -> Rollout:
-        """Generate `num_generations` completions per prompt with the current policy. With the training
-        sampling settings (`sampling` None) and `self.replays`, the rollout keeps the linear outputs.
-        continue_turn: a multi-turn rollout's `Episodes`; vision: image prompts' processor outputs (see `generate`)."""
-        tok = text_tokenizer(self.processing_class)
-        if self.vllm is not None and vision is not None:
-            raise ValueError("use_vllm=True does not take image prompts here: posttrain's sampler does (use_vllm=False)")
-        background = getattr(self._sampling_thread, "model", None)  # the asynchronous sampler's copy, in its thread
-        if self.vllm is not None:
-            if self.state.global_step != self._vllm_synced_step:  # the policy moved since vLLM's weights were set
-                self.vllm.sync(self.policy)  # its weights, or its LoRA adapter alone (vllm_sync_strategy)
-                self.accelerator.wait_for_everyone()  # server mode: the main process sends for all
-                self._vllm_synced_step = self.state.global_step
-            if continue_turn is not None:  # tools, environments: one vLLM call per turn (multiturn.engine_turns)
-                return engine_turns(self.vllm.generate, prompt_ids, sampling or self.sampling, continue_turn,
-                                    tok.pad_token_id, tok.eos_token_id)
-            return self.vllm.generate(prompt_ids, sampling or self.sampling)
-        return generate(background or self.policy, prompt_ids, sampling or self.sampling, pad_token_id=tok.pad_token_id,
-                        eos_token_id=tok.eos_token_id, tokenizer=tok, generator=self.generator,
-                        record_linears=self.replays and sampling is None, continue_turn=continue_turn, vision=vision)
-
-    def roll_out(self, inputs: dict, prompts: list, columns: dict, sampling: SamplingConfig | None = None,
-                 mode: str = "train"):
-        """(rollout, episodes or None) for a batch of prompts, `prompts` / `columns` repeated per completion.
-
-        The user's `rollout_func(prompts, trainer)` when given (its extra fields join `columns`); else the
-        sampler, multi-turn with tools or environments (each row's environment joins `columns` as
-        `environments`, for `get_reward`)."""
-        tok = text_tokenizer(self.processing_class)
-        if self.rollout_func is not None:
-            rollout, extra = rollout_from_func(self.rollout_func(prompts, self), len(prompts), tok.pad_token_id,
-                                               tok.eos_token_id)
-            columns.update(extra)
-            return rollout, None
-        if self.tooling is None:
-            vision = inputs.get("vision")  # passed only with images: subclasses may override the text-only signature
-            extra = {} if vision is None else {"vision": vision}
-            return self.sample_completions(inputs["prompt_ids"], sampling, **extra), None
-        G = (sampling or self.sampling).num_generations
-        episodes, environments, prompt_ids = self.tooling.episodes(tok, prompts, columns, G, self.args.max_prompt_length)
-        if environments is not None:
-            columns["environments"] = environments
-            prompts[:] = episodes.prompts  # with reset()'s text: the reward functions get the prompts the model saw
-        rollout = self.sample_completions(prompt_ids or inputs["prompt_ids"], sampling, continue_turn=episodes)
-        self.record(episodes.metrics(lambda x: self._gather_rows(x.to(self.accelerator.device))), mode)
-        return rollout, episodes
-
     @torch.no_grad()
     def make_experience(self, inputs: dict) -> list[Experience]:
         """Generate, score and prepare one generation batch; returns its micro-batches in training order. With
@@ -433,108 +161,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
             return self.build_experience(*self.dynamic_sampling(sampled))
         return self.build_experience(sampled.rollout, sampled.scores)
 
-    def _record_sampled(self, sampled: Sampled):
-        """Log what sampling a generation batch gave: its metrics, rewards and samples."""
-        for metrics, mode in sampled.records:  # recorded while it was sampled in the background
-            self.record(metrics, mode)
-        self._record_rewards(sampled.per_function)
-        self._keep_samples(sampled.prompts, sampled.texts, sampled.per_function, sampled.extra_columns)
-
-    def dynamic_sampling(self, sampled: Sampled) -> tuple[Rollout, Tensor]:
-        """DAPO's dynamic sampling (`core/dynamic_sampling.py`): (rollout, scores) of the groups of this generation
-        batch whose rewards differ, topped up from more generation batches (`top_up_prompts`) until every process
-        has a batch of them. Every process draws as many batches (the count is agreed), so collectives stay paired."""
-        args, k, device = self.args, self.args.num_generations, self.accelerator.device
-        needed = args.per_process_generation // k  # groups per process and generation batch
-        parts, scores = [sampled.rollout], [sampled.scores]
-        informative = informative_groups(sampled.scores.float().cpu(), k)
-        while int(self._gather_rows(informative.sum().view(1).to(device)).min()) < needed:
-            if 0 < args.max_num_gen_batches <= len(parts):
-                raise ValueError(
-                    f"dynamic sampling (filter_groups_enable) drew max_num_gen_batches={args.max_num_gen_batches} "
-                    f"generation batches and kept {int(informative.sum())} of the {needed} prompt groups one needs "
-                    f"(this process): the others' completions all got the same reward, so the task is too easy or "
-                    "too hard for the policy, or the reward does not vary; raise max_num_gen_batches (<= 0: no "
-                    "limit) or check the reward functions")
-            more = self.sample_and_score(self._top_up_prompts())
-            self._record_sampled(more)
-            parts.append(more.rollout)
-            scores.append(more.scores)
-            informative = torch.cat([informative, informative_groups(more.scores.float().cpu(), k)])
-        counts = torch.tensor([[informative.numel(), int(informative.sum())]], device=device)
-        drawn, kept = self._gather_rows(counts).sum(0).tolist()  # groups over all processes
-        self.record({"dynamic_sampling/gen_batches": len(parts), "dynamic_sampling/groups_drawn": drawn,
-                     "dynamic_sampling/groups_dropped": drawn - kept}, "train")
-        rows = kept_rows(informative, k, needed)
-        scores = torch.cat(scores)
-        return take_rows(parts, rows, self.processing_class.pad_token_id), scores[rows.to(scores.device)]
-
-    def _top_up_prompts(self) -> dict:
-        """This process's prompts of one more generation batch for dynamic sampling, collated; read from the
-        train dataset in an order of its own whose place (`_top_up_position`) each checkpoint keeps."""
-        if self._top_up is None:
-            args, acc = self.args, self.accelerator
-            self._top_up = top_up_prompts(self.train_dataset, is_streamed(self.train_dataset),
-                                          args.per_process_generation // args.num_generations, acc.num_processes,
-                                          acc.process_index, self._top_up_pos, args.shuffle_dataset, args.seed)
-        return self._collate(next(self._top_up))
-
-    @torch.no_grad()
-    def sample_and_score(self, inputs: dict) -> Sampled:
-        """Sample `num_generations` completions of each prompt of `inputs`, decode them and score them with the
-        reward functions: the phase that runs in the background with asynchronous rollouts."""
-        k = self.args.num_generations
-        prompts = [p for p in inputs["prompt"] for _ in range(k)]
-        columns = {key: [v for v in values for _ in range(k)] for key, values in inputs["columns"].items()}
-        rollout, episodes = self.roll_out(inputs, prompts, columns)
-        texts, completions, ids = self.decode(rollout, prompts, episodes)
-        extra_columns = defaultdict(list)
-        per_function, scores = self.reward_scorer(prompts, completions, ids, columns,
-                                                  extra=self._reward_extras("train", extra_columns))
-        if self.args.multi_objective_aggregation == "normalize_then_sum":
-            scores = normalize_then_sum(per_function, self.reward_scorer.weights, self.args.num_generations)
-        return Sampled(rollout, scores, per_function, prompts, texts, extra_columns, records=[],
-                       version=self.state.global_step)
-
-    def _reward_extras(self, mode: str, extra_columns: dict | None = None) -> dict:
-        """The keyword arguments TRL passes every reward function besides the data: the trainer state and
-        two logging hooks: `log_metric(name, value)` averages a number into the logs; `log_extra(column, values)`
-        (one value per completion) adds a column to this batch's completions table (log_completions), kept in
-        `extra_columns`."""
-        columns = defaultdict(list) if extra_columns is None else extra_columns
-        return {"trainer_state": self.state, "log_metric": lambda name, value: self.record({name: float(value)}, mode),
-                "log_extra": lambda column, values: columns[column].extend(values)}
-
-    def record(self, metrics: dict, mode: str | None = None):
-        """BaseTrainer.record; in the asynchronous sampler's thread, kept with the batch being sampled (as floats)
-        and recorded when the batch trains."""
-        kept = getattr(self._sampling_thread, "records", None)
-        if kept is None:
-            return super().record(metrics, mode)
-        kept.append(({name: float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v)
-                      for name, v in metrics.items()}, mode or "train"))
-
-    def decode(self, rollout: Rollout, prompts: list, episodes=None):
-        """(texts, completions as reward functions get them (messages for chat prompts; a multi-turn
-        episode's assistant turns, tool calls and tool results), token-id lists)."""
-        lengths = rollout.completion_mask.sum(1).tolist()
-        ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]
-        texts = text_tokenizer(self.processing_class).batch_decode(ids, skip_special_tokens=True)
-        if episodes is not None:
-            return texts, episodes.completions(rollout), ids
-        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
-                       for p, t in zip(prompts, texts)]
-        return texts, completions, ids
-
     # ------------------------------------------------------------------ experience
-    def _gather_rows(self, x: Tensor) -> Tensor:
-        """(N, ...) per process -> (processes * N, ...), per-token tensors padded to a common width."""
-        if self.accelerator.num_processes == 1:
-            return x
-        if x.dim() > 1:
-            x = self.accelerator.pad_across_processes(x, dim=1)
-        return self.accelerator.gather(x)
-
     def _no_grad_forward(self, model, batch, values: bool = False) -> Tensor:
         """Log-probs (or critic values) of the completions of `batch` (an Experience or a dict with its four
         token tensors), `local_rollout_forward_batch_size` rows at a time."""
@@ -556,7 +183,9 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
                            completion_ids=rollout.completion_ids, completion_mask=rollout.completion_mask,
                            old_logp=rollout.logprobs.float(), rollout_row=torch.arange(N),  # where each row's record is
                            extra=dict(rollout.vision or {})).to(device)  # image prompts: each row's images
-        batch.replay = rollout.linear_outputs  # the sampler's record, shared by the micro-batches (accel/replay.py)
+        # the sampler's record of linear outputs (accel/replay.py) is the CPU backend's to keep, for this batch's
+        # forwards, while the policy cannot have moved since sampling; else any kept record goes
+        keep_record(self.policy, rollout.linear_outputs if self.old_is_current and self.replays else None)
         if self.vllm is not None:  # vLLM's log-probs are not the policy's: kept for the importance weights only
             batch.vllm_logp = batch.old_logp
             if not self.old_is_current or args.kl_in_reward:  # where pi_old is read before the loss's forward
@@ -653,9 +282,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
             if not self.global_denominator:  # bnpo: this micro-batch's own count
                 denominator = count(mb.loss_mask, L).clamp(min=1).double() * ga
             mb.denominator, mb.token_denominator = denominator.float(), token_denominator.float()
-            mb.old_is_current, mb.last_of_generation = self.old_is_current, i == len(rows) - 1
-            if not (self.old_is_current and self.replays):
-                mb.replay = None  # the record serves only a forward whose weights are the sampler's
+            mb.old_is_current = self.old_is_current
             micro.append(mb)
         return micro
 
@@ -663,13 +290,13 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
     def forward(self, model, mb: dict, with_values: bool = False, with_entropy: bool = False, replay: bool = False):
         """(log-probs (B, C) at the sampling temperature, entropy (B, C) or None, values (B, C) or None).
         Without a critic, each distinct prompt of the micro-batch is computed once (`completion_logprobs`).
-        `replay`: the policy's forward, which may take its linear outputs from the sampler's record."""
+        `replay`: the policy's forward, which may take its linear outputs from the record the CPU sampler backend
+        keeps of this generation batch's sampling (`rollout.cpu_backend.replay_rows`; the forward that reads its
+        last rows lets it go layer by layer)."""
         if not with_values:
             record = None
-            held = getattr(mb, "replay", None)
-            if replay and held is not None and mb.old_is_current and mb.rollout_row is not None:
-                # the generation batch's last micro-batch is the record's last use: let it go layer by layer
-                record = (held, mb.rollout_row, mb.last_of_generation)
+            if replay and mb.get("old_is_current") and mb.get("rollout_row") is not None:
+                record = replay_rows(self.policy, mb["rollout_row"])
             logp, entropy = completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                 mb["completion_mask"], self.args.temperature, with_entropy,
                                                 replay=record, vision=row_part(mb))
@@ -690,9 +317,9 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
 
     @property
     def holds_replay_record(self) -> bool:
-        """Whether the sampler's recorded linear outputs (`accel/replay.py`) are still kept for the micro-batches to come."""
-        return any(mb.replay is not None and any(t is not None for t in mb.replay.layers)
-                   for mb in self._buffer[self._next_micro:])
+        """Whether the sampler backend still keeps recorded linear outputs (`accel/replay.py`) of the policy's
+        sampling for the micro-batches to come."""
+        return holds_record(self.policy)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         index = inputs["micro_index"]
@@ -700,6 +327,7 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
             # FSDP2 shards policy + critic as one module: the sampler's policy-alone forwards gather through it
             loading.route_through_fsdp_root(model, self.policy)
             self._buffer = []  # the last batch's micro-batches (and any record) go before sampling the next
+            keep_record(self.policy, None)
             self._buffer = self.make_experience(inputs)
         loss = super().training_step(model, self._buffer[index], num_items_in_batch)
         self._next_micro = index + 1
@@ -755,28 +383,3 @@ class OnlineTrainer(OnlineMetrics, OnlineEvaluation, OnlineCheckpoints, BaseTrai
         self.record(metrics, "train")
         return (loss, None) if return_outputs else loss
 
-
-def _replays(args: OnlineConfig, policy, old_is_current: bool) -> bool:
-    """Whether the training forward takes the sampler's linear outputs (accel/replay.py): only when the policy
-    cannot have moved since sampling, in float32 without dropout, compile or checkpointing, and not with dynamic
-    sampling (its batch joins rows of several rollouts; the record indexes one)."""
-    return (args.replay_linear_outputs and old_is_current and not ADVANTAGES[args.advantage_estimator].critic
-            and not (args.bf16 or args.fp16 or args.torch_compile or args.gradient_checkpointing)
-            and _no_dropout(policy) and not args.filter_groups_enable)
-
-
-def _no_dropout(model) -> bool:
-    """Whether the training forward computes what eval-mode sampling computed: no dropout anywhere."""
-    config = getattr(model, "config", None)
-    return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) and not (
-        getattr(config, "attention_dropout", 0.0) or 0.0)
-
-
-class _CloseRollouts(TrainerCallback):
-    """At the end of training: drop the batches sampled ahead that no step will train on."""
-
-    def __init__(self, rollouts: AsyncRollouts):
-        self.rollouts = rollouts
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.rollouts.close()

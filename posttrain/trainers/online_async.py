@@ -24,10 +24,24 @@ Resuming is bit-identical: a checkpoint waits for the queued jobs and saves thei
 generator after them (`state`): the weights that sampled them are gone by then, so the batches in flight are
 saved rather than regenerated.
 
+With vLLM (`use_vllm=True`), the worker generates through the trainer's engine (tools, environments and a
+`rollout_func` too): before a job samples, its weights are published with the engine's own sync (every
+weight, or the LoRA adapter alone), from the worker's copy, never from the policy the optimizer is writing.
+vLLM's log-probs are the behaviour log-probs: the engine keeps them as `vllm_logp`, old_logp is the policy's
+when the batch starts training (AReaL's proximal policy), the clipped ratio is taken against it and the
+`vllm_importance_sampling_mode` weight exp(old_logp - vllm_logp) corrects for both the staleness and vLLM's
+numerics. The main thread's own generations (evaluation) sync the current policy again first.
+
+With several processes (DDP), each process's worker samples its own prompts, and the collectives of the
+sampling phase (tool metrics' gathers, a vLLM server sync's barrier) run on a process group of their own
+(`gather_rows`), so they never interleave with training's gradient all-reduces on the default group.
+Sharded weights (FSDP, ZeRO-3) are refused: each forward of the copy would be a collective of its own.
+
 Departures: TRL's AsyncGRPOTrainer streams samples from a vLLM server and drops those older than
 max_staleness; here the sampler never runs further ahead than max_staleness, so nothing is dropped, and
-samples are whole generation batches. One process, no vLLM (refused by the config). Metrics recorded while
-a batch is sampled (reward functions' `log_metric`, tool counts) are logged when the batch trains.
+samples are whole generation batches. The worker keeps a whole copy of the policy (also with vLLM, whose
+weights are published from it). Metrics recorded while a batch is sampled (reward functions' `log_metric`,
+tool counts) are logged when the batch trains.
 """
 
 from __future__ import annotations
@@ -77,13 +91,53 @@ def _done(value) -> Future:
     return future
 
 
+def sampler_group():
+    """A process group for the sampling phase's collectives (None with one process). Made by every process at
+    the same point (the trainer's construction), as torch.distributed requires."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.new_group(ranks=list(range(dist.get_world_size())))
+    return None
+
+
+def gather_rows(x: Tensor, group) -> Tensor:
+    """(N, ...) per process -> (processes * N, ...) over `group`, per-token tensors padded with 0 to a common
+    width: the trainer's row gather (`_gather_rows`), on the sampler's own process group."""
+    dist = torch.distributed
+    if x.dim() > 1:
+        width = torch.tensor([x.shape[1]], device=x.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+        if int(width) > x.shape[1]:
+            x = torch.cat([x, x.new_zeros((x.shape[0], int(width) - x.shape[1], *x.shape[2:]))], dim=1)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def check_background_sampling(trainer):
+    """Refuse, with the reason, what a background sampler cannot do."""
+    from posttrain.models.loading import shards_weights
+
+    if shards_weights(trainer.accelerator):
+        raise ValueError(f"max_staleness > 0 samples with a whole copy of the policy in a background thread; with "
+                         f"sharded weights ({shards_weights(trainer.accelerator)}) each of its forwards would be a "
+                         "collective interleaving with training's: set max_staleness=0, or train with DDP")
+    if trainer.rollout_func is not None and trainer.vllm is None:
+        raise ValueError("max_staleness > 0 runs rollout_func in a background thread, and without use_vllm a "
+                         "rollout_func samples with the trainer's policy, which the optimizer writes meanwhile: set "
+                         "max_staleness=0, or use_vllm=True (its generations go through the engine, synced to the "
+                         "sampler's weights)")
+
+
 class AsyncRollouts:
     """The queue of generation batches sampled ahead, and the worker thread that samples them."""
 
     def __init__(self, trainer, depth: int):
+        check_background_sampling(trainer)
         self.trainer, self.depth = trainer, depth
         self.queue: deque[tuple[int, Future]] = deque()  # (generation batch, future Sampled), in order
         self.sampler = None  # the worker's copy of the policy, made at the first job
+        self.group = sampler_group()  # the sampling phase's collectives, apart from training's (None: one process)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollouts")
 
     def _snapshot(self) -> dict[str, Tensor]:
@@ -97,14 +151,28 @@ class AsyncRollouts:
         trainer = self.trainer
         self.sampler.load_state_dict(weights)  # the weights published when the job was queued
         local = trainer._sampling_thread
-        local.model, local.records = self.sampler, []
+        local.model, local.records, local.group = self.sampler, [], self.group
         try:
+            if trainer.vllm is not None:
+                self._publish(version)
             with torch.no_grad():  # grad mode is per thread
                 sampled = trainer.sample_and_score(inputs)
             sampled.records, sampled.version = local.records, version
             return sampled
         finally:
-            local.model = local.records = None
+            local.model = local.records = local.group = None
+
+    def _publish(self, version: int):
+        """vLLM: the job's weights (the worker's copy) into the engine, with its sync, unless it holds them
+        already. `trainer._vllm_synced_step` says what the engine holds: a step number for the main thread's
+        syncs of the policy, ("sampler", version) for this worker's, so each side syncs again after the other."""
+        trainer = self.trainer
+        if trainer._vllm_synced_step == ("sampler", version):
+            return
+        trainer.vllm.sync(self.sampler, group=self.group)
+        if self.group is not None:  # server mode: the main process sends for all; the others wait for it
+            torch.distributed.barrier(group=self.group)
+        trainer._vllm_synced_step = ("sampler", version)
 
     def take(self, inputs: dict) -> Sampled:
         """Generation batch `inputs["generation_batch"]` sampled and scored; queues the batches after it."""

@@ -268,7 +268,10 @@ class OnlineConfig(BaseConfig):
                                "(k / optimizer steps per generation batch of them) are sampled and scored in a "
                                "background thread by a copy of the policy whose weights are published after each "
                                "step, while the current batch trains; the ratio's old log-probs are the sampling "
-                               "policy's (trainers/online_async.py). One process, no vLLM, no streamed dataset."})
+                               "policy's (trainers/online_async.py). With use_vllm the worker generates through "
+                               "vLLM, synced with each published snapshot. DDP: each process samples its own "
+                               "prompts. Not with sharded weights (FSDP, ZeRO-3), a streamed dataset, dynamic "
+                               "sampling, or a rollout_func without vLLM."})
     local_rollout_forward_batch_size: int = field(default=64, metadata={"help": "Rows per no-grad forward "
                                                   "(reference log-probs, old values)."})
     total_episodes: int | None = field(default=None, metadata={"help": "Completions to train on (>= 1; sets "
@@ -389,7 +392,8 @@ class OnlineConfig(BaseConfig):
                 raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
 
     def _check_staleness(self):
-        """max_staleness: a whole number of generation batches ahead, on the in-process sampler."""
+        """max_staleness: a whole number of generation batches ahead (what the background sampler cannot do is
+        refused when the trainer is built: `online_async.check_background_sampling`)."""
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 optimizer steps (0: synchronous), got {self.max_staleness}")
         if not self.max_staleness:
@@ -400,12 +404,6 @@ class OnlineConfig(BaseConfig):
                              f"{steps} optimizer steps old when it starts training (steps_per_generation * "
                              "num_iterations / gradient_accumulation_steps); set max_staleness >= "
                              f"{steps}, or 0 for the synchronous engine")
-        if self.use_vllm:
-            raise ValueError("max_staleness > 0 samples with an in-process copy of the policy in a background thread; "
-                             "it does not drive vLLM yet: set use_vllm=False or max_staleness=0")
-        if self.world_size > 1:
-            raise ValueError(f"max_staleness > 0 runs on one process (the sampler's lock-step collectives would "
-                             f"interleave with training's); this run has {self.world_size}: set max_staleness=0")
 
     def _check_algorithm(self):
         """The registered estimator, loss, aggregation and KL estimator and their options; reference and update."""

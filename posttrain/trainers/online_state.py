@@ -10,6 +10,7 @@ import time
 
 from posttrain.core.batch import Experience
 from posttrain.models.value_head import CausalLMWithValueHead, PolicyWithCritic
+from posttrain.rollout.cpu_backend import keep_record
 from posttrain.trainers.base import BaseTrainer, is_streamed
 
 
@@ -112,7 +113,9 @@ class OnlineCheckpoints:
     def _generation_in_progress(self, state: dict):
         if state["buffer"]:
             self._check_generation_plan(state)
-        # the replay record is kept only within one optimizer step (old == current), never across a checkpoint
+        # the replay record is kept only within one optimizer step (old == current), never across a checkpoint:
+        # restored micro-batches were not sampled here, so any record the sampler backend keeps goes
+        keep_record(self.policy, None)
         self._buffer = [Experience.from_state(mb) for mb in state["buffer"]]
         self._next_micro, self._samples = state["next_micro"], state["samples"]
         self._start_time = None if state["elapsed"] is None else time.time() - state["elapsed"]

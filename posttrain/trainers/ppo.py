@@ -13,18 +13,9 @@ given there becomes one with its weights and a fresh score head, with an Untrain
 either way policy and critic are one module that the Trainer optimises and saves (the policy as
 an ordinary checkpoint, the critic next to it).
 
-Besides `train()`, the classic manual loop works, with token ids or with texts:
-
-    for batch in trainer.dataloader:
-        responses = trainer.generate(batch["input_ids"], max_new_tokens=16)
-        rewards = [torch.tensor(my_score(r)) for r in responses]
-        stats = trainer.step(batch["input_ids"], responses, rewards)
-        trainer.log(stats)
-
-and as the classic docs wrote it (`PPOTrainer(config=, model=, ref_model=, tokenizer=, dataset=)`, text
-queries from an "instruction" or "query" column, `generate(texts, max_length=...)` returning texts,
-`step(responses, rewards, queries)`: `step` tells its arguments' order by their types, the scores being
-the numbers). The classic PPOConfig names map onto the engine: batch_size (samples per step),
+Besides `train()`, the classic manual loop works (`generate` / `step`, with token ids or texts: ppo_manual.py),
+and so does the call form of the classic docs (`PPOTrainer(config=, model=, ref_model=, tokenizer=, dataset=)`:
+classic_forms.py). The classic PPOConfig names map onto the engine: batch_size (samples per step),
 mini_batch_size (samples per micro-batch), num_rollouts (total samples: total_episodes), kl_penalty
 ("kl" -> k1, "abs", "mse" -> k2; "full", the exact KL over the vocabulary, is refused: the engine computes
 the log-probs of the sampled tokens only), init_kl_coef and adap_kl_ctrl (`core.kl.AdaptiveKLController`
@@ -37,22 +28,19 @@ sampler (in `train()`) or one no-grad forward (in `step()`); completions always 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 from posttrain.core.kl import AdaptiveKLController, FixedKLController
 from posttrain.core.masked import masked_sum
-from posttrain.data.collate import pad
-from posttrain.data.tokenize import encode_prompt
 from posttrain.models.value_head import CausalLMWithValueHead
 from posttrain.rollout.generate import Rollout
-from posttrain.rollout.rewards import RewardError, check_scores
+from posttrain.trainers.classic_forms import ppo_arguments, with_prompt
 from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_config import ClassicOnlineConfig, estimator_help
+from posttrain.trainers.ppo_manual import PPOManualLoop
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +107,7 @@ class PPOConfig(ClassicOnlineConfig):
                              f"{self.kl_coef}, {self.target}, {self.horizon}")
 
 
-class PPOTrainer(OnlineTrainer):
+class PPOTrainer(PPOManualLoop, OnlineTrainer):
     """PPO on the online engine. Signature as TRL's: `PPOTrainer(args, processing_class, model, ref_model,
     reward_model, train_dataset, value_model=None, data_collator=None, eval_dataset=None, optimizers=(None, None),
     callbacks=None, peft_config=None)`; `reward_funcs` may replace or join `reward_model`. Without a reward, only
@@ -144,12 +132,8 @@ class PPOTrainer(OnlineTrainer):
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
                  optimizers=(None, None), callbacks=None, peft_config=None, reward_funcs=None, tools=None,
                  environment_factory=None, rollout_func=None, **classic):
-        if isinstance(processing_class, torch.nn.Module):  # classic positional (config, model, ref_model, tokenizer,
-            # dataset): a model where the tokenizer goes
-            model, ref_model, processing_class, reward_model, train_dataset = (
-                processing_class, model, ref_model, None, reward_model if train_dataset is None else train_dataset)
-        args, processing_class, train_dataset, optimizers, rest = _classic_names(args, processing_class,
-                                                                                 train_dataset, optimizers, classic)
+        args, processing_class, model, ref_model, reward_model, train_dataset, optimizers, rest = ppo_arguments(
+            args, processing_class, model, ref_model, reward_model, train_dataset, optimizers, classic)
         if model is None:
             raise ValueError("PPOTrainer needs model= (the policy: a causal LM or its name)")
         if ref_model is not None and (ref_model is model or ref_model is getattr(model, "policy", None)):
@@ -165,8 +149,8 @@ class PPOTrainer(OnlineTrainer):
         self._manual_only = not funcs and not by_path and environment_factory is None
         # None lets OnlineTrainer load reward_model_path; _no_reward stands in for a reward only the manual loop gives
         super().__init__(model, funcs or (None if by_path or environment_factory is not None else [_no_reward]),
-                         args=args, train_dataset=_with_prompt(train_dataset),
-                         eval_dataset=_with_prompt(eval_dataset), processing_class=processing_class,
+                         args=args, train_dataset=with_prompt(train_dataset),
+                         eval_dataset=with_prompt(eval_dataset), processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, ref_model=ref_model,
                          value_model=value_model, tools=tools, environment_factory=environment_factory,
                          rollout_func=rollout_func, **rest)  # rest: PPOConfig fields, see OnlineTrainer
@@ -209,179 +193,6 @@ class PPOTrainer(OnlineTrainer):
             raise ValueError("PPOTrainer.train() needs a reward: pass reward_model= or reward_funcs=, or drive the "
                              "manual loop with generate() and step(queries, responses, rewards)")
         return super().train(*args, **kwargs)
-
-    # ------------------------------------------------------------------ the classic manual loop
-    @property
-    def dataloader(self):
-        """Batches of prompts for the manual loop: "query" and "prompt" (as given), "input_ids" (token-id tensors),
-        the other columns ("instruction", ...)."""
-        if getattr(self, "_manual_loader", None) is None:
-            def collate(rows):
-                batch = self._collate(rows)
-                return {"query": batch["prompt"], "prompt": batch["prompt"],
-                        "input_ids": [torch.tensor(ids) for ids in batch["prompt_ids"]], **batch["columns"]}
-
-            size = self.args.per_process_generation // self.args.num_generations
-            streamed = isinstance(self.train_dataset, torch.utils.data.IterableDataset)  # read in stream order
-            self._manual_loader = torch.utils.data.DataLoader(self.train_dataset, batch_size=size, collate_fn=collate,
-                                                              shuffle=self.args.shuffle_dataset and not streamed,
-                                                              drop_last=True)
-        return self._manual_loader
-
-    def _ids(self, items, prompts: bool = True) -> list[list[int]]:
-        """Token ids of queries (texts encoded as the trainer's prompts) or responses (texts without special tokens),
-        token-id lists or tensors."""
-        tok = self.processing_class
-        if not isinstance(items[0], str):
-            return [torch.as_tensor(x).flatten().tolist() for x in items]
-        return [encode_prompt(tok, x) if prompts else tok(x, add_special_tokens=False)["input_ids"] for x in items]
-
-    def generate(self, queries, return_prompt: bool = False, max_length: int | None = None, **generation_kwargs):
-        """One completion per query (a text, token-id list or tensor, or a list of them); sampling settings from the
-        config unless given (max_new_tokens, temperature, top_k, top_p, min_p, do_sample). `max_length` counts
-        prompt + response tokens, as in transformers' generate. Returns texts for text queries, else token-id
-        tensors (a single one for a single query); the prompt is prepended with `return_prompt`."""
-        single = isinstance(queries, str) or (isinstance(queries, torch.Tensor) and queries.dim() == 1)
-        queries = [queries] if single else list(queries)
-        for name in ("pad_token_id", "eos_token_id", "min_length"):  # classic generation_kwargs the sampler sets
-            generation_kwargs.pop(name, None)
-        names = {f.name for f in dataclasses.fields(self.sampling)}
-        unknown = set(generation_kwargs) - names
-        if unknown:
-            raise ValueError(f"unknown generation arguments {sorted(unknown)}; use max_length or {sorted(names)}")
-        prompt_ids = self._ids(queries)
-        if max_length is not None:
-            if "max_new_tokens" in generation_kwargs:
-                raise ValueError("give max_length (prompt + response tokens) or max_new_tokens, not both")
-            generation_kwargs["max_new_tokens"] = max(1, max_length - min(map(len, prompt_ids)))
-        sampling = dataclasses.replace(self.sampling, num_generations=1, **generation_kwargs)
-        rollout = self.sample_completions(prompt_ids, sampling)
-        out = []
-        for prompt, ids, n in zip(prompt_ids, rollout.completion_ids, rollout.completion_mask.sum(1).tolist()):
-            if max_length is not None:  # each query's own budget
-                n = min(n, max(1, max_length - len(prompt)))
-            response = ids[:n].cpu()
-            out.append(torch.cat([torch.tensor(prompt), response]) if return_prompt else response)
-        if isinstance(queries[0], str):
-            texts = self.processing_class.batch_decode(out, skip_special_tokens=True)
-            # step() given these texts uses the sampled tokens (EOS included), not a re-tokenisation of the text
-            self._sampled = {t: ids for t, ids in zip(texts, out)} if not return_prompt else {}
-            out = texts
-        return out[0] if single else out
-
-    def step(self, queries, responses, scores) -> dict[str, float]:
-        """One PPO update (num_ppo_epochs x num_mini_batches optimizer steps) on given prompts, responses and
-        scalar rewards; returns the averaged stats. Queries and responses are texts, token-id lists or tensors.
-        The order (queries, responses, scores) of the later classic API and (responses, scores, queries) of the
-        classic docs are both accepted: the scores are the argument of numbers (or 0-d / float tensors).
-        Scores are checked as the trainer's own rewards are (finite, not beyond `rewards.REWARD_LIMIT`):
-        ValueError naming the first bad one, before any update."""
-        if not _are_scores(scores) and _are_scores(responses):  # the classic docs' step(responses, rewards, queries)
-            queries, responses, scores = scores, queries, responses
-        elif not _are_scores(scores):
-            raise ValueError("step() takes (queries, responses, scores) or (responses, scores, queries); none of its "
-                             "arguments is a list of numbers (one float or 0-d tensor per response)")
-        if not (len(queries) == len(responses) == len(scores)):
-            raise ValueError(f"step() got {len(queries)} queries, {len(responses)} responses and {len(scores)} scores; "
-                             "give one of each per sample")
-        if self.args.num_generations != 1:
-            raise ValueError("step() takes one response per query: use num_generations=1")
-        try:  # the checks of the trainer's own rewards: one bad score would poison every weight
-            scores = check_scores(scores, "step() scores")
-        except RewardError as err:
-            raise ValueError(f"PPOTrainer.{err}; give one finite float (or one-element tensor) per response") from err
-        sampled = getattr(self, "_sampled", {})
-        if responses and isinstance(responses[0], str) and all(r in sampled for r in responses):
-            responses = [sampled[r] for r in responses]
-        rollout = self._rollout_from(self._ids(queries), self._ids(responses, prompts=False))
-        model = self.model_wrapped if self.model_wrapped is not None else self.model
-        if self.optimizer is None:
-            steps = self.args.max_steps if self.args.max_steps > 0 else \
-                len(self.dataloader) * int(self.args.num_train_epochs) * self.optimizer_steps_per_generation
-            self.create_optimizer_and_scheduler(num_training_steps=max(steps, 1))
-        self.model.train()
-        micro = self.build_experience(rollout, scores)
-        ga = self.args.gradient_accumulation_steps
-        for i, mb in enumerate(micro):
-            loss = self.compute_loss(model, mb)
-            self.accelerator.backward(loss)
-            self.record({"loss": loss.detach()}, "train")
-            if (i + 1) % ga == 0:
-                if self.args.max_grad_norm:
-                    self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-                self.optimizer.step()
-                self.lr_scheduler.step()
-                self.optimizer.zero_grad()
-                self.state.global_step += 1
-        stats = {name: sum(v) / len(v) for name, v in self._metrics["train"].items() if v}
-        self._metrics["train"].clear()
-        stats.update(lr=self.lr_scheduler.get_last_lr()[0], episode=self._episodes)
-        return stats
-
-    @torch.no_grad()
-    def _rollout_from(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> Rollout:
-        """A Rollout for given prompts and responses: responses cut after their first stop token, old log-probs
-        from one forward of the current policy."""
-        tok, device = self.processing_class, self.accelerator.device
-        stops = {tok.eos_token_id, *(self.args.stop_token_ids or [])}
-        cut = []
-        for r in response_ids:
-            end = next((i + 1 for i, t in enumerate(r) if t in stops), len(r))
-            cut.append(r[:end] or [tok.eos_token_id])
-        lengths = torch.tensor([len(r) for r in cut])
-        completion_ids = pad(cut, tok.pad_token_id)
-        batch = {"prompt_ids": pad(prompt_ids, tok.pad_token_id, side="left"),
-                 "prompt_mask": pad([[1] * len(p) for p in prompt_ids], 0, side="left"),
-                 "completion_ids": completion_ids,
-                 "completion_mask": (torch.arange(completion_ids.shape[1]) < lengths[:, None]).long()}
-        batch = {k: v.to(device) for k, v in batch.items()}
-        logprobs = self._no_grad_forward(self.policy, batch)
-        return Rollout(**batch, logprobs=torch.where(batch["completion_mask"].bool(), logprobs, 0.0),
-                       is_truncated=torch.tensor([r[-1] not in stops for r in cut]))
-
-
-def _are_scores(values) -> bool:
-    """Whether `values` holds one score per sample: numbers, 0-d tensors or float tensors (not texts or ids)."""
-    if isinstance(values, torch.Tensor):
-        return values.dim() <= 1 and values.is_floating_point()
-    try:
-        items = list(values)
-    except TypeError:
-        return False
-    return bool(items) and all(isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and (
-        v.dim() == 0 or v.is_floating_point())) for v in items)
-
-
-def _classic_names(args, processing_class, train_dataset, optimizers, classic: dict):
-    """The classic PPOTrainer keyword names: config (args), tokenizer (processing_class), dataset (train_dataset),
-    optimizer and lr_scheduler (optimizers); the other keywords come back as `rest` (PPOConfig fields given to
-    the trainer, which OnlineTrainer applies with a FutureWarning, or unknown ones, which it refuses)."""
-    names = {"config": "args", "tokenizer": "processing_class", "dataset": "train_dataset",
-             "optimizer": "optimizers", "lr_scheduler": "optimizers"}
-    rest = {k: v for k, v in classic.items() if k not in names}
-    given = {"args": args, "processing_class": processing_class, "train_dataset": train_dataset}
-    for old in ("config", "tokenizer", "dataset"):
-        if old in classic:
-            new = names[old]
-            if given[new] is not None and given[new] is not classic[old]:
-                raise ValueError(f"PPOTrainer: give {new}= or its classic name {old}=, not both")
-            given[new] = classic[old]
-    if "optimizer" in classic or "lr_scheduler" in classic:
-        optimizers = (classic.get("optimizer", optimizers[0]), classic.get("lr_scheduler", optimizers[1]))
-    return given["args"], given["processing_class"], given["train_dataset"], optimizers, rest
-
-
-def _with_prompt(dataset):
-    """A classic dataset whose prompts are in an "instruction" or "query" text column gets them as "prompt" too
-    (the other columns, that one included, still reach the manual loop's batches)."""
-    from posttrain.trainers.base import as_dataset
-
-    dataset = as_dataset(dataset)
-    columns = getattr(dataset, "column_names", None)
-    if columns is None or "prompt" in columns or "input_ids" in columns:
-        return dataset
-    source = next((c for c in ("instruction", "query") if c in columns), None)
-    return dataset if source is None else dataset.add_column("prompt", list(dataset[source]))
 
 
 def _no_reward(completions, **kwargs):

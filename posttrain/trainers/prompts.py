@@ -18,6 +18,7 @@ import itertools
 import torch
 
 from posttrain.data import formats
+from posttrain.data.multimodal import IMAGE_COLUMNS, VisionDataError, check_vision_row
 from posttrain.data.tokenize import TokenizeError
 
 PROMPT_ONLY = formats.FormatInfo("prompt_only", False, ("prompt",))
@@ -137,10 +138,7 @@ class _PromptStream(torch.utils.data.IterableDataset):
             rows, batches = itertools.islice(iter(self.dataset), pos["prompts"], None), 0
             while len(batch := list(itertools.islice(rows, size))) == size:
                 if "prompt" in batch[0]:  # named by its place in the stream, before it is tokenised
-                    try:
-                        formats.validate(batch, PROMPT_ONLY, start=pos["prompts"])
-                    except formats.FormatError as err:
-                        raise TokenizeError(f"streamed train_dataset (pass {pos['passes']}): {err}") from None
+                    _check_streamed(batch, pos)
                 mine = batch[self.rank::self.num_processes]
                 for micro in range(pos["micro"], self.repeat):
                     last = micro == self.repeat - 1  # the position after this item: the next batch's start
@@ -153,6 +151,19 @@ class _PromptStream(torch.utils.data.IterableDataset):
                                  f"batch needs ({size}); add prompts or lower per_device_train_batch_size / "
                                  "steps_per_generation")
             pos.update(passes=pos["passes"] + 1, prompts=0, micro=0)
+
+
+def _check_streamed(batch: list[dict], pos: dict) -> None:
+    """Refuse a streamed batch's bad prompt row, naming its place in the stream: rows with images by the vision
+    rules (`data.multimodal.check_vision_row`), the others as text prompts."""
+    try:
+        if any(column in batch[0] for column in IMAGE_COLUMNS):
+            for k, row in enumerate(batch):
+                check_vision_row(row, pos["prompts"] + k)
+        else:
+            formats.validate(batch, PROMPT_ONLY, start=pos["prompts"])
+    except (formats.FormatError, VisionDataError) as err:
+        raise TokenizeError(f"streamed train_dataset (pass {pos['passes']}): {err}") from None
 
 
 def _collate_streamed(collate, item: tuple[list[dict], int] | None) -> dict | None:

@@ -30,15 +30,10 @@ headings: query | model response | score (one "score (<reward>)" column per rewa
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field, replace
 
-import torch
-
-from transformers import TrainingArguments
-
 from posttrain.core.shaping import RewardShaping
-from posttrain.data.tokenize import encode_prompt
+from posttrain.trainers.classic_forms import rloo_arguments
 from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_config import ClassicOnlineConfig, estimator_help
 
@@ -72,18 +67,6 @@ class RLOOConfig(ClassicOnlineConfig):
         super()._check()
 
 
-def _grpo_style(model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-                reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None,
-                ref_model=None, tools=None, environment_factory=None, rollout_func=None, **kwargs):
-    pass
-
-
-def _classic(config=None, processing_class=None, policy=None, ref_policy=None, reward_model=None, train_dataset=None,
-             data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None, peft_config=None,
-             **kwargs):
-    pass
-
-
 class RLOOTrainer(OnlineTrainer):
     """RLOO on the online engine. Two call forms:
 
@@ -95,7 +78,8 @@ class RLOOTrainer(OnlineTrainer):
       keyword; the reward model may be a sequence-classification model or a callable.
 
     Both forms take TRL's older conventions: `tokenizer=` for processing_class, and RLOOConfig fields given to
-    the trainer (set on a copy of the config with a FutureWarning naming them; see `classic_arguments`).
+    the trainer (set on a copy of the config with a FutureWarning naming them; see `classic_arguments`). The
+    classic form is resolved in `classic_forms.py`.
     """
 
     config_class = RLOOConfig
@@ -111,24 +95,7 @@ class RLOOTrainer(OnlineTrainer):
 }"""
 
     def __init__(self, *args, **kwargs):
-        classic = (args and isinstance(args[0], TrainingArguments)) or any(
-            k in kwargs for k in ("config", "policy", "ref_policy", "reward_model"))
-        if classic:
-            given = inspect.signature(_classic).bind(*args, **kwargs).arguments
-            if given.get("policy") is None:
-                raise ValueError("the classic RLOOTrainer form needs policy= (a causal LM or its name)")
-            reward = given.get("reward_model")
-            if _classic_callable(reward):
-                reward = _query_response_reward(reward, self)
-            kw = dict(model=given["policy"], reward_funcs=reward, args=given.get("config"),
-                      train_dataset=given.get("train_dataset"), eval_dataset=given.get("eval_dataset"),
-                      processing_class=given.get("processing_class"), callbacks=given.get("callbacks"),
-                      optimizers=given.get("optimizers", (None, None)), peft_config=given.get("peft_config"),
-                      ref_model=given.get("ref_policy"), **given.get("kwargs", {}))  # tokenizer=, config fields
-        else:
-            kw = dict(inspect.signature(_grpo_style).bind(*args, **kwargs).arguments)
-            kw.update(kw.pop("kwargs", {}))  # tokenizer=, RLOOConfig fields: OnlineTrainer takes them
-        super().__init__(**kw)
+        super().__init__(**rloo_arguments(self, args, kwargs))  # either form (classic_forms.py)
         self.completions_table.headings, self.completions_table.score_heading = ("query", "model response"), "score"
 
     def reward_shaping(self) -> RewardShaping:
@@ -140,30 +107,3 @@ class RLOOTrainer(OnlineTrainer):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         self.record({"val/clipfrac_avg": 0.0}, "train")  # the classic RLOO logged it; no critic, nothing clipped
         return result
-
-
-def _classic_callable(func) -> bool:
-    """A callable in the classic reward form, `f(texts)`: not a model, and naming none of the reward-function
-    arguments (prompts, completions, completion_ids, **kwargs), which mark a GRPO-style reward function."""
-    if not callable(func) or isinstance(func, (torch.nn.Module, str)):
-        return False
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature
-        return True
-    return not any(p.kind is p.VAR_KEYWORD or p.name in ("prompts", "completions", "completion_ids") for p in params)
-
-
-def _query_response_reward(func, trainer):
-    """A classic RLOO callable reward model as a reward function: called with the decoded query + response texts
-    (one string per completion) and returning one score per text, as the classic trainer called it. The texts
-    are decoded with the trainer's tokenizer, which exists once the trainer is built (hence `trainer`)."""
-    def reward(prompts, completion_ids, **kwargs):
-        tok = trainer.processing_class
-        queries = [p if isinstance(p, str) else tok.decode(encode_prompt(tok, p), skip_special_tokens=True)
-                   for p in prompts]
-        responses = tok.batch_decode(completion_ids, skip_special_tokens=True)
-        return func([q + r for q, r in zip(queries, responses)])
-
-    reward.__name__ = getattr(func, "__name__", type(func).__name__)
-    return reward

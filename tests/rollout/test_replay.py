@@ -239,3 +239,26 @@ def test_last_use_lets_each_layer_go_as_the_forward_reads_it(tok):
         assert torch.equal(grads1[n], grads0[n]), n
     with pytest.raises(RuntimeError, match="layer 0 of the record was let go after its last use"):
         record.output(0, 0, record.layout(rows[:1, None], 1, 1))
+
+
+def test_the_cpu_backend_keeps_the_record_until_its_last_rows_are_read(tok):
+    """The record is the sampler backend's (`cpu_backend.keep_record`): it serves rollout rows until every row has
+    been read once, the read of the last rows is the last use (the forward lets it go), and a new keep or None
+    replaces it; another model's record is separate."""
+    from posttrain.rollout.cpu_backend import holds_record, keep_record, replay_rows
+
+    model, other = varied("posttrain/tiny-llama"), varied("posttrain/tiny-qwen2")
+    out = rollout_with_early_stops(model, tok)  # 3 prompts x 4 samples: 12 rollout rows
+    record = out.linear_outputs
+    assert replay_rows(model, torch.arange(4)) is None and not holds_record(model)  # nothing kept yet
+    keep_record(model, record)
+    assert holds_record(model) and not holds_record(other)
+    first = replay_rows(model, torch.arange(0, 8))
+    assert first[0] is record and torch.equal(first[1], torch.arange(0, 8)) and first[2] is False
+    assert holds_record(model)  # 4 rows left to read
+    last = replay_rows(model, torch.arange(8, 12))
+    assert last[0] is record and last[2] is True  # the last use: the forward lets the record go layer by layer
+    assert not holds_record(model) and replay_rows(model, torch.arange(4)) is None  # no longer kept
+    keep_record(model, record)
+    keep_record(model, None)  # a new generation batch (or a restored one) lets the kept record go
+    assert not holds_record(model)

@@ -77,3 +77,39 @@ def test_a_function_that_needs_the_main_thread_still_runs():
         per, _ = scorer(PROMPTS, COMPLETIONS, IDS, COLUMNS)
     assert per[:, 0].tolist() == [2.0, 2.0]
     assert scorer(PROMPTS, COMPLETIONS, IDS, COLUMNS)[0][:, 0].tolist() == [2.0, 2.0]  # once said, called directly
+
+
+def test_async_and_sync_functions_and_reward_models_score_at_the_same_time():
+    """Four scorers each wait at a barrier for the others (an async function, two sync ones, a reward model):
+    run one after the other, the barrier breaks and the scorer raises instead."""
+    import torch
+
+    barrier = threading.Barrier(4, timeout=10)
+
+    async def judge_async(completions, **kwargs):  # awaited in the scorer's event-loop thread
+        barrier.wait()
+        return [1.0] * len(completions)
+
+    def judge_a(completions, **kwargs):
+        barrier.wait()
+        return [2.0] * len(completions)
+
+    def judge_b(completions, **kwargs):
+        barrier.wait()
+        return [4.0] * len(completions)
+
+    from posttrain.models.loading import load_sequence_classifier
+
+    model = load_sequence_classifier("posttrain/tiny-qwen2-seqcls")  # scored in the calling thread, meanwhile
+    forward = model.forward
+
+    def waiting_forward(*args, **kwargs):
+        barrier.wait()
+        out = forward(*args, **kwargs)
+        out.logits = torch.full_like(out.logits, 8.0)
+        return out
+
+    model.forward = waiting_forward
+    scorer = RewardScorer([judge_async, judge_a, judge_b, model], timeout=20)
+    per, total = scorer(PROMPTS, COMPLETIONS, IDS, COLUMNS)
+    assert per.tolist() == [[1.0, 2.0, 4.0, 8.0]] * 2 and total.tolist() == [15.0, 15.0]

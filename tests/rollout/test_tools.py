@@ -168,3 +168,32 @@ def test_each_call_can_have_its_own_tools():
     assert [m["content"] for m, _ in results] == ["11", "21"] and (a.n, b.n) == (11, 21)
     with pytest.raises(ValueError, match="one per call"):
         run_tool_calls([call("bump", {})], [])
+
+
+def test_calls_of_sync_and_async_tools_run_at_the_same_time():
+    """Each of the three calls waits for the other two at a barrier: run one after the other, the barrier breaks
+    (an error text) instead of every call returning."""
+    barrier = threading.Barrier(3, timeout=10)
+
+    def wait_sync(x: int) -> int:
+        """Wait for the others.
+
+        Args:
+            x: A number.
+        """
+        barrier.wait()
+        return x
+
+    async def wait_async(x: int) -> int:
+        """Wait for the others, in the call's own event loop.
+
+        Args:
+            x: A number.
+        """
+        barrier.wait()
+        return -x
+
+    tools = tools_by_name([wait_sync, wait_async])
+    results = run_tool_calls([call("wait_sync", {"x": 1}), call("wait_async", {"x": 2}), call("wait_sync", {"x": 3})],
+                             tools, timeout=20)
+    assert [(m["content"], e) for m, e in results] == [("1", None), ("-2", None), ("3", None)]

@@ -149,6 +149,52 @@ def test_tools_with_vllm_train_and_sync_before_each_generation(caller, tmp_path,
     assert episode[0]["tool_calls"][0]["function"]["name"] == "ping" and episode[1]["role"] == "tool"
 
 
+def test_tools_with_vllm_sampled_ahead_in_the_background(caller, tmp_path, fake_vllm):
+    """max_staleness=1: the episodes (every turn, and the tool calls between them) run in the asynchronous
+    sampler's thread, through the engine, which holds the weights of the step before the one that trains."""
+    import threading
+
+    def answered(completions, **kwargs):
+        return [float(bool(c) and c[-1]["content"].strip() == "2") + 1e-3 * len(str(c)) for c in completions]
+
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, max_completion_length=96, max_steps=3,
+                                    max_tool_calling_iterations=2, max_staleness=1), use_vllm=True)
+    trainer = GRPOTrainer(_model(caller), answered, args=args, train_dataset=_dataset(GO), tools=[ping])
+    llm, threads = FakeLLM.instances[0], []
+    generate = llm.generate
+    llm.generate = lambda *a, **kw: threads.append(threading.current_thread().name) or generate(*a, **kw)
+    logged = train_and_check(trainer, metrics=TOOL_METRICS + ["rollout/staleness"], reward_names=("answered",))
+    assert logged["rollout/staleness"] == [0.0, 1.0, 1.0]
+    assert max(logged["tools/calls_per_completion"]) > 0
+    assert len(threads) > 3 and all(name.startswith("posttrain-rollouts") for name in threads)  # turns after the first
+    assert llm.prefix_resets == 2  # step 0's snapshot (batches 0 and 1) and step 1's, not one per turn
+    assert [fields["n"] for _, fields in llm.calls].count(4) == 3
+
+
+def test_rollout_func_with_vllm_runs_in_the_background_sampler(tmp_path, fake_vllm):
+    import threading
+
+    tok = load_tokenizer("posttrain/tiny-qwen2")
+    threads = []
+
+    def rollout_func(prompts, trainer):
+        threads.append(threading.current_thread().name)
+        ids = [encode_prompt(tok, p) for p in prompts[::4]]
+        r = trainer.sample_completions(ids)
+        lengths = r.completion_mask.sum(1).tolist()
+        return {"prompt_ids": [ids[i // 4] for i in range(len(prompts))],
+                "completion_ids": [row[:n] for row, n in zip(r.completion_ids.tolist(), lengths)],
+                "logprobs": [row[:n] for row, n in zip(r.logprobs.tolist(), lengths)]}
+
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, max_steps=3, max_staleness=1), use_vllm=True,
+                      vllm_importance_sampling_mode="token_truncate")
+    trainer = GRPOTrainer("posttrain/tiny-qwen2", lambda completion_ids, **kw: [float(c[0] % 5) for c in completion_ids],
+                          args=args, train_dataset=_dataset(GO), rollout_func=rollout_func)
+    train_and_check(trainer, metrics=["reward", "rollout/staleness"], reward_names=("<lambda>",))
+    assert len(threads) == 3 and all(name.startswith("posttrain-rollouts") for name in threads)
+    assert FakeLLM.instances[0].prefix_resets == 2
+
+
 @pytest.mark.slow  # a minute on a busy 2-core machine; the tools test above runs the same loop colocated
 def test_environment_with_vllm_server(caller, tmp_path, vllm_server, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))

@@ -270,3 +270,38 @@ def test_legacy_server_and_sharded_policies_refuse_adapter_sync(tmp_path, monkey
     with pytest.raises(ValueError, match="with ZeRO-3 / FSDP sharded weights use vllm_sync_strategy='weights'"):
         make_engine(args, TINY, accelerator, 0, 1, policy=policy)
     server.close()
+
+
+def test_server_adapters_sampled_ahead_are_the_published_snapshots(tmp_path, monkeypatch):
+    """max_staleness=1 with vllm_sync_strategy="lora_adapter": the background sampler saves and loads the adapter
+    of each published snapshot (step 0's for batches 0 and 1, step 1's for batch 2), from its own copy."""
+    from transformers import TrainerCallback
+
+    class Adapters(TrainerCallback):
+        def __init__(self):
+            self.at = {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.at[state.global_step] = {k: v.clone() for k, v in get_peft_model_state_dict(trainer.policy).items()}
+
+    server = LoraServer()
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setattr(vllm_engine, "cuda_available", lambda: True)
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, beta=0.05, max_steps=3, max_staleness=1),
+                      use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
+                      vllm_sync_strategy="lora_adapter")
+    trainer = GRPOTrainer(TINY, first_token_reward, args=args, train_dataset=prompts(16),
+                          peft_config=LoraConfig(**LORA))
+    server.lora_policy = copy.deepcopy(trainer.policy)  # (its in_sync is not read: the policy trains meanwhile)
+    adapters = Adapters()
+    trainer.add_callback(adapters)
+    train_and_check(trainer)
+    loads = [p for path, p in server.requests if path == "/v1/load_lora_adapter"]
+    assert [p["lora_name"] for p in loads] == ["posttrain-policy-1", "posttrain-policy-2"]
+    models = [p["model"] for path, p in server.requests if path == "/v1/completions"]
+    assert models == ["posttrain-policy-1", "posttrain-policy-1", "posttrain-policy-2"]
+    for folder, step in ((loads[0]["lora_path"], 0), (loads[1]["lora_path"], 1)):
+        saved = load_file(f"{folder}/adapter_model.safetensors")
+        assert saved.keys() == adapters.at[step].keys()
+        assert all(torch.equal(saved[k], adapters.at[step][k]) for k in saved), step
+    server.close()

@@ -191,3 +191,70 @@ def test_learns_as_well_per_sample_with_a_batch_sampled_ahead(sft_reverse_path, 
     (before, sync), (_, async_) = results[0], results[1]
     assert async_[1] > before[1] + 0.15, results
     assert async_[1] > sync[1] - 0.05, results
+
+
+def _preset(name: str):
+    """(config class, trainer class, extra config fields, extra trainer arguments) of an online preset."""
+    import importlib
+
+    module, config, trainer, fields, kwargs = {
+        "rloo": ("rloo", "RLOOConfig", "RLOOTrainer", {"num_iterations": 1}, {}),
+        "reinforce_pp": ("reinforce_pp", "ReinforcePPConfig", "ReinforcePPTrainer", {}, {}),
+        "gfpo": ("gfpo", "GFPOConfig", "GFPOTrainer", {"num_generations": 4, "num_remains_in_group": 2},
+                 {"group_filter_func": lambda group_completions, **kw: [[-len(c) for c in group]
+                                                                        for group in group_completions]}),
+        "gmpo": ("gmpo", "GMPOConfig", "GMPOTrainer", {"num_generations": 4}, {}),
+        "gspo_token": ("gspo_token", "GSPOTokenConfig", "GSPOTokenTrainer", {"num_generations": 4}, {}),
+        "replay_buffer": ("grpo_replay_buffer", "GRPOWithReplayBufferConfig", "GRPOWithReplayBufferTrainer",
+                          {"num_generations": 4}, {}),
+        "dr_grpo": ("grpo", "GRPOConfig", "GRPOTrainer", {"num_generations": 4, "loss_type": "dr_grpo"}, {}),
+        "a2po": ("a2po", "A2POConfig", "A2POTrainer", {"num_value_samples": 2, "per_device_train_batch_size": 2}, {}),
+        "minillm": ("minillm", "MiniLLMConfig", "MiniLLMTrainer", {"num_generations": 2},
+                    {"teacher_model": "posttrain/tiny-llama"}),
+    }[name]
+    mod = importlib.import_module(f"posttrain.trainers.{module}")
+    return getattr(mod, config), getattr(mod, trainer), fields, kwargs
+
+
+@pytest.mark.parametrize("name", ["rloo", "reinforce_pp", "gfpo", "gmpo", "gspo_token", "replay_buffer", "dr_grpo",
+                                  "a2po", "minillm"])
+def test_every_online_preset_trains_with_a_batch_sampled_ahead(tmp_path, name):
+    """One engine option for every online method (PPO and its critic: test_ppo_trains_with_a_batch_sampled_ahead):
+    each preset's second batch is the one sampled a step ahead, and every trainable parameter moves."""
+    from tests.helpers.online import train_and_check
+
+    config_class, trainer_class, fields, kwargs = _preset(name)
+    args = config_class(**online_args(tmp_path, learning_rate=1e-2, max_staleness=1, **fields))
+    trainer = trainer_class("posttrain/tiny-qwen2", reward_funcs=first_token_reward, args=args,
+                            train_dataset=prompts(8), **kwargs)
+    assert trainer.rollouts is not None and not trainer.old_is_current
+    logged = train_and_check(trainer, metrics=["rollout/staleness", "loss"], reward_names=("first_token_reward",))
+    assert logged["rollout/staleness"] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("module, config, trainer, kwargs", [
+    ("distillation", "DistillationConfig", "DistillationTrainer", {"teacher_model": "posttrain/tiny-llama"}),
+    ("online_dpo", "OnlineDPOConfig", "OnlineDPOTrainer", {"reward_funcs": first_token_reward}),
+])
+def test_presets_that_sample_with_more_than_the_policy_refuse(tmp_path, module, config, trainer, kwargs):
+    import importlib
+
+    mod = importlib.import_module(f"posttrain.trainers.{module}")
+    args = getattr(mod, config)(**online_args(tmp_path, max_staleness=1))
+    with pytest.raises(ValueError, match=r"samples with more than the policy \(a teacher, the reference\) and does "
+                                         "not run asynchronous rollouts: set max_staleness=0"):
+        getattr(mod, trainer)("posttrain/tiny-qwen2", args=args, train_dataset=prompts(8), **kwargs)
+
+
+def test_sharded_weights_are_refused():
+    """FSDP2 / ZeRO-3: the background sampler's whole copy would run forwards that are collectives of their own."""
+    import types
+
+    from posttrain.trainers.online_async import check_background_sampling
+
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(), distributed_type=None, is_fsdp2=True)
+    trainer = types.SimpleNamespace(accelerator=accelerator, rollout_func=None, vllm=None)
+    with pytest.raises(ValueError, match=r"with sharded weights \(fsdp2\) each of its forwards would be a collective"):
+        check_background_sampling(trainer)
+    accelerator.is_fsdp2 = False
+    check_background_sampling(trainer)  # DDP or one process: allowed

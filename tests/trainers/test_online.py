@@ -5,7 +5,7 @@ import torch
 from tests.helpers.online import batch_loss_and_grads, first_token_reward, online_args, prompts
 
 from posttrain.forward.logprobs import token_logprobs
-from posttrain.trainers import online
+from posttrain.trainers import online, online_sampling
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.online import OnlineConfig, OnlineTrainer
 from posttrain.trainers.online_config import resolve_aliases
@@ -91,7 +91,7 @@ def test_peft_reference_is_the_adapter_disabled_policy(tmp_path):
 def test_no_old_logprob_pass(tmp_path, monkeypatch, num_iterations):
     """Old log-probs are the sampler's (or = current): the policy runs once per micro-batch, never more."""
     generating = {"on": False}
-    real_generate = online.generate
+    real_generate = online_sampling.generate
 
     def tracked_generate(*args, **kwargs):
         generating["on"] = True
@@ -100,7 +100,7 @@ def test_no_old_logprob_pass(tmp_path, monkeypatch, num_iterations):
         finally:
             generating["on"] = False
 
-    monkeypatch.setattr(online, "generate", tracked_generate)
+    monkeypatch.setattr(online_sampling, "generate", tracked_generate)
     trainer = grpo(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                    num_iterations=num_iterations, max_steps=num_iterations)
     from posttrain.forward.logprobs import plain_lm_head

@@ -44,7 +44,7 @@ def test_trains_on_the_stream_in_order_and_begins_it_again(tmp_path):
 
 
 def test_each_process_takes_the_positions_of_its_rank():
-    from posttrain.trainers.online import _PromptStream, new_stream_position
+    from posttrain.trainers.prompts import _PromptStream, new_stream_position
 
     rows = [{"prompt": str(i)} for i in range(7)]
     shares = []

@@ -175,3 +175,13 @@ def test_a_second_architecture_idefics3_trains_with_grpo(tmp_path, idefics3):
     torch.testing.assert_close(logp[mask], rollout.logprobs[mask], atol=1e-5, rtol=1e-5)
     freeze_unread(trainer)
     train_and_check(trainer, reward_names=("image_reward",))
+
+
+def test_grpo_on_a_streamed_image_dataset(tmp_path):
+    # TRL's GRPO takes an IterableDataset; the images travel with the streamed rows to the sampler and the rewards
+    args = GRPOConfig(**online_args(tmp_path, num_generations=4, beta=0.0, max_steps=2))
+    trainer = GRPOTrainer(VLM, image_reward, args=args, train_dataset=image_prompts(8).to_iterable_dataset())
+    before = trainer.policy.get_output_embeddings().weight.detach().clone()
+    trainer.train()
+    assert trainer.state.global_step == 2 and len(SEEN["images"]) == 8
+    assert not torch.equal(before, trainer.policy.get_output_embeddings().weight)

@@ -339,6 +339,9 @@ def test_the_cli_trains_the_tiny_vlm_on_the_visual_task_and_saves_a_loadable_mod
     assert trainer.state.global_step == 1 and trainer.vision
     assert AutoConfig.from_pretrained(out).model_type == "llava"
     assert type(AutoProcessor.from_pretrained(out)).__name__ == "LlavaProcessor"  # the processor is saved too
+    card = (out / "README.md").read_text()  # the model card says it reads images, and what of the model trained
+    assert "pipeline_tag: image-text-to-text" in card and "- vision-language" in card
+    assert "- freeze_vision_tower: False" in card and "- freeze_multi_modal_projector: False" in card
 
 
 def test_vision_sft_on_a_streamed_dataset(tmp_path):
