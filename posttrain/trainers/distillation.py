@@ -43,6 +43,7 @@ from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.forward.completions import completion_logits
 from posttrain.models import loading
 from posttrain.models.modes import unwrap
+from posttrain.rollout.cpu_backend import keep_record, replay_rows
 from posttrain.rollout.generate import generate
 from posttrain.rollout.teacher_server import TeacherServer
 from posttrain.trainers.online import OnlineTrainer
@@ -280,9 +281,12 @@ class DistillationTrainer(OnlineTrainer):
         device = self.accelerator.device
         batch = {key: value.to(device) for key, value in batch.items()}
         batch["loss_mask"] = (batch["completion_mask"] if loss_mask is None else loss_mask.to(device)).clone()
-        if on_policy and rollout.linear_outputs is not None:  # the sampler's record, for the student's forward
-            rows = torch.arange(len(batch["loss_mask"]), device=device)
-            batch.update(replay=rollout.linear_outputs, rollout_row=rows)
+        # the sampler's record of linear outputs, kept by the CPU backend for the student's forward while the student
+        # cannot have moved since sampling (`accel/replay.py`); an off-policy batch lets any kept record go
+        record = rollout.linear_outputs if on_policy and self.old_is_current and self.replays else None
+        keep_record(self.policy, record)
+        if record is not None:
+            batch["rollout_row"] = torch.arange(len(batch["loss_mask"]), device=device)
         self._episodes += batch["loss_mask"].shape[0] * self.accelerator.num_processes
         self.record({"on_policy": float(on_policy),
                      "completions/mean_length": batch["loss_mask"].sum(1).float().mean()}, "train")
@@ -302,14 +306,12 @@ class DistillationTrainer(OnlineTrainer):
                                 temperature=args.temperature, top_k=args.loss_top_k, add_tail=args.loss_add_tail,
                                 sampled_ids=sampled).float()
 
-    @staticmethod
-    def student_replay(mb) -> tuple | None:
-        """(record, rollout rows, last use) for the student's forward of micro-batch `mb` when the engine kept the
-        sampler's record for it (`_micro_batches`: on-policy, weights unchanged since sampling), else None."""
-        record = getattr(mb, "replay", None)
-        if record is None or not mb.old_is_current or mb.rollout_row is None:
+    def student_replay(self, mb) -> tuple | None:
+        """(record, rollout rows, last use) for the student's forward of micro-batch `mb` when the CPU backend keeps
+        the sampler's record of its rows (on-policy, weights unchanged since sampling), else None."""
+        if not mb.get("old_is_current") or mb.get("rollout_row") is None:
             return None
-        return record, mb.rollout_row, mb.last_of_generation
+        return replay_rows(self.policy, mb["rollout_row"])
 
     def server_logprobs(self, mb: dict, top_k: int) -> dict[str, Tensor]:
         """The teacher server's log-probs of `mb`'s completions at `temperature`: `top_ids`, `top_logp` (B, C, top_k)
