@@ -9,8 +9,9 @@ the same tokenizer, other distributions) and the same prompts; the completions a
 (lmbda=1), so the work of a step is: sample, one teacher forward, one student forward and backward.
 TRL's DistillationTrainer is `trl.DistillationTrainer`, its GKDTrainer `trl.experimental.gkd.GKDTrainer`
 (an SFT-based trainer that reads a `messages` column: the GKD workload's rows are prompt + a short answer,
-which with lmbda=1 only fixes the prompts). Samples per step are the rows the teacher's decoder body ran on
-(a forward pre-hook, either side; posttrain's one-row check of the teacher's output layer is made before).
+which with lmbda=1 only fixes the prompts). Samples per step are the completions the teacher scored: on TRL's side
+the rows its decoder body ran on (a forward pre-hook), on posttrain's the rows of its teacher forwards
+(`completion_logits` without gradients), which pack the completions that share a prompt into one sequence.
 """
 
 from __future__ import annotations
@@ -63,9 +64,21 @@ def build(spec: dict):
 
         plain_lm_head(teacher, torch.zeros(1, 8, dtype=torch.long))
     scored: list[int] = []
-    teacher.get_decoder().register_forward_pre_hook(
-        lambda module, a, kw: scored.append((kw.get("input_ids") if kw.get("input_ids") is not None
-                                             else kw["inputs_embeds"]).shape[0]), with_kwargs=True)
+    if side == "posttrain":  # its teacher's forward packs the rows that share a prompt: the completions it scored
+        import posttrain.trainers.distillation as distillation
+
+        inner = distillation.completion_logits
+
+        def counted(model, mb, **kwargs):
+            if not torch.is_grad_enabled():  # the teacher's forward (the student's trains with gradients)
+                scored.append(mb["completion_ids"].shape[0])
+            return inner(model, mb, **kwargs)
+
+        distillation.completion_logits = counted
+    else:
+        teacher.get_decoder().register_forward_pre_hook(
+            lambda module, a, kw: scored.append((kw.get("input_ids") if kw.get("input_ids") is not None
+                                                 else kw["inputs_embeds"]).shape[0]), with_kwargs=True)
     data = Dataset.from_list(json.load(open(spec["data"])))
     trainer = Trainer(model=spec["model"], teacher_model=teacher, args=args, train_dataset=data,
                       processing_class=tokenizer)
