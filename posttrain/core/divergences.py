@@ -19,8 +19,9 @@ rows at a time and never exist whole), it computes the log-softmax of both model
 time, optionally restricts them to a top-k support, and returns the per-token divergence (B, T), 0 on
 padding. With gradients, each block but the last is recomputed in the backward pass (activation checkpointing),
 so the temporaries are bounded by two blocks of `chunk_rows` x V whatever the batch; the last block, which the
-backward meets first, keeps its own (a batch of one block is never recomputed). The sequence-level form is the per-token
-divergence summed over each completion (`sequence_divergence`).
+backward meets first, keeps its own (a batch of one block is never recomputed). The sequence-level form is the
+per-token divergence summed over each completion (`sequence_divergence`). `sampled_reverse_kl` is the reverse KL
+estimated on the sampled tokens alone (the self-distillation trainers' "sampled_token" mode).
 
 Top-k support (`top_k > 0`), as TRL's `loss_top_k` describes it: the teacher's k most likely tokens for
 forward KL, the student's for reverse KL, the union of both for the JSD in between (a token in both lists
@@ -264,3 +265,13 @@ def sequence_divergence(per_token: Tensor, mask: Tensor) -> Tensor:
     models' distributions over whole sequences, by the chain rule, where the tokens are the student's samples)."""
     return (per_token * mask).sum(-1)
 
+
+
+def sampled_reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """The reverse KL on the sampled tokens only (TRL's `distillation_mode="sampled_token"`): per token, the value is
+    the single-sample estimate log p_S(y_t) - log p_T(y_t) of KL(student || teacher) at that position, and the
+    gradient is the score-function one, (log p_S(y_t) - log p_T(y_t)) grad log p_S(y_t), as TRL's loss
+    `(log p_S - log p_T).detach() * log p_S` has (the two differ in value only). (B, T) in, (B, T) out; the
+    teacher's side has no gradient."""
+    gap = (student_logp - teacher_logp).detach()
+    return gap + gap * (student_logp - student_logp.detach())

@@ -30,8 +30,14 @@
              outlier ratio than the arithmetic mean, so a wider range (ε = 0.4, e^±0.4) is the default of
              GMPOConfig. In token form, as GSPO-token: averaged per sequence ("seq_mean_token_mean";
              `loss_type="gmpo"` sets both) its gradient is the paper's.
+  dppo       DPPO (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"): the trust region
+             is a divergence between the current and the sampling policy at each token instead of a ratio clip:
+             -sg(min(ρ, clip_ratio_c)) A log π, with a token left out where its divergence D exceeds ε_high and
+             π > π_old while A > 0, or exceeds ε while π < π_old and A <= 0 (moving further out of the region).
+             D is "binary_tv" |π - π_old| or "binary_kl" the Bernoulli KL(π_old || π) of the sampled token's
+             probability. Token mean (TRL requires loss_type "dapo").
 
-CISPO's, SAPO's and VESPO's values are shifted by a constant (no gradient) so that, as for the others, a
+CISPO's, SAPO's, DPPO's and VESPO's values are shifted by a constant (no gradient) so that, as for the others, a
 token sampled by the current policy (ρ = 1) has loss -A: CISPO -sg(w) A (1 + log π - sg(log π)), SAPO
 -(f(ρ) - f(1) + 1) A, VESPO -sg(φ(W)) A (1 + log π - sg(log π)). Gradients are the papers'; only the logged loss reads on one scale.
 
@@ -56,6 +62,7 @@ log s_{i,t} = sg[log s_i] + log π_t - sg[log π_t]. With a sequence-level advan
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -95,6 +102,10 @@ POLICY_LOSSES.option("vespo_k_pos", 2.0, "VESPO's shape k of the kernel phi(W) =
 POLICY_LOSSES.option("vespo_lambda_pos", 3.0, "VESPO's rate lambda for advantages >= 0.", bound=(0, None))
 POLICY_LOSSES.option("vespo_k_neg", 3.0, "VESPO's shape k for negative advantages.", bound=(0, None))
 POLICY_LOSSES.option("vespo_lambda_neg", 2.0, "VESPO's rate lambda for negative advantages.", bound=(0, None))
+POLICY_LOSSES.option("divergence_type", "binary_tv", "DPPO's divergence for its trust region: 'binary_tv' "
+                     "(|pi - pi_old| of the sampled token) or 'binary_kl' (the Bernoulli KL of that probability).")
+POLICY_LOSSES.option("clip_ratio_c", 20.0, "DPPO's cap on the detached importance ratio, clamped to [0, clip_ratio_c] "
+                     "(> 0).", bound=(0, None), what="a cap of the importance ratio")
 
 
 def register_policy_loss(name: str, *, aggregation: str | None) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -250,6 +261,48 @@ def vespo(
     log_pi = 1.0 + logp - logp.detach()  # log π up to a constant: value 1, gradient ∇log π
     per_token = torch.where(mask.bool(), -phi * advantages * log_pi, 0.0)
     return per_token, _stats(torch.exp(log_ratio), torch.zeros_like(mask, dtype=torch.bool), logp, old_logp, mask)
+
+
+DPPO_DIVERGENCES = ("binary_tv", "binary_kl")
+
+
+def binary_divergence(logp: Tensor, old_logp: Tensor, divergence_type: str) -> Tensor:
+    """DPPO's per-token divergence (B, T) between the sampling policy's and the current policy's probability of the
+    sampled token, each read as a Bernoulli: |p - q|, or q log(q/p) + (1 - q) log((1 - q)/(1 - p)), q = π_old."""
+    p, q = torch.exp(logp), torch.exp(old_logp)
+    if divergence_type == "binary_tv":
+        return (p - q).abs()
+    if divergence_type == "binary_kl":
+        top = 1 - 1e-7  # log(1 - p) stays finite for a token of probability 1
+        return q * (old_logp - logp) + (1 - q) * (torch.log1p(-q.clamp(max=top)) - torch.log1p(-p.clamp(max=top)))
+    raise ValueError(f"divergence_type must be one of {DPPO_DIVERGENCES}, got {divergence_type!r}")
+
+
+@register_policy_loss("dppo", aggregation="token_mean")
+def dppo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon: float = 0.15,
+    epsilon_high: float | None = None,
+    divergence_type: str = "binary_tv",
+    clip_ratio_c: float = 20.0,
+) -> tuple[Tensor, dict]:
+    """-sg(min(ρ, clip_ratio_c)) A log π per token, 0 where the token left DPPO's trust region: its divergence
+    (`binary_divergence`) above ε_high (default ε) with π > π_old and A > 0, or above ε with π < π_old and A <= 0.
+    `clipped` marks the tokens left out."""
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    log_ratio = _log_ratio(logp, old_logp, mask, "token")  # (B, T), 0 on padding
+    with torch.no_grad():
+        divergence = binary_divergence(logp, old_logp, divergence_type)
+        up, down = log_ratio > 0, log_ratio < 0
+        left = torch.where(advantages > 0, (divergence > eps_high) & up, (divergence > epsilon) & down)
+        weight = torch.exp(log_ratio.clamp(max=math.log(clip_ratio_c)))
+    log_pi = 1.0 + logp - logp.detach()  # log π up to a constant: value 1, gradient ∇log π
+    per_token = torch.where(mask.bool() & ~left, -weight * advantages * log_pi, 0.0)
+    return per_token, _stats(torch.exp(log_ratio), left, logp, old_logp, mask)
 
 
 @register_policy_loss("gmpo", aggregation="seq_mean_token_mean")

@@ -70,6 +70,8 @@ def plain_lm_head(model, input_ids: Tensor):
     `input_ids` (one row, eval mode, no grad).
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(getattr(head, "weight", None), "placements"):
+        return None  # an FSDP2 shard (DTensor): whole only inside the sharded root's forward, never plain
     known = _PLAIN_HEADS.get(model)
     if known is not None and known[0] is head:
         return known[1]

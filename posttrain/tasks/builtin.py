@@ -179,25 +179,36 @@ def task_preference_dataset(task: str = "reverse", split: str = "train", size: i
 
 def _steps(task: str, prompt: str, answer: str) -> list[str]:
     """A task's worked solution as steps: `reverse`, one answer digit a step ("digit 1 is 4"); `add`, one column
-    a step from the right ("7+5+0=12"), then the answer ("answer 132")."""
+    a step from the right ("7+5+0=12", "3+4+0=07": the sum always two digits, carry first), then the answer
+    ("answer 132")."""
     if task == "reverse":
         return [f"digit {i + 1} is {d}" for i, d in enumerate(answer)]
     a, b = (s[::-1] for s in prompt.split()[1:3])
     steps, carry = [], 0
     for i in range(max(len(a), len(b))):
         x, y = int(a[i]) if i < len(a) else 0, int(b[i]) if i < len(b) else 0
-        steps.append(f"{x}+{y}+{carry}={x + y + carry}")
+        steps.append(f"{x}+{y}+{carry}={x + y + carry:02d}")
         carry = (x + y + carry) // 10
     return steps + [f"answer {answer}"]
 
 
 def _corrupt_step(step: str, rng: random.Random, corruption: str) -> str:
     """The step with one digit of its last number replaced: by a lowercase letter ("letter", a malformed step)
-    or by another digit ("digit", a wrong result of the right form)."""
+    or by another digit ("digit", a wrong result of the right form; in an arithmetic step "x+y+c=s" the carry
+    digit of s flips between 0 and 1, a digit 2-9 there would be wrong by its form alone)."""
     last = list(re.finditer(r"\d+", step))[-1]
     k = rng.randrange(last.start(), last.end())
     pool = "abcdefghijklmnopqrstuvwxyz" if corruption == "letter" else "0123456789".replace(step[k], "")
+    if corruption == "digit" and "=" in step and k == last.start():
+        pool = "10".replace(step[k], "")  # a wrong carry digit stays 0 or 1: wrong by the arithmetic, not the form
     return step[:k] + rng.choice(pool) + step[k + 1:]
+
+
+def _corruptible_steps(task: str, steps: list[str], corruption: str) -> int:
+    """How many leading steps may be the wrong one. A wrong digit in `add`'s answer step ("answer 132") is a
+    copying error that only the column steps before it reveal, so "digit" errors go into the column steps
+    ("7+5+0=12"), whose correctness is in their own tokens."""
+    return len(steps) - 1 if task == "add" and corruption == "digit" else len(steps)
 
 
 def task_stepwise_dataset(task: str = "reverse", split: str = "train", size: int | None = None, seed: int = 0,
@@ -223,7 +234,7 @@ def task_stepwise_dataset(task: str = "reverse", split: str = "train", size: int
         steps = _steps(task, row["prompt"], row["answer"])
         labels = [True] * len(steps)
         if rng.random() < corrupted_fraction:
-            k = rng.randrange(len(steps))
+            k = rng.randrange(_corruptible_steps(task, steps, corruption))
             steps, labels = steps[:k] + [_corrupt_step(steps[k], rng, corruption)], labels[:k] + [False]
         rows.append({"prompt": row["prompt"], "completions": steps, "labels": labels, "answer": row["answer"]})
     return Dataset.from_list(rows)

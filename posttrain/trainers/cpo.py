@@ -19,16 +19,15 @@ from dataclasses import dataclass, field
 
 from posttrain.core.contrastive_losses import (MARGIN_LOSSES, alphapo_rewards, check_margin_options, margin_loss,
                                                token_mean_nll)
-from posttrain.trainers.preference_base import TRUNCATION_MODES, PairDataConfig, ReferenceFreePairTrainer
+from posttrain.trainers.preference_base import ReferenceFreePairConfig, ReferenceFreePairTrainer
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
 
 @dataclass
-class CPOConfig(PairDataConfig):
+class CPOConfig(ReferenceFreePairConfig):
     """Configuration of `CPOTrainer`, on top of `transformers.TrainingArguments`."""
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (AdamW)."})
     beta: float = field(default=0.1, metadata={
         "help": "Inverse temperature β of the pair loss; for 'ipo' the paper's regularisation τ."})
     label_smoothing: float = field(default=0.0, metadata={
@@ -46,13 +45,6 @@ class CPOConfig(PairDataConfig):
     alpha: float = field(default=0.0, metadata={
         "help": "AlphaPO's reward shape: each reward log p becomes (1 - p^(-alpha)) / alpha, for every loss type "
                 "(0: the plain log-probability)."})
-    truncation_mode: str = field(default="keep_end", metadata={
-        "help": "What survives when prompt + completion exceed max_length: 'keep_end' cuts the prompt's start "
-                "first, 'keep_start' keeps the whole prompt and cuts the completion's end (see PairDataConfig).",
-        "choices": list(TRUNCATION_MODES)})
-    generate_during_eval: bool = field(default=False, metadata={
-        "help": "At each evaluation, sample completions of a few eval prompts from the policy and log them "
-                "as a table (the logging integrations' table, else the console)."})
 
     def __post_init__(self):
         if self.loss_type == "alphapo":  # TRL's shorthand, resolved before the checks

@@ -193,7 +193,8 @@ class DistillationTrainer(OnlineTrainer):
             raise ValueError("data_collator is not used: the distillation trainers tokenise prompts and completions "
                              "themselves; leave it None")
         train_dataset, eval_dataset = split_messages(train_dataset), split_messages(eval_dataset)
-        super().__init__(model, reward_funcs=[no_reward], args=args, train_dataset=train_dataset,
+        reward_funcs = kwargs.pop("reward_funcs", None) or [no_reward]  # a preset that scores rollouts (SDPO)
+        super().__init__(model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config, **kwargs)
         args = self.args
@@ -278,6 +279,10 @@ class DistillationTrainer(OnlineTrainer):
         else:
             batch = self.off_policy_batch(inputs, prompts, columns)
         batch.update(self.teacher_inputs(inputs, prompts, columns))
+        return self.finish_batch(batch, loss_mask, on_policy)
+
+    def finish_batch(self, batch: dict, loss_mask, on_policy: bool) -> list:
+        """A generation batch's tensors on the device with their loss mask, counted and logged, in micro-batches."""
         device = self.accelerator.device
         batch = {key: value.to(device) for key, value in batch.items()}
         batch["loss_mask"] = (batch["completion_mask"] if loss_mask is None else loss_mask.to(device)).clone()
@@ -313,14 +318,17 @@ class DistillationTrainer(OnlineTrainer):
             return None
         return replay_rows(self.policy, mb["rollout_row"])
 
-    def server_logprobs(self, mb: dict, top_k: int) -> dict[str, Tensor]:
-        """The teacher server's log-probs of `mb`'s completions at `temperature`: `top_ids`, `top_logp` (B, C, top_k)
-        its most likely tokens (-inf past a completion), `sampled_logp` (B, C) each completion token's (-inf where
-        the server sent none)."""
+    def server_logprobs(self, mb: dict, top_k: int, server: TeacherServer | None = None,
+                        temperature: float | None = None) -> dict[str, Tensor]:
+        """The teacher server's log-probs of `mb`'s completions at `temperature` (the divergence's): `top_ids`,
+        `top_logp` (B, C, top_k) its most likely tokens (-inf past a completion), `sampled_logp` (B, C) each
+        completion token's (-inf where the server sent none). `server`: the trainer's teacher server by default."""
+        server = server or self.teacher_server
+        temperature = self.divergence_temperature() if temperature is None else temperature
         prompts = [ids[m.bool()].tolist() for ids, m in zip(mb["prompt_ids"], mb["prompt_mask"])]
         completions = [ids[m.bool()].tolist() for ids, m in zip(mb["completion_ids"], mb["completion_mask"])]
-        reply = self.teacher_server.sequence_logprobs([p + c for p, c in zip(prompts, completions)],
-                                                      list(map(len, prompts)), top_k, self.args.temperature)
+        reply = server.sequence_logprobs([p + c for p, c in zip(prompts, completions)], list(map(len, prompts)),
+                                         top_k, temperature)
         (B, C), device = mb["completion_ids"].shape, mb["completion_ids"].device
         out = {"top_ids": torch.zeros(B, C, top_k, dtype=torch.long), "top_logp": torch.full((B, C, top_k), -math.inf),
                "sampled_logp": torch.full((B, C), -math.inf)}
@@ -331,6 +339,10 @@ class DistillationTrainer(OnlineTrainer):
                 if "actual_logprobs" in reply:
                     out["sampled_logp"][i, :n] = torch.tensor(reply["actual_logprobs"][i])
         return {key: value.to(device) for key, value in out.items()}
+
+    def divergence_temperature(self) -> float:
+        """The softmax temperature of both models in the loss (the sampling temperature here)."""
+        return self.args.temperature
 
     def server_divergence(self, model, mb: dict) -> Tensor:
         """Per-token divergence (B, C) to a teacher server on TRL's support: the teacher's top-k for beta = 0; the
@@ -354,7 +366,7 @@ class DistillationTrainer(OnlineTrainer):
                              "completion tokens the loss needs (the sampled tokens' `actual_logprobs` when beta > 0)")
         student = completion_logits(model, mb, replay=self.student_replay(mb))
         return sparse_teacher_divergence(student, mask, index, valid, teacher, "generalized_jsd",
-                                         beta=args.beta, temperature=args.temperature,
+                                         beta=args.beta, temperature=self.divergence_temperature(),
                                          add_tail=args.loss_add_tail).float()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

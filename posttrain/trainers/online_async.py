@@ -50,7 +50,7 @@ import copy
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -71,6 +71,7 @@ class Sampled:
     extra_columns: dict            # `log_extra`'s columns for the completions table
     records: list                  # [(metrics, mode)] recorded while sampling in the background, logged at training
     version: int = 0               # the optimizer step whose weights sampled the batch
+    extra: dict = field(default_factory=dict)  # a preset's per-row tensors made while sampling (a teacher server's)
 
     def state(self) -> dict[str, Any]:
         """Plain tensors, lists and numbers for a checkpoint."""
@@ -78,7 +79,7 @@ class Sampled:
         return {"rollout": {k: v for k, v in rollout.items() if v is not None}, "scores": self.scores,
                 "per_function": self.per_function, "prompts": self.prompts, "texts": self.texts,
                 "extra_columns": {k: list(v) for k, v in self.extra_columns.items()}, "records": self.records,
-                "version": self.version}
+                "version": self.version, "extra": dict(self.extra)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Sampled:

@@ -16,24 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.core.contrastive_losses import odds_ratio_loss, token_mean_nll
-from posttrain.trainers.preference_base import TRUNCATION_MODES, PairDataConfig, ReferenceFreePairTrainer
+from posttrain.trainers.preference_base import ReferenceFreePairConfig, ReferenceFreePairTrainer
 
 
 @dataclass
-class ORPOConfig(PairDataConfig):
+class ORPOConfig(ReferenceFreePairConfig):
     """Configuration of `ORPOTrainer`, on top of `transformers.TrainingArguments`."""
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (AdamW)."})
     beta: float = field(default=0.1, metadata={
         "help": "Weight λ of the odds-ratio term against the chosen completions' NLL (the paper's λ, the "
                 "ORPO code's alpha)."})
-    truncation_mode: str = field(default="keep_end", metadata={
-        "help": "What survives when prompt + completion exceed max_length: 'keep_end' cuts the prompt's start "
-                "first, 'keep_start' keeps the whole prompt and cuts the completion's end (see PairDataConfig).",
-        "choices": list(TRUNCATION_MODES)})
-    generate_during_eval: bool = field(default=False, metadata={
-        "help": "At each evaluation, sample completions of a few eval prompts from the policy and log them "
-                "as a table (the logging integrations' table, else the console)."})
 
 
 class ORPOTrainer(ReferenceFreePairTrainer):

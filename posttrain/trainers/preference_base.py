@@ -15,8 +15,9 @@ reference path.
   step and saved with every checkpoint.
 * `generate_during_eval` (a config field of BCO): each evaluation first samples completions of a few eval
   prompts from the policy and the reference, shown side by side (`eval_samples.py`).
-* `PairDataConfig`: lengths, truncation_mode and dropout; `PreferenceConfig` adds the reference handling
-  (DPO, KTO).
+* `PairDataConfig`: lengths, truncation_mode and dropout; `ReferenceFreePairConfig` adds what ORPO and CPO
+  share (their learning rate, keep_end truncation, generate_during_eval); `PreferenceConfig` adds the
+  reference handling (DPO, KTO).
 * `ReferenceFreePairTrainer`: the PreferenceTrainer of ORPO, CPO and TPO, whose losses read the policy's own
   log-probs only (no reference model), with TRL's constructor arguments and `record_pairs` for their metrics.
 """
@@ -96,6 +97,20 @@ class PairDataConfig(BaseConfig):
 
     def _check(self):
         check_beta_and_lengths(self)
+
+
+@dataclass
+class ReferenceFreePairConfig(PairDataConfig):
+    """The fields ORPOConfig and CPOConfig share besides their loss's (TRL's defaults of both)."""
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (AdamW)."})
+    truncation_mode: str = field(default="keep_end", metadata={
+        "help": "What survives when prompt + completion exceed max_length: 'keep_end' cuts the prompt's start "
+                "first, 'keep_start' keeps the whole prompt and cuts the completion's end (see PairDataConfig).",
+        "choices": list(TRUNCATION_MODES)})
+    generate_during_eval: bool = field(default=False, metadata={
+        "help": "At each evaluation, sample completions of a few eval prompts from the policy and log them "
+                "as a table (the logging integrations' table, else the console)."})
 
 
 @dataclass

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.core.divergences import token_divergence
+from posttrain.core.divergences import sampled_reverse_kl, token_divergence
 from posttrain.data.tokenize import encode_prompt
-from posttrain.forward.completions import completion_logits
+from posttrain.forward.completions import completion_logits, completion_logprobs
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
 TEACHER_KINDS = ("base", "live", "ema")
@@ -43,7 +43,8 @@ MODES = ("full_logits", "topk_logits", "sampled_token")
 class SDFTConfig(DistillationConfig):
     """TRL's SDFTConfig fields and defaults (its self-distillation fields included) on the distillation preset."""
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Initial AdamW learning rate (TRL's SDFTConfig "
+                                 "keeps transformers' default)."})
     lmbda: float = field(default=1.0, metadata={"help": "Always 1: SDFT distils on the student's own samples."})
     beta: float = field(default=0.0, metadata={"help": "TRL's reference-model KL coefficient: only 0 (no reference "
                         "model); the divergence's interpolation is distillation_alpha."})
@@ -54,9 +55,9 @@ class SDFTConfig(DistillationConfig):
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (1.0: off)."})
     teacher_model_kind: str = field(default="base", metadata={"help": "The teacher: 'base' the initial student "
                                     "(frozen), 'live' the current student, 'ema' a moving average of the student."})
-    teacher_update_rate: float = field(default=0.6, metadata={"help": "With 'ema': the fraction of the way the "
+    teacher_update_rate: float = field(default=0.05, metadata={"help": "With 'ema': the fraction of the way the "
                                        "teacher moves to the student at each update."})
-    teacher_sync_steps: int = field(default=512, metadata={"help": "With 'ema': optimizer steps between teacher "
+    teacher_sync_steps: int = field(default=1, metadata={"help": "With 'ema': optimizer steps between teacher "
                                     "updates."})
     generate_from_teacher: bool = field(default=False, metadata={"help": "Sample from the teacher's prompt: only "
                                         "False (the student's prompt)."})
@@ -65,7 +66,8 @@ class SDFTConfig(DistillationConfig):
     num_loss_tokens_to_skip: int = field(default=0, metadata={"help": "The first this many completion tokens are "
                                          "left out of the loss."})
     distillation_mode: str = field(default="topk_logits", metadata={"help": "'full_logits' (the whole vocabulary), "
-                                   "'topk_logits' (distillation_topk tokens) or 'sampled_token' (the sampled one)."})
+                                   "'topk_logits' (distillation_topk tokens) or 'sampled_token' (the reverse KL on the "
+                                   "sampled tokens: needs distillation_alpha=1.0)."})
     distillation_alpha: float = field(default=0.5, metadata={"help": "The generalised JSD's interpolation: 0.0 "
                                       "forward KL(teacher || student), 0.5 JSD, 1.0 reverse KL."})
     distillation_topk: int | None = field(default=100, metadata={"help": "The top-k support of 'topk_logits'."})
@@ -95,6 +97,9 @@ class SDFTConfig(DistillationConfig):
             raise ValueError(f"num_loss_tokens_to_skip={self.num_loss_tokens_to_skip} must be >= 0, "
                              f"teacher_sync_steps={self.teacher_sync_steps} >= 1, distillation_weight="
                              f"{self.distillation_weight} >= 0")
+        if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
+            raise ValueError(f"distillation_mode='sampled_token' is the reverse KL: it needs distillation_alpha=1.0 "
+                             f"(got {self.distillation_alpha}); use 'full_logits' or 'topk_logits' for other values")
         if self.distillation_mode == "topk_logits" and not (self.distillation_topk or 0) > 0:
             raise ValueError("distillation_mode='topk_logits' needs distillation_topk > 0")
         if self.use_teacher_server:
@@ -172,22 +177,32 @@ class SDFTTrainer(DistillationTrainer):
                 "teacher_prompt_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])}
 
     def divergence(self, model, mb: dict):
-        """Per-token JSD(distillation_alpha) (B, C) between the student on its prompt and the teacher on its own."""
+        """Per-token divergence (B, C) between the student on its prompt and the teacher on its own: the generalised
+        JSD(distillation_alpha) on the full vocabulary or the top-k support, or the sampled tokens' reverse KL."""
         args = self.args
         mask = mb["loss_mask"]
         if args.num_loss_tokens_to_skip:
             mask = mask * (torch.arange(mask.shape[1], device=mask.device) >= args.num_loss_tokens_to_skip)
+        teacher_mb = {**mb, "prompt_ids": mb["teacher_prompt_ids"], "prompt_mask": mb["teacher_prompt_mask"]}
+        if args.distillation_mode == "sampled_token":  # TRL's: log-probs of the sampled tokens only
+            student = self.sampled_logprobs(model, mb)
+            with self.teacher() as teacher:
+                target = self.sampled_logprobs(teacher, teacher_mb)
+            per_token = torch.where(mask.bool(), sampled_reverse_kl(student, target), 0.0)
+            return per_token.float() * args.distillation_weight
         student = completion_logits(model, mb)
         with self.teacher() as teacher:
-            target = completion_logits(teacher, {**mb, "prompt_ids": mb["teacher_prompt_ids"],
-                                                 "prompt_mask": mb["teacher_prompt_mask"]})
-        top_k = {"full_logits": 0, "topk_logits": args.distillation_topk or 0,
-                 "sampled_token": 1}[args.distillation_mode]
+            target = completion_logits(teacher, teacher_mb)
+        top_k = (args.distillation_topk or 0) if args.distillation_mode == "topk_logits" else 0
         per_token = token_divergence(student, target, mask, "generalized_jsd", beta=args.distillation_alpha,
-                                     temperature=args.temperature, top_k=top_k,
-                                     add_tail=args.distillation_add_tail or args.distillation_mode == "sampled_token",
-                                     sampled_ids=mb["completion_ids"])
+                                     temperature=args.temperature, top_k=top_k, add_tail=args.distillation_add_tail)
         return per_token.float() * args.distillation_weight
+
+    def sampled_logprobs(self, model, mb: dict) -> torch.Tensor:
+        """(B, C) `model`'s log-probs of the completion tokens after `mb`'s prompts, at `temperature`."""
+        logp, _ = completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                      mb["completion_mask"], self.args.temperature)
+        return logp
 
 
 def _with_context(prompt, context: str, template: str):

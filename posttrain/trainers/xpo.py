@@ -11,12 +11,21 @@ tie. TRL instead lets the policy's completion win every tie, and that rule, not 
 run learns most: a tie (about 30% of the pairs on the built-in `reverse` task, mostly two wrong answers of
 equal partial credit) raises the policy's own answer and lowers the reference's with weight about β/2 =
 0.05, 5000 times α. The demo's XPO stage (40 steps from its SFT checkpoint) took held-out accuracy from
-0.25 to 0.17 under TRL's rule and to 0.29 with ties as no preference (the test fixture's checkpoint: 0.18
-to 0.06, and to 0.30; 0.24 with another seed; greedy accuracy is noisy at this size, the slow test's run
-ended at 0.15 -> 0.12 with its sampled reward up, 0.424 -> 0.473). So ties
-state no preference (the `preference_or_tie` estimator) and train on the loss expected under a fair
-coin's label (`core.preference_losses.tied_pair_loss`), which pulls the two log-ratios together;
+0.25 to 0.17 under TRL's rule and to 0.29 with ties as no preference. So ties state no preference (the
+`preference_or_tie` estimator) and train on the loss expected under a fair coin's label
+(`core.preference_losses.tied_pair_loss`), which pulls the two log-ratios together;
 advantage_estimator="preference_pair" restores TRL's rule.
+
+The bonus is the paper's (α Σ log π(ỹ), ỹ the reference's sample, minimised) and TRL's (α times the policy's
+summed log-prob of the reference's completion, added to the DPO loss) in sign and scale: at α = 1e-5 and a
+summed log-prob near -10 it is about 1e-4 a pair, far below the DPO term, so it neither helps nor harms at
+this size. Greedy accuracy from the slow test's SFT checkpoint is noisy for every pair trainer: the
+checkpoint stops just before the tiny model "gets" reversal, and 100 held-out prompts give a binomial std of
+about 0.04. With the slow test's settings (60 steps of 32 pairs): on its own checkpoint (0.15 greedy, 0.424
+sampled) XPO ends at 0.12 / 0.473 and Online DPO at 0.20 / 0.544; on the same recipe's checkpoint built at one
+thread (0.18 / 0.432), seeds 42, 1, 2, 3, XPO ends at 0.29, 0.18, 0.25, 0.26 greedy and 0.53-0.56 sampled,
+Online DPO at 0.24, 0.13, 0.20, 0.16 and 0.52-0.54. XPO's sampled reward rose in every run; its greedy
+accuracy moves with the checkpoint and the seed as Online DPO's does.
 
 A preset of `OnlineDPOTrainer`: the pair's second completion comes from the reference
 (`OnlineDPOTrainer.sample_pair`); `alpha` may be a list, one per epoch, as `beta`.

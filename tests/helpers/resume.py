@@ -47,7 +47,8 @@ def trained_state(trainer) -> dict[str, torch.Tensor]:
 def logged_numbers(trainer, after_step: int) -> list[tuple[int, str, float]]:
     """(step, key, value) of every number logged after `after_step`, run timings left out."""
     skip = ("runtime", "per_second", "total_flos", "train_loss")
-    timings = {"eps", "rollout/wait_time"}  # the online trainers' episodes per second, waits for the background sampler
+    timings = {"eps", "rollout/wait_time", "teacher/request_time"}  # the online trainers' episodes per second, waits
+    # for the background sampler, teacher servers' answer times
     rows = []
     for entry in trainer.state.log_history:
         step = entry.get("step", 0)

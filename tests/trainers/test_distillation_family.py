@@ -415,3 +415,30 @@ def test_sdft_lora_student_with_the_adapter_disabled_model_as_teacher(tmp_path):
                           peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert trainer.teacher_model is None  # the base weights, adapter off: no second copy
     changed_everything(trainer)
+
+
+# ---------------------------------------------------------------- FSDP2
+@pytest.mark.slow
+def test_fsdp2_student_and_teacher_match_one_process(tmp_path):
+    """Student sharded by FSDP2 over 2 CPU processes, teacher sharded by the trainer as a reference model: the
+    first step's loss and every weight's move equal one plain process's on the same 8 rows (up to the other
+    summation order of the reduce-scattered gradients)."""
+    import os
+    import sys
+
+    from tests.helpers.launch import free_port, run_launch
+
+    script = os.path.join(os.path.dirname(__file__), "fsdp_distillation.py")
+    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+    run_launch([sys.executable, script, one, "8"], tmp_path, timeout=240, path=os.path.dirname(__file__))
+    run_launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port()), script, two, "4"], tmp_path, timeout=240,
+               path=os.path.dirname(__file__))
+    a, b = (json.load(open(p)) for p in (one, two))
+    assert (a["processes"], b["processes"]) == (1, 2)
+    assert all(json.load(open(f"{two}.{rank}"))["sharded"] for rank in (0, 1))  # student and teacher
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    assert all(norm > 0 for norm, _ in a["moves"].values())  # every weight moved
+    for name, (norm, projection) in a["moves"].items():
+        assert b["moves"][name][0] == pytest.approx(norm, rel=1e-4, abs=1e-7), name
+        assert b["moves"][name][1] == pytest.approx(projection, rel=1e-4, abs=1e-7), name
