@@ -269,9 +269,10 @@ class DistillationTrainer(OnlineTrainer):
         prompts = [p for p in inputs["prompt"] for _ in range(k)]
         columns = {key: [v for v in values for _ in range(k)] for key, values in inputs["columns"].items()}
         on_policy = bool(torch.rand((), generator=self._mixing) < self.args.lmbda)
-        loss_mask = None
+        loss_mask = record = None
         if on_policy:
             rollout, _ = self.roll_out(inputs, prompts, columns)
+            record = rollout.linear_outputs
             batch = {key: getattr(rollout, key) for key in ("prompt_ids", "prompt_mask", "completion_ids",
                                                             "completion_mask")}
             if rollout.tool_mask is not None:  # fed tool results: context, not trained on
@@ -279,16 +280,17 @@ class DistillationTrainer(OnlineTrainer):
         else:
             batch = self.off_policy_batch(inputs, prompts, columns)
         batch.update(self.teacher_inputs(inputs, prompts, columns))
-        return self.finish_batch(batch, loss_mask, on_policy)
+        return self.finish_batch(batch, loss_mask, on_policy, record)
 
-    def finish_batch(self, batch: dict, loss_mask, on_policy: bool) -> list:
-        """A generation batch's tensors on the device with their loss mask, counted and logged, in micro-batches."""
+    def finish_batch(self, batch: dict, loss_mask, on_policy: bool, record=None) -> list:
+        """A generation batch's tensors on the device with their loss mask, counted and logged, in micro-batches.
+        `record`: the sampler's record of the student's linear outputs for these rows (`accel/replay.py`), or None."""
         device = self.accelerator.device
         batch = {key: value.to(device) for key, value in batch.items()}
         batch["loss_mask"] = (batch["completion_mask"] if loss_mask is None else loss_mask.to(device)).clone()
         # the sampler's record of linear outputs, kept by the CPU backend for the student's forward while the student
         # cannot have moved since sampling (`accel/replay.py`); an off-policy batch lets any kept record go
-        record = rollout.linear_outputs if on_policy and self.old_is_current and self.replays else None
+        record = record if on_policy and self.old_is_current and self.replays else None
         keep_record(self.policy, record)
         if record is not None:
             batch["rollout_row"] = torch.arange(len(batch["loss_mask"]), device=device)
