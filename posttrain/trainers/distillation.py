@@ -216,9 +216,12 @@ class DistillationTrainer(OnlineTrainer):
         # frozen, placed (and sharded) as a reference model; with a server, no local teacher
         self.teacher_model = None if args.use_teacher_server else self.make_reference(teacher)
         self._mixing = torch.Generator().manual_seed(args.seed + 15485863)  # the on-/off-policy draws, checkpointed
-        if type(self).divergence is not DistillationTrainer.divergence or \
-                type(self).compute_loss is not DistillationTrainer.compute_loss:
-            self.replays = False  # a loss of its own may not hand the record to the student's forward: none kept
+        own = [name for name in ("divergence", "compute_loss", "make_experience")
+               if getattr(type(self), name) is not getattr(DistillationTrainer, name)]
+        if own or args.use_teacher_server:
+            # a loss or batch of its own may not hand the record to the student's forward; with teacher servers the
+            # synchronous and asynchronous trainers compute alike: none kept
+            self.replays = False
 
     @staticmethod
     def uses_reference(args) -> bool:
