@@ -9,18 +9,17 @@ the same tokenizer, other distributions) and the same prompts; the completions a
 (lmbda=1), so the work of a step is: sample, one teacher forward, one student forward and backward.
 TRL's DistillationTrainer is `trl.DistillationTrainer`, its GKDTrainer `trl.experimental.gkd.GKDTrainer`
 (an SFT-based trainer that reads a `messages` column: the GKD workload's rows are prompt + a short answer,
-which with lmbda=1 only fixes the prompts). Samples per step are the rows the teacher's decoder body ran on
-(a forward pre-hook, either side; posttrain's one-row check of the teacher's output layer is made before).
+which with lmbda=1 only fixes the prompts). Samples per step are the completions the teacher scored: on TRL's side
+the rows its decoder body ran on (a forward pre-hook), on posttrain's the rows of its teacher forwards
+(`completion_logits` without gradients), which pack the completions that share a prompt into one sequence.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import sys
-import time
 
-from vs_trl_worker import _posttrain_version, check_no_peer_imported, make_step_clock, peak_rss_mib, precision, rss_mib
+from vs_trl_worker import common_args, start, train_and_measure, write_result
 
 # kind -> (TRL module, posttrain module, class prefix)
 TRAINERS = {"distillation": ("trl", "posttrain.trainers.distillation", "Distillation"),
@@ -57,9 +56,7 @@ def build(spec: dict):
 
     side, kind = spec["side"], spec["trainer"]
     Config, Trainer = trainer_classes(side, kind)
-    common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
-                  save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False, use_cpu=True)
-    args = Config(**common, **trl_fields(Config, spec["config"]) if side == "trl" else spec["config"])
+    args = Config(**common_args(spec), **trl_fields(Config, spec["config"]) if side == "trl" else spec["config"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     teacher = AutoModelForCausalLM.from_pretrained(spec["models"]["teacher"], dtype=torch.float32)
     if side == "posttrain":  # its one-row check that the output layer is plain, made here: not a sample
@@ -67,9 +64,21 @@ def build(spec: dict):
 
         plain_lm_head(teacher, torch.zeros(1, 8, dtype=torch.long))
     scored: list[int] = []
-    teacher.get_decoder().register_forward_pre_hook(
-        lambda module, a, kw: scored.append((kw.get("input_ids") if kw.get("input_ids") is not None
-                                             else kw["inputs_embeds"]).shape[0]), with_kwargs=True)
+    if side == "posttrain":  # its teacher's forward packs the rows that share a prompt: the completions it scored
+        import posttrain.trainers.distillation as distillation
+
+        inner = distillation.completion_logits
+
+        def counted(model, mb, **kwargs):
+            if not torch.is_grad_enabled():  # the teacher's forward (the student's trains with gradients)
+                scored.append(mb["completion_ids"].shape[0])
+            return inner(model, mb, **kwargs)
+
+        distillation.completion_logits = counted
+    else:
+        teacher.get_decoder().register_forward_pre_hook(
+            lambda module, a, kw: scored.append((kw.get("input_ids") if kw.get("input_ids") is not None
+                                                 else kw["inputs_embeds"]).shape[0]), with_kwargs=True)
     data = Dataset.from_list(json.load(open(spec["data"])))
     trainer = Trainer(model=spec["model"], teacher_model=teacher, args=args, train_dataset=data,
                       processing_class=tokenizer)
@@ -77,15 +86,8 @@ def build(spec: dict):
 
 
 def main():
-    spec = json.load(open(sys.argv[1]))
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(spec["seed"])
-    side = spec["side"]
+    spec = start()
     trainer, scored = build(spec)
-    clock = make_step_clock()
-    trainer.add_callback(clock)
     samples: list[int] = []  # rows the teacher scored in each step
 
     from transformers import TrainerCallback
@@ -96,28 +98,7 @@ def main():
             scored.clear()
 
     trainer.add_callback(PerStep())
-    rss_before = rss_mib()
-    start = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - start
-    peak_rss = peak_rss_mib()
-    check_no_peer_imported(side)
-    versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "datasets")}
-    versions[side] = importlib.import_module(side).__version__ if side == "trl" else _posttrain_version()
-    args = trainer.args
-    result = {
-        "side": side, "workload": spec["workload"], "versions": versions,
-        "train_begin": clock.train_begin - start if clock.train_begin else None,
-        "step_begin": [t - start for t in clock.begin], "step_end": [t - start for t in clock.end],
-        "step_cpu_end": clock.cpu_end, "train_seconds": train_seconds, "sft_tokens": [], "samples": samples,
-        "completion_tokens": [], "logs": clock.logs, "peak_rss_mib": peak_rss, "rss_before_train_mib": rss_before,
-        "memory_breakdown": None, "time_profile": None, "op_times": None,
-        **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
-        "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
-        "dtype": str(next(trainer.model.parameters()).dtype), "precision": precision(args, trainer.model),
-    }
-    with open(spec["out"], "w") as f:
-        json.dump(result, f)
+    write_result(spec, {**train_and_measure(trainer, spec), "samples": samples})
 
 
 if __name__ == "__main__":

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
-import time
 
-from vs_trl_worker import _posttrain_version, check_no_peer_imported, make_step_clock, peak_rss_mib, precision, rss_mib
+from vs_trl_worker import common_args, start, train_and_measure, write_result
 
 PAD = "<|endoftext|>"  # PPO's pad token: see the module docstring
 
@@ -119,17 +117,12 @@ def ppo_trainer(side: str, spec: dict, common: dict, tokenizer):
 
 
 def main():
-    spec = json.load(open(sys.argv[1]))
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(spec["seed"])
+    spec = start()
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
 
     side, kind = spec["side"], spec["trainer"]
-    common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
-                  save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False, use_cpu=True)
+    common = common_args(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec["models"]["causal"])
     scored, steps_per_update, lengths = [], 1, []
     if kind == "ppo":
@@ -142,44 +135,22 @@ def main():
         trainer = Trainer(model=spec["models"]["causal"], args=args, train_dataset=data, processing_class=tokenizer)
     else:
         raise SystemExit(f"vs_trl_experimental_worker runs PPO and BCO, not {kind!r}")
-    args = trainer.args
-
-    clock = make_step_clock()
     scored_at_end: list[int] = []
 
     class ScoredRows(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             scored_at_end.append(sum(scored))
 
-    trainer.add_callback(clock)
     trainer.add_callback(ScoredRows())
-    rss_before = rss_mib()
-    start = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - start
-    check_no_peer_imported(side)
+    result = train_and_measure(trainer, spec)
 
     # one entry per update: the last optimizer step's end of each
     k = steps_per_update
-    ends, cpu_ends, cumulative = clock.end[k - 1::k], clock.cpu_end[k - 1::k], scored_at_end[k - 1::k]
+    cumulative = scored_at_end[k - 1::k]
     samples = [b - a for a, b in zip([0] + cumulative, cumulative)] if kind == "ppo" else []
-    logs = clock.logs + [{"completions/mean_length": n} for n in lengths]
-    versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "datasets")}
-    versions[side] = importlib.import_module("trl").__version__ if side == "trl" else _posttrain_version()
-    model = trainer.model
-    result = {
-        "side": side, "workload": spec["workload"], "versions": versions,
-        "train_begin": clock.train_begin - start if clock.train_begin else None,
-        "step_end": [t - start for t in ends], "step_cpu_end": cpu_ends, "optimizer_steps_per_step": k,
-        "train_seconds": train_seconds, "sft_tokens": [], "samples": samples, "logs": logs,
-        "peak_rss_mib": peak_rss_mib(), "rss_before_train_mib": rss_before,
-        "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
-        "dtype": str(next(model.parameters()).dtype),
-        "precision": precision(args, model),
-        **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),  # vs_trl.py checks it
-    }
-    with open(spec["out"], "w") as f:
-        json.dump(result, f)
+    write_result(spec, {**result, "step_begin": result["step_begin"][::k], "step_end": result["step_end"][k - 1::k],
+                        "step_cpu_end": result["step_cpu_end"][k - 1::k], "optimizer_steps_per_step": k,
+                        "samples": samples, "logs": result["logs"] + [{"completions/mean_length": n} for n in lengths]})
 
 
 if __name__ == "__main__":

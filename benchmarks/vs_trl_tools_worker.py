@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
 import json
 import operator
 import sys
-import time
 from pathlib import Path
 
-from vs_trl_worker import (_posttrain_version, check_no_peer_imported, make_step_clock, peak_rss_mib, precision,
-                           rss_mib, trainer_classes)
+from vs_trl_worker import common_args, start, train_and_measure, trainer_classes, write_result
 
 # (prompt, the three expressions): one tool call per expression, then the three results
 TASKS = [("Use the calculator, one call at a time, for 123 * 456, then 789 * 12, then 345 * 67. "
@@ -191,19 +188,13 @@ def count_posttrain_prefill(trainer, record: list) -> None:
 
 
 def main():
-    spec = json.load(open(sys.argv[1]))
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(spec["seed"])
+    spec = start()
     from datasets import Dataset
     from transformers import AutoTokenizer
 
     side, cfg = spec["side"], spec["config"]
     Config, Trainer = trainer_classes(side, "grpo")
-    common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
-                  save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False, use_cpu=True)
-    args = Config(**common, **cfg)
+    args = Config(**common_args(spec), **cfg)
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])  # its chat template: the shared one (prepare_model)
     if side == "trl":
         from trl.chat_template_utils import qwen3_template
@@ -229,31 +220,10 @@ def main():
                       tools=[calculate])
     prefill: list[tuple[int, int]] = []
     (count_trl_prefill if side == "trl" else count_posttrain_prefill)(trainer, prefill)
-    clock = make_step_clock()
-    trainer.add_callback(clock)
-
-    rss_before = rss_mib()
-    start = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - start
-    check_no_peer_imported(side)
-    versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "datasets")}
-    versions[side] = importlib.import_module(side).__version__ if side == "trl" else _posttrain_version()
-    steps = len(clock.end)
-    result = {
-        "side": side, "workload": spec["workload"], "versions": versions,
-        "train_begin": clock.train_begin - start if clock.train_begin else None,
-        "step_begin": [t - start for t in clock.begin], "step_end": [t - start for t in clock.end],
-        "step_cpu_end": clock.cpu_end, "train_seconds": train_seconds, "sft_tokens": [],
-        "samples": per_step(samples, steps), "tool_calls": per_step(tool_calls, steps),
-        "prefill_tokens": per_step(prefill, steps), "completion_tokens": [], "logs": clock.logs,
-        "peak_rss_mib": peak_rss_mib(), "rss_before_train_mib": rss_before,
-        "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
-        "dtype": str(next(trainer.model.parameters()).dtype),
-        "precision": precision(args, trainer.model),
-    }
-    with open(spec["out"], "w") as f:
-        json.dump(result, f)
+    result = train_and_measure(trainer, spec)
+    steps = len(result["step_end"])
+    write_result(spec, {**result, "samples": per_step(samples, steps), "tool_calls": per_step(tool_calls, steps),
+                        "prefill_tokens": per_step(prefill, steps)})
 
 
 if __name__ == "__main__":

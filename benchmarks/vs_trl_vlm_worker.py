@@ -17,15 +17,11 @@ batch with the images expanded (the processor's attention mask), counted in the 
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from vs_trl_worker import (_posttrain_version, check_no_peer_imported, make_step_clock, peak_rss_mib, precision,
-                           rss_mib, trainer_classes)
+from vs_trl_worker import common_args, start, train_and_measure, trainer_classes, write_result
 
 IMAGE_SIZE, PATCH, ROWS = 64, 8, 256
 VISION = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
@@ -78,11 +74,7 @@ def prepare(cache: Path, causal: str) -> tuple[str, str, float]:
 
 
 def main():
-    spec = json.load(open(sys.argv[1]))
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(spec["seed"])
+    spec = start()
     from datasets import Dataset
     from PIL import Image
     from transformers import AutoProcessor
@@ -93,10 +85,7 @@ def main():
     for row in rows:  # PIL images on both sides: the one image type both libraries take
         row["images"] = [Image.open(p).convert("RGB") for p in row["images"]]
     data = Dataset.from_list(rows)
-    common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
-                  save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False,
-                  use_cpu=True, remove_unused_columns=False)
-    args = Config(**common, **cfg)
+    args = Config(**common_args(spec), remove_unused_columns=False, **cfg)
     processor = AutoProcessor.from_pretrained(spec["model"])
     trainer = Trainer(model=spec["model"], args=args, train_dataset=data, processing_class=processor)
     counts: list[int] = []  # real tokens of each batch, images expanded, in the order the trainer asks for them
@@ -108,29 +97,7 @@ def main():
         return out
 
     trainer.data_collator = collate
-    clock = make_step_clock()
-    trainer.add_callback(clock)
-    rss_before = rss_mib()
-    start = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - start
-    peak_rss = peak_rss_mib()
-    check_no_peer_imported(side)
-    versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "datasets")}
-    versions[side] = importlib.import_module(side).__version__ if side == "trl" else _posttrain_version()
-    result = {
-        "side": side, "workload": spec["workload"], "versions": versions,
-        "train_begin": clock.train_begin - start if clock.train_begin else None,
-        "step_begin": [t - start for t in clock.begin], "step_end": [t - start for t in clock.end],
-        "step_cpu_end": clock.cpu_end, "train_seconds": train_seconds, "sft_tokens": counts, "samples": [],
-        "completion_tokens": [], "logs": clock.logs, "peak_rss_mib": peak_rss, "rss_before_train_mib": rss_before,
-        "memory_breakdown": None, "time_profile": None, "op_times": None,
-        **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
-        "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
-        "dtype": str(next(trainer.model.parameters()).dtype), "precision": precision(args, trainer.model),
-    }
-    with open(spec["out"], "w") as f:
-        json.dump(result, f)
+    write_result(spec, {**train_and_measure(trainer, spec), "sft_tokens": counts})
 
 
 if __name__ == "__main__":

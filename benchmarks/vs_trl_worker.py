@@ -227,12 +227,82 @@ def memory_breakdown(prof, largest: int = 10) -> dict:
             "largest_mib": [[size / 2**20, name] for size, name in tensors[:largest]]}
 
 
-def main():
+def start() -> dict:
+    """The run's spec (the JSON file named by the first argument), with torch's thread count and seed set from it."""
     spec = json.load(open(sys.argv[1]))
     import torch
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec["seed"])
+    return spec
+
+
+def common_args(spec: dict) -> dict:
+    """The configuration fields every workload's run gets besides its own: the spec's output folder, steps and seed,
+    a log every step, nothing saved, no progress bar, on CPU (gpu_check.py sets use_cpu False: CUDA)."""
+    return dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
+                save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False,
+                use_cpu=spec.get("use_cpu", True))
+
+
+def train_and_measure(trainer, spec: dict) -> dict:
+    """Run `trainer.train()` under the step clock, and the profilers the spec asks for (`time_profile`, `op_times`,
+    `memory_profile`), and return the result fields every worker writes: the clock's times, peak RSS, the
+    library versions, the arithmetic; the item counts (`sft_tokens`, `samples`, `completion_tokens`) empty, for
+    the worker to fill in."""
+    import torch
+
+    side = spec["side"]
+    clock = make_step_clock()
+    trainer.add_callback(clock)
+    timed = make_time_profile() if spec.get("time_profile") else None
+    op_times = make_op_times() if spec.get("op_times") else None
+    for callback in (timed, op_times):
+        if callback is not None:
+            trainer.add_callback(callback)
+    rss_before = rss_mib()
+    profiler = None
+    if spec.get("memory_profile"):  # slows every step: a run for where memory goes, not for time
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+        profiler.__enter__()
+    start_time = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - start_time
+    peak_rss = peak_rss_mib()  # before the breakdown's own memory
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    check_no_peer_imported(side)
+    versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "datasets")}
+    versions[side] = importlib.import_module(side).__version__ if side == "trl" else _posttrain_version()
+    args, model = trainer.args, trainer.model
+    return {
+        "side": side, "workload": spec["workload"], "versions": versions,
+        "train_begin": clock.train_begin - start_time if clock.train_begin else None,
+        "step_begin": [t - start_time for t in clock.begin], "step_end": [t - start_time for t in clock.end],
+        "step_cpu_end": clock.cpu_end, "train_seconds": train_seconds,
+        "sft_tokens": [], "samples": [], "completion_tokens": [], "logs": clock.logs,
+        "peak_rss_mib": peak_rss, "rss_before_train_mib": rss_before,
+        # on CUDA: the most memory torch's allocator held for tensors (model, optimizer, activations)
+        "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else None,
+        "memory_breakdown": memory_breakdown(profiler) if profiler is not None else None,
+        "time_profile": timed.table if timed is not None else None,
+        "op_times": op_times.table if op_times is not None else None,
+        # posttrain: whether its trainer tuned glibc's malloc (posttrain/accel/memory.py; POSTTRAIN_KEEP_FREED_MEMORY=0 stops it)
+        **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
+        "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
+        "dtype": str(next(model.parameters()).dtype), "precision": precision(args, model),
+    }
+
+
+def write_result(spec: dict, result: dict) -> None:
+    with open(spec["out"], "w") as f:
+        json.dump(result, f)
+
+
+def main():
+    spec = start()
     from datasets import Dataset
 
     side, kind, cfg = spec["side"], spec["trainer"], spec["config"]
@@ -244,12 +314,9 @@ def main():
 
         rows = [{**row, "images": [Image.open(path).convert("RGB") for path in row["images"]]} for row in rows]
     data = Dataset.from_list(rows)
-    common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, report_to="none",
-                  save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False,
-                  use_cpu=spec.get("use_cpu", True))  # gpu_check.py runs it on CUDA
     if kind == "online_dpo" and side == "posttrain":  # TRL's batch counts prompts (2 completions each), ours completions
         cfg = {**cfg, "per_device_train_batch_size": 2 * cfg["per_device_train_batch_size"]}
-    args = Config(**common, **cfg)
+    args = Config(**common_args(spec), **cfg)
 
     counts: list[int] = []  # SFT: real tokens of each batch, in the order the trainer asks for them
     samples: list[int] = []  # GRPO/RLOO: completions scored per reward call
@@ -284,53 +351,8 @@ def main():
             return inner(batch)
 
         trainer.data_collator = collate
-    clock = make_step_clock()
-    trainer.add_callback(clock)
-    timed = make_time_profile() if spec.get("time_profile") else None
-    if timed is not None:
-        trainer.add_callback(timed)
-    op_times = make_op_times() if spec.get("op_times") else None
-    if op_times is not None:
-        trainer.add_callback(op_times)
-
-    rss_before = rss_mib()
-    profiler = breakdown = None
-    if spec.get("memory_profile"):  # slows every step: a run for where memory goes, not for time
-        from torch.profiler import ProfilerActivity, profile
-
-        profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
-        profiler.__enter__()
-    start = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - start
-    peak_rss = peak_rss_mib()  # before the breakdown's own memory
-    if profiler is not None:
-        profiler.__exit__(None, None, None)
-        breakdown = memory_breakdown(profiler)
-    check_no_peer_imported(side)
-    versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "datasets")}
-    versions[side] = importlib.import_module(side).__version__ if side == "trl" else _posttrain_version()
-    result = {
-        "side": side, "workload": spec["workload"], "versions": versions,
-        "train_begin": clock.train_begin - start if clock.train_begin else None,
-        "step_begin": [t - start for t in clock.begin], "step_end": [t - start for t in clock.end],
-        "step_cpu_end": clock.cpu_end,
-        "train_seconds": train_seconds, "sft_tokens": counts, "samples": samples,
-        "completion_tokens": completion_tokens, "logs": clock.logs,
-        "peak_rss_mib": peak_rss, "rss_before_train_mib": rss_before,
-        # on CUDA: the most memory torch's allocator held for tensors (model, optimizer, activations)
-        "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else None,
-        "memory_breakdown": breakdown,
-        "time_profile": timed.table if timed is not None else None,
-        "op_times": op_times.table if op_times is not None else None,
-        # posttrain: whether its trainer tuned glibc's malloc (posttrain/accel/memory.py; POSTTRAIN_KEEP_FREED_MEMORY=0 stops it)
-        **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
-        "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
-        "dtype": str(next(trainer.model.parameters()).dtype),
-        "precision": precision(args, trainer.model),
-    }
-    with open(spec["out"], "w") as f:
-        json.dump(result, f)
+    result = train_and_measure(trainer, spec)
+    write_result(spec, {**result, "sft_tokens": counts, "samples": samples, "completion_tokens": completion_tokens})
 
 
 def check_no_peer_imported(side: str) -> None:

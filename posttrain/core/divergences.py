@@ -17,9 +17,10 @@ form for a teacher known only on a support, a teacher server's): from the two mo
 logits, or from their final hidden states and output layers (`LinearLogits`: the logits are made a block of
 rows at a time and never exist whole), it computes the log-softmax of both models a block of rows at a
 time, optionally restricts them to a top-k support, and returns the per-token divergence (B, T), 0 on
-padding. With gradients, each block is recomputed in the backward pass (activation checkpointing), so the
-temporaries are bounded by `chunk_rows` x V whatever the batch. The sequence-level form is the per-token
-divergence summed over each completion (`sequence_divergence`). `sampled_reverse_kl` is the reverse KL
+padding. With gradients, each block but the last is recomputed in the backward pass (activation checkpointing),
+so the temporaries are bounded by two blocks of `chunk_rows` x V whatever the batch; the last block, which the
+backward meets first, keeps its own (a batch of one block is never recomputed). The sequence-level form is the
+per-token divergence summed over each completion (`sequence_divergence`). `sampled_reverse_kl` is the reverse KL
 estimated on the sampled tokens alone (the self-distillation trainers' "sampled_token" mode).
 
 Top-k support (`top_k > 0`), as TRL's `loss_top_k` describes it: the teacher's k most likely tokens for
@@ -185,8 +186,8 @@ def _part(rows, part: slice):
 def _chunked(block, student, mask: Tensor, others: tuple, chunk_rows: int) -> Tensor:
     """(B, T), 0 off the mask: `block(student_rows, *other_rows)` -> (R,) over the masked-in positions of `student`
     (logits (B, T, V) or LinearLogits) and of each (B, T, ...) tensor in `others` (None passes as None), `chunk_rows`
-    positions at a time. With gradients, each block is recomputed in backward instead of keeping its (rows, V)
-    temporaries (activation checkpointing)."""
+    positions at a time. With gradients, each block but the last is recomputed in backward instead of keeping its
+    (rows, V) temporaries (activation checkpointing); the last one's backward comes first, so it keeps them."""
     where = mask.reshape(-1).bool().nonzero().squeeze(-1)
     s_rows = _flat_rows(student, where)
     o_rows = [None if o is None else _flat_rows(o, where) if isinstance(o, LinearLogits)
@@ -196,10 +197,14 @@ def _chunked(block, student, mask: Tensor, others: tuple, chunk_rows: int) -> Te
     grad = torch.is_grad_enabled() and (probe.requires_grad or (isinstance(student, LinearLogits)
                                                                 and student.weight.requires_grad))
     values = []
-    for start in range(0, where.numel(), chunk_rows):
+    starts = range(0, where.numel(), chunk_rows)
+    for start in starts:
         part = slice(start, start + chunk_rows)
         args = (_part(s_rows, part), *(_part(o, part) for o in o_rows))
-        values.append(checkpoint(block, *args, use_reentrant=False) if grad else block(*args))
+        # the last block is the backward's first: recomputing it would only re-make what it keeps until then, so
+        # it keeps its temporaries (at most two blocks' are held at once); one block of rows is never recomputed
+        recompute = grad and start != starts[-1]
+        values.append(checkpoint(block, *args, use_reentrant=False) if recompute else block(*args))
     out = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
     if values:
         out = out.index_put((where,), torch.cat(values).to(dtype))

@@ -8,7 +8,8 @@
 * `completion_token_logps`: the same rows' per-token log-probs with the whole logits (LD-DPO, WPO).
 * `completion_logits`: the distillation trainers' forward: what scores each completion token of both models,
   the final hidden states with the output layer's weight where it is plain (`core.divergences.LinearLogits`),
-  so that the divergence makes the logits a block of positions at a time.
+  so that the divergence makes the logits a block of positions at a time; rows that share a prompt packed
+  as `completion_logprobs` packs them (`shared_prompts`).
 
 They differ in what comes in (a rollout's prompt and completion tensors, or a collator's rows) and what
 goes out (per-token values with entropies, or sums with mean logits); the forward they share is
@@ -18,6 +19,7 @@ goes out (per-token values with entropies, or sums with mean logits); the forwar
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,8 +27,8 @@ from torch import Tensor
 from posttrain.accel.replay import LinearRecord, replaying
 from posttrain.core.divergences import LinearLogits
 from posttrain.core.log_softmax import length_groups, sequence_logprobs
-from posttrain.forward.logprobs import (attention_kind, last_hidden_states, linear_selective_log_softmax, pack_groups,
-                                        pack_pairs, packed_logps, plain_lm_head, token_logprobs)
+from posttrain.forward.logprobs import (PackedGroups, attention_kind, last_hidden_states, linear_selective_log_softmax,
+                                        pack_groups, pack_pairs, packed_logps, plain_lm_head, token_logprobs)
 from posttrain.forward.vision import IMAGE_GROUP, forward_inputs
 from posttrain.models.modes import unwrap
 
@@ -62,6 +64,51 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     """
     R, C = completion_ids.shape
     P = prompt_ids.shape[1]
+    shared = shared_prompts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision)
+    if shared is None:  # little or no sharing
+        ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+        head = plain_lm_head(unwrap(model), ids)  # fused into the log-softmax where plain: no (R, C, V) logits
+        images = {} if vision is None else forward_inputs(vision, torch.arange(R))
+        with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
+            logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
+                                              with_entropy=with_entropy, exact_positions=True, head=head, **images)
+        return logp, entropy
+    head = plain_lm_head(unwrap(model), shared.packed.input_ids)  # the bare module; the forward keeps any DDP wrapper
+    U, k, rows = shared.prompts, shared.slots, shared.rows
+    images = {} if vision is None else forward_inputs(vision, shared.lead)  # each distinct prompt's images, once
+    with _replayed(replay, shared.layout):
+        logps, entropy, _ = packed_logps(model, shared.packed, head, temperature=temperature,
+                                         with_entropy=with_entropy, **images)
+    return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
+
+
+@dataclass
+class SharedPrompts:
+    """Rows that share prompts, packed one sequence per distinct prompt (`shared_prompts`)."""
+
+    packed: PackedGroups  # U sequences [prompt | block 1 | ... | block k], blocks of C - 1 tokens
+    prompts: int  # U, the distinct prompts
+    slots: int  # k, the most rows of one prompt
+    rows: Tensor  # (R,) the slot of each row in the (U * k) slots, prompt by prompt
+    lead: Tensor  # (U,) a row of each distinct prompt
+    prompt_width: int  # P, the prompt columns of every sequence
+    block: int  # C - 1, the columns of every completion block
+
+    def layout(self, record: LinearRecord, rollout_rows: Tensor) -> Tensor:
+        """Where each packed position is in the sampler's `record`, the rows (R,) being rollout rows `rollout_rows`."""
+        slots = torch.full((self.prompts * self.slots,), -1, dtype=torch.long)  # the rollout row in each slot, or -1
+        slots[self.rows.cpu()] = rollout_rows
+        return record.layout(slots.view(self.prompts, self.slots), self.prompt_width, self.block)
+
+
+def shared_prompts(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+                   vision: dict[str, Tensor] | None = None) -> SharedPrompts | None:
+    """The rows (R, P) / (R, C) packed by prompt (`logprobs.pack_groups`, blocks of C - 1 tokens: a completion's
+    last token scores nothing), when that is estimated cheaper than the plain (R, P + C) forward and `model`'s
+    attention takes a block mask ("sdpa", "eager"); else None. Rows share a prompt when their prompt ids and
+    mask (and image group, with `vision`) agree."""
+    R, C = completion_ids.shape
+    P = prompt_ids.shape[1]
     first: dict[tuple, int] = {}  # prompt -> index of its sequence, by first appearance
     owner, block, taken = [], [], {}  # per row: its sequence and its completion block within it
     keys = torch.cat([prompt_ids, prompt_mask] + ([vision[IMAGE_GROUP][:, None].to(prompt_ids.device)]
@@ -79,14 +126,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         return rows * length * (1 + length / (6 * hidden))
 
     B = C - 1  # a block's input tokens: a completion's last token scores nothing (its logits would score the next)
-    if attn not in ("sdpa", "eager") or k == 1 or cost(U, P + k * B) >= cost(R, P + C):  # little or no sharing
-        ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-        head = plain_lm_head(unwrap(model), ids)  # fused into the log-softmax where plain: no (R, C, V) logits
-        images = {} if vision is None else forward_inputs(vision, torch.arange(R))
-        with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
-            logp, entropy, _ = token_logprobs(model, ids, attention, num_scored=C, temperature=temperature,
-                                              with_entropy=with_entropy, exact_positions=True, head=head, **images)
-        return logp, entropy
+    if attn not in ("sdpa", "eager") or k == 1 or cost(U, P + k * B) >= cost(R, P + C):
+        return None
     device = completion_ids.device
     rows = torch.tensor(owner, device=device) * k + torch.tensor(block, device=device)  # (R,) slot of each row
     lead = torch.zeros(U, dtype=torch.long, device=device)
@@ -96,18 +137,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     slot_mask = torch.zeros(U * k, C, dtype=torch.bool, device=device)
     slot_mask[rows] = completion_mask.bool()
     packed = pack_groups(prompt_ids[lead], prompt_mask[lead], slot_ids.view(U, k, C), slot_mask.view(U, k, C), block=B)
-    head = plain_lm_head(unwrap(model), packed.input_ids)  # on the bare module; the forward keeps any DDP wrapper
-
-    def known(record, rollout_rows):  # the rollout row in each slot, -1 in empty ones
-        slots = torch.full((U * k,), -1, dtype=torch.long)
-        slots[rows.cpu()] = rollout_rows
-        return record.layout(slots.view(U, k), P, B)
-
-    images = {} if vision is None else forward_inputs(vision, lead)  # each distinct prompt's images, once
-    with _replayed(replay, known):
-        logps, entropy, _ = packed_logps(model, packed, head, temperature=temperature, with_entropy=with_entropy,
-                                         **images)
-    return logps.view(U * k, C)[rows], entropy.view(U * k, C)[rows] if with_entropy else None
+    return SharedPrompts(packed, U, k, rows, lead, P, B)
 
 
 def _replayed(replay, layout):
@@ -208,17 +238,28 @@ def completion_token_logps(model, input_ids: Tensor, attention_mask: Tensor, com
     return logps, completion_mask[:, T - K:], logits
 
 
-def completion_logits(model, mb: dict):
+def completion_logits(model, mb: dict,
+                      replay: tuple[LinearRecord, Tensor] | tuple[LinearRecord, Tensor, bool] | None = None):
     """The logits that score each completion token, (B, C, V), or `LinearLogits` (hidden (B, C, H), the output
-    layer's weight) where the output layer is plain (`plain_lm_head`): then no logits are made here."""
+    layer's weight) where the output layer is plain (`plain_lm_head`): then no logits are made here. With a plain
+    output layer, rows that share a prompt go through the model packed (`shared_prompts`: each distinct prompt
+    once), where that is cheaper; the hidden states equal the plain forward's up to float rounding. `replay`: as
+    for `completion_logprobs`, the sampler's record of these rows' linear outputs (the policy's forward only)."""
     ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
     attention = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
     P, C = mb["prompt_ids"].shape[1], mb["completion_ids"].shape[1]
     positions = (attention.long().cumsum(-1) - 1).clamp(min=0)  # left-padded prompts: count real tokens only
     head = plain_lm_head(unwrap(model), ids)
-    if head is not None:
-        hidden = last_hidden_states(model, input_ids=ids, attention_mask=attention, position_ids=positions)
-        return LinearLogits(hidden[:, P - 1:P + C - 1], head.weight)
-    keep = torch.arange(P - 1, P + C - 1, device=ids.device)
-    return model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=keep,
-                 use_cache=False).logits
+    shared = None if head is None else shared_prompts(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                                      mb["completion_mask"])
+    if shared is not None:  # each distinct prompt once: its rows' completions side by side in one sequence
+        with _replayed(replay, shared.layout):
+            hidden = shared.packed.at_scores(last_hidden_states(model, **shared.packed.model_inputs(model)))
+        return LinearLogits(hidden.view(shared.prompts * shared.slots, C, -1)[shared.rows], head.weight)
+    with _replayed(replay, lambda record, rollout_rows: record.layout(rollout_rows[:, None], P, C)):
+        if head is not None:
+            hidden = last_hidden_states(model, input_ids=ids, attention_mask=attention, position_ids=positions)
+            return LinearLogits(hidden[:, P - 1:P + C - 1], head.weight)
+        keep = torch.arange(P - 1, P + C - 1, device=ids.device)
+        return model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=keep,
+                     use_cache=False).logits

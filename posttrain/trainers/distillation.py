@@ -43,6 +43,7 @@ from posttrain.data.tokenize import encode_prompt_completion
 from posttrain.forward.completions import completion_logits
 from posttrain.models import loading
 from posttrain.models.modes import unwrap
+from posttrain.rollout.cpu_backend import keep_record, replay_rows
 from posttrain.rollout.generate import generate
 from posttrain.rollout.teacher_server import TeacherServer
 from posttrain.trainers.online import OnlineTrainer
@@ -65,8 +66,10 @@ class DistillationConfig(OnlineConfig):
     top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling mass of on-policy generation."})
     advantage_estimator: str = field(default="reinforce_pp", metadata={"help": estimator_help(
         "Not used by distillation (no rewards); a one-sample estimator so that num_generations=1 is valid.")})
-    replay_linear_outputs: bool = field(default=False, metadata={"help": "Not used by distillation (the loss "
-                                        "reads logits, not the sampler's linear outputs)."})
+    replay_linear_outputs: bool = field(default=True, metadata={"help": "On-policy batches: the student's training "
+                                        "forward takes its decoder layers' linear outputs from the sampler's record "
+                                        "instead of recomputing them (the engine's option; the teacher's forward "
+                                        "always computes its own)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature, and the temperature of both "
                                "models' softmax in the loss."})
     lmbda: float = field(default=1.0, metadata={"help": "Probability that a generation batch is on-policy (the "
@@ -213,6 +216,12 @@ class DistillationTrainer(OnlineTrainer):
         # frozen, placed (and sharded) as a reference model; with a server, no local teacher
         self.teacher_model = None if args.use_teacher_server else self.make_reference(teacher)
         self._mixing = torch.Generator().manual_seed(args.seed + 15485863)  # the on-/off-policy draws, checkpointed
+        own = [name for name in ("divergence", "compute_loss", "make_experience")
+               if getattr(type(self), name) is not getattr(DistillationTrainer, name)]
+        if own or args.use_teacher_server:
+            # a loss or batch of its own may not hand the record to the student's forward; with teacher servers the
+            # synchronous and asynchronous trainers compute alike: none kept
+            self.replays = False
 
     @staticmethod
     def uses_reference(args) -> bool:
@@ -263,9 +272,10 @@ class DistillationTrainer(OnlineTrainer):
         prompts = [p for p in inputs["prompt"] for _ in range(k)]
         columns = {key: [v for v in values for _ in range(k)] for key, values in inputs["columns"].items()}
         on_policy = bool(torch.rand((), generator=self._mixing) < self.args.lmbda)
-        loss_mask = None
+        loss_mask = record = None
         if on_policy:
             rollout, _ = self.roll_out(inputs, prompts, columns)
+            record = rollout.linear_outputs
             batch = {key: getattr(rollout, key) for key in ("prompt_ids", "prompt_mask", "completion_ids",
                                                             "completion_mask")}
             if rollout.tool_mask is not None:  # fed tool results: context, not trained on
@@ -273,13 +283,20 @@ class DistillationTrainer(OnlineTrainer):
         else:
             batch = self.off_policy_batch(inputs, prompts, columns)
         batch.update(self.teacher_inputs(inputs, prompts, columns))
-        return self.finish_batch(batch, loss_mask, on_policy)
+        return self.finish_batch(batch, loss_mask, on_policy, record)
 
-    def finish_batch(self, batch: dict, loss_mask, on_policy: bool) -> list:
-        """A generation batch's tensors on the device with their loss mask, counted and logged, in micro-batches."""
+    def finish_batch(self, batch: dict, loss_mask, on_policy: bool, record=None) -> list:
+        """A generation batch's tensors on the device with their loss mask, counted and logged, in micro-batches.
+        `record`: the sampler's record of the student's linear outputs for these rows (`accel/replay.py`), or None."""
         device = self.accelerator.device
         batch = {key: value.to(device) for key, value in batch.items()}
         batch["loss_mask"] = (batch["completion_mask"] if loss_mask is None else loss_mask.to(device)).clone()
+        # the sampler's record of linear outputs, kept by the CPU backend for the student's forward while the student
+        # cannot have moved since sampling (`accel/replay.py`); an off-policy batch lets any kept record go
+        record = record if on_policy and self.old_is_current and self.replays else None
+        keep_record(self.policy, record)
+        if record is not None:
+            batch["rollout_row"] = torch.arange(len(batch["loss_mask"]), device=device)
         self._episodes += batch["loss_mask"].shape[0] * self.accelerator.num_processes
         self.record({"on_policy": float(on_policy),
                      "completions/mean_length": batch["loss_mask"].sum(1).float().mean()}, "train")
@@ -291,13 +308,20 @@ class DistillationTrainer(OnlineTrainer):
         args = self.args
         if self.teacher_server is not None:
             return self.server_divergence(model, mb)
-        student = completion_logits(model, mb)
+        student = completion_logits(model, mb, replay=self.student_replay(mb))
         with self.teacher() as teacher:
             target = completion_logits(teacher, mb)
         sampled = mb["completion_ids"] if args.reverse_kl_top_1_mode == "sampled" else None
         return token_divergence(student, target, mb["loss_mask"], "generalized_jsd", beta=args.beta,
                                 temperature=args.temperature, top_k=args.loss_top_k, add_tail=args.loss_add_tail,
                                 sampled_ids=sampled).float()
+
+    def student_replay(self, mb) -> tuple | None:
+        """(record, rollout rows, last use) for the student's forward of micro-batch `mb` when the CPU backend keeps
+        the sampler's record of its rows (on-policy, weights unchanged since sampling), else None."""
+        if not mb.get("old_is_current") or mb.get("rollout_row") is None:
+            return None
+        return replay_rows(self.policy, mb["rollout_row"])
 
     def server_logprobs(self, mb: dict, top_k: int, server: TeacherServer | None = None,
                         temperature: float | None = None) -> dict[str, Tensor]:
@@ -345,7 +369,8 @@ class DistillationTrainer(OnlineTrainer):
         if missing.any():
             raise ValueError(f"the teacher server sent no log-probs for {int(missing.sum())} of {int(mask.sum())} "
                              "completion tokens the loss needs (the sampled tokens' `actual_logprobs` when beta > 0)")
-        return sparse_teacher_divergence(completion_logits(model, mb), mask, index, valid, teacher, "generalized_jsd",
+        student = completion_logits(model, mb, replay=self.student_replay(mb))
+        return sparse_teacher_divergence(student, mask, index, valid, teacher, "generalized_jsd",
                                          beta=args.beta, temperature=self.divergence_temperature(),
                                          add_tail=args.loss_add_tail).float()
 

@@ -127,3 +127,36 @@ def test_sequence_level_form_sums_each_completion():
 def test_beta_out_of_range_is_refused():
     with pytest.raises(ValueError, match="beta=1.5 must be in"):
         generalized_jsd(S, T, beta=1.5)
+
+
+@pytest.mark.parametrize("rows, recomputed", [(4, 0), (10, 2)])
+def test_only_blocks_before_the_last_are_recomputed_in_backward(rows, recomputed):
+    """With gradients, a block's output-layer products are made again in backward (activation checkpointing) for
+    every block but the last, which the backward reaches first: a batch of one block makes each model's logits once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(1, rows, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    th, tw = torch.randn(1, rows, 5, generator=g, dtype=torch.float64), torch.randn(9, 5, generator=g, dtype=torch.float64)
+    mask = torch.ones(1, rows)
+    blocks = -(-rows // 4)
+    with Products() as forward:
+        values = token_divergence(LinearLogits(h, w), LinearLogits(th, tw), mask, beta=0.5, chunk_rows=4)
+    assert forward.count == 2 * blocks  # the student's and the teacher's logits of each block
+    with Products() as backward:
+        values.sum().backward()
+    # per block: the gradients of the hidden states and of the weight (2 products); per recomputed block, both
+    # models' logits again
+    assert backward.count == 2 * blocks + 2 * recomputed
+    plain = token_divergence(h.detach() @ w.detach().t(), th @ tw.t(), mask, beta=0.5)
+    torch.testing.assert_close(values.detach(), plain, rtol=0, atol=1e-12)

@@ -97,3 +97,41 @@ def test_pack_pairs_gives_a_reward_model_the_last_token_states(prompt_len):
             n = int(mask[row].sum())
             alone = model.model(input_ids=ids[row:row + 1, :n]).last_hidden_state[0, -1]
             torch.testing.assert_close(last[row], alone, rtol=1e-9, atol=1e-9)
+
+
+def test_distillation_forward_packs_repeated_prompts_and_matches_the_plain_forward():
+    """`completion_logits` (the distillation trainers' forward of student and teacher) takes rows that repeat a
+    prompt, in any order, as one packed sequence per distinct prompt: the model sees each prompt once, and every
+    completion token gets the hidden state of the plain padded forward, gradients included."""
+    from posttrain.core.divergences import LinearLogits
+    from posttrain.forward.completions import completion_logits, shared_prompts
+
+    model = load_causal_lm("posttrain/tiny-qwen2", dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    P, C = 5, 4
+    prompts, prompt_mask = torch.randint(3, 200, (2, P), generator=g), torch.tensor([[1] * P, [0, 0, 1, 1, 1]])
+    rows = torch.tensor([0, 1, 0, 1, 0])  # as a batch of num_generations=1 over a data set that repeats prompts
+    completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    mb = {"prompt_ids": prompts[rows] * prompt_mask[rows], "prompt_mask": prompt_mask[rows],
+          "completion_ids": torch.randint(3, 200, (5, C), generator=g) * completion_mask,
+          "completion_mask": completion_mask}
+    shared = shared_prompts(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
+    assert (shared.prompts, shared.slots) == (2, 3)
+    plain_lm_head(model, mb["prompt_ids"])  # its one-row check, made (and kept) before counting the forwards
+    seen = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    got = completion_logits(model, mb)
+    hook.remove()
+    assert isinstance(got, LinearLogits) and seen == [(2, P + 3 * (C - 1))]  # one row per distinct prompt
+    ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
+    attention = torch.cat([mb["prompt_mask"], completion_mask], 1)
+    plain = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+                  output_hidden_states=True).hidden_states[-1][:, P - 1:P + C - 1]
+    real = completion_mask.bool()
+    torch.testing.assert_close(got.hidden[real], plain[real], rtol=1e-9, atol=1e-9)
+    w = torch.randn(real.shape + (plain.shape[-1],), generator=g, dtype=torch.float64) * real[..., None]
+    (grad_got,) = torch.autograd.grad((got.hidden * w).sum(), model.model.embed_tokens.weight)
+    (grad_want,) = torch.autograd.grad((plain * w).sum(), model.model.embed_tokens.weight)
+    # float32-level agreement: the tiny model's RMSNorm computes in float32 even for float64 weights, and the packed
+    # backward sums a shared prompt's gradients in another order
+    torch.testing.assert_close(grad_got, grad_want, rtol=1e-6, atol=1e-6 * float(grad_want.abs().max()))

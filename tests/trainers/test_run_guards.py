@@ -176,3 +176,4 @@ def test_a_full_disk_while_writing_the_optimizer_is_said_with_the_path(tmp_path,
                                              r"optimizer.pt \(1 MiB free on that disk\)"):
         trainer.train()
     assert not os.path.exists(tmp_path / "checkpoint-1")
+
