@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.core.divergences import sampled_reverse_kl, token_divergence
+from posttrain.data.collate import pad as pad_rows
 from posttrain.data.tokenize import encode_prompt
 from posttrain.forward.completions import completion_logits, completion_logprobs
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
@@ -172,9 +173,9 @@ class SDFTTrainer(DistillationTrainer):
         if args.max_prompt_length:
             rows = [ids[-args.max_prompt_length - (len(ids) - len(own)):]
                     for ids, own in zip(rows, (encode_prompt(tok, p) for p in prompts))]
-        width, pad = max(map(len, rows)), tok.pad_token_id
-        return {"teacher_prompt_ids": torch.tensor([[pad] * (width - len(r)) + r for r in rows]),
-                "teacher_prompt_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])}
+        pad = tok.pad_token_id
+        return {"teacher_prompt_ids": pad_rows(rows, pad, side="left"),
+                "teacher_prompt_mask": pad_rows([[1] * len(r) for r in rows], 0, side="left")}
 
     def divergence(self, model, mb: dict):
         """Per-token divergence (B, C) between the student on its prompt and the teacher on its own: the generalised

@@ -38,6 +38,7 @@ import torch
 
 from posttrain.core.batch import Experience
 from posttrain.core.masked import aggregate_loss, masked_mean
+from posttrain.data.collate import pad as pad_rows
 from posttrain.data.tokenize import encode_prompt
 from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_config import estimator_help
@@ -189,9 +190,9 @@ class SDPOTrainer(SDFTTrainer):
                      "self_distillation/feedback_available_fraction":
                          sum(isinstance(f, str) and f.strip() != "" for f in feedback) / n,
                      "self_distillation/reprompt_sample_fraction": sum(active) / n}, "train")
-        width, pad = max(map(len, rows)), tok.pad_token_id
-        return {"teacher_prompt_ids": torch.tensor([[pad] * (width - len(r)) + r for r in rows]),
-                "teacher_prompt_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows]),
+        pad = tok.pad_token_id
+        return {"teacher_prompt_ids": pad_rows(rows, pad, side="left"),
+                "teacher_prompt_mask": pad_rows([[1] * len(r) for r in rows], 0, side="left"),
                 "self_distillation_mask": torch.tensor(active, dtype=torch.float32)}
 
     # ------------------------------------------------------------------ loss
