@@ -385,7 +385,8 @@ class DistillationTrainer(OnlineTrainer):
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """The student's samples of the eval prompts (one each, training sampling settings): `eval_loss` the mean
-        per-token divergence to the teacher, and the mean completion length."""
+        per-token divergence to the teacher, and the mean completion length; with named teachers (`eval_terms`),
+        `eval_teacher_loss/<teacher_id>` and `eval_teacher_token_frac/<teacher_id>` per teacher too."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset: give one here or to the trainer")
@@ -393,7 +394,8 @@ class DistillationTrainer(OnlineTrainer):
         acc, bs = self.accelerator, self.args.per_device_eval_batch_size
         mine = [dataset[i] for i in range(acc.process_index, len(dataset), acc.num_processes)]
         sampling = dataclasses.replace(self.sampling, num_generations=1)
-        total, tokens, lengths = 0.0, 0.0, []
+        names = self.eval_teacher_names()  # named teachers: a loss and a token count each
+        sums = torch.zeros(4 + 2 * len(names), dtype=torch.float64)  # loss, tokens, length sum, rows, per teacher
         for s in range(0, len(mine), bs):
             batch = self._collate(mine[s:s + bs])
             rollout = self.sample_completions(batch["prompt_ids"], sampling)
@@ -402,18 +404,35 @@ class DistillationTrainer(OnlineTrainer):
             mb.update({key: value.to(acc.device) for key, value in
                        self.teacher_inputs(batch, batch["prompt"], batch["columns"]).items()})
             mb["loss_mask"] = mb["completion_mask"]
-            total += float(self.divergence(self.policy, mb).sum())
-            tokens += float(mb["loss_mask"].sum())
-            lengths += mb["loss_mask"].sum(1).tolist()
-        sums = torch.tensor([total, tokens, sum(lengths), len(lengths)], dtype=torch.float64, device=acc.device)
+            for name, divergence, mask in self.eval_terms(mb, batch["columns"]):
+                total, tokens = float(divergence.sum()), float(mask.sum())
+                sums[:2] += torch.tensor([total, tokens], dtype=torch.float64)
+                if name is not None:
+                    i = 4 + 2 * names.index(name)
+                    sums[i:i + 2] += torch.tensor([total, tokens], dtype=torch.float64)
+            lengths = mb["completion_mask"].sum(1)
+            sums[2:4] += torch.tensor([float(lengths.sum()), len(lengths)], dtype=torch.float64)
+        sums = sums.to(acc.device)
         if acc.num_processes > 1:
             sums = acc.reduce(sums, reduction="sum")
         p = metric_key_prefix
         metrics = {f"{p}_loss": float(sums[0] / sums[1].clamp(min=1)),
                    f"{p}_completions/mean_length": float(sums[2] / sums[3].clamp(min=1))}
+        for i, name in enumerate(names):  # TRL's teacher_jsd/<id> and teacher_token_frac/<id>, on the eval prompts
+            metrics[f"{p}_teacher_loss/{name}"] = float(sums[4 + 2 * i] / sums[5 + 2 * i]) if sums[5 + 2 * i] else \
+                math.nan
+            metrics[f"{p}_teacher_token_frac/{name}"] = float(sums[5 + 2 * i] / sums[1].clamp(min=1))
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def eval_teacher_names(self) -> list[str]:
+        """The teachers evaluate() reports one by one (none: the one teacher)."""
+        return []
+
+    def eval_terms(self, mb: dict, columns: dict) -> list[tuple[str | None, Tensor, Tensor]]:
+        """(teacher name or None, per-token divergence, its loss mask) of an eval micro-batch: the one teacher."""
+        return [(None, self.divergence(self.policy, mb), mb["loss_mask"])]
 
 
 def no_reward(completions, **kwargs) -> list[float]:

@@ -19,8 +19,10 @@ and the sampled token otherwise, with a tail bucket (`add_tail_bucket`).
 Departures from TRL's AsyncDistillationTrainer: the student samples with posttrain's in-process sampler (TRL: a
 vLLM server fed by weight transfers), a whole generation batch at a time, never more than max_staleness steps
 behind (nothing is dropped), so `vllm_server_base_url`, `weight_sync_timeout`, `token_budget`,
-`max_inflight_tasks`, `queue_maxsize` and `heartbeat_stale_after_s` are not fields here; one process;
-`evaluate()` scores with the first teacher. Staleness is not corrected for (as TRL's: the loss is a divergence, not
+`max_inflight_tasks`, `queue_maxsize` and `heartbeat_stale_after_s` are not fields here; one process.
+`evaluate()` (TRL's trainer has no evaluation of its own) scores each eval row with the teacher its `teacher_id`
+names, or with every teacher when the eval dataset has no such column, and reports each teacher's divergence
+(`eval_teacher_loss/<teacher_id>`, as TRL's training metric `teacher_jsd/<teacher_id>`). Staleness is not corrected for (as TRL's: the loss is a divergence, not
 a ratio).
 """
 
@@ -155,38 +157,64 @@ class AsyncDistillationTrainer(DistillationTrainer):
         k = self.args.num_generations
         columns = {key: [v for v in values for _ in range(k)] for key, values in inputs["columns"].items()}
         start = time.perf_counter()
-        sampled.extra = self.teacher_answers(sampled.rollout, columns.get("teacher_id"))
+        rollout = sampled.rollout
+        sampled.extra = self.teacher_answers({key: getattr(rollout, key) for key in (
+            "prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}, columns.get("teacher_id"))
         self.record({"teacher/request_time": time.perf_counter() - start}, "train")  # kept with the batch in the
         # background thread (online.record), logged when it trains
         return sampled
 
-    def teacher_answers(self, rollout, teacher_ids: list | None) -> dict[str, torch.Tensor]:
-        """`teacher_top_ids`, `teacher_top_logp` (N, C, teacher_top_k), `teacher_sampled_logp` (N, C) of a rollout,
-        each row from the teacher its `teacher_id` names (the only one when there is one)."""
-        names = list(self.teacher_servers)
-        N = rollout.completion_ids.shape[0]
-        if teacher_ids is None:
-            if len(names) > 1:
-                raise ValueError(f"teacher_server_urls names {len(names)} teachers {names}: each row needs a "
-                                 "'teacher_id' column naming its teacher; train_dataset has none")
-            teacher_ids = names * N
-        unknown = [(i, t) for i, t in enumerate(teacher_ids) if t not in self.teacher_servers]
-        if unknown:
-            raise ValueError(f"row {unknown[0][0]}: teacher_id {unknown[0][1]!r} is not one of teacher_server_urls' "
-                             f"names {names}")
-        batch = {key: getattr(rollout, key) for key in ("prompt_ids", "prompt_mask", "completion_ids",
-                                                        "completion_mask")}
+    def teacher_answers(self, batch: dict, teacher_ids: list | None) -> dict[str, torch.Tensor]:
+        """`teacher_top_ids`, `teacher_top_logp` (N, C, teacher_top_k), `teacher_sampled_logp` (N, C) of a batch's
+        prompt and completion ids and masks, each row from the teacher its `teacher_id` names (the only one when
+        there is one)."""
+        N = batch["completion_ids"].shape[0]
+        teacher_ids = self.row_teachers(teacher_ids, N)
         out = None
         for name in dict.fromkeys(teacher_ids):  # each teacher once, with its rows
             rows = torch.tensor([i for i, t in enumerate(teacher_ids) if t == name])
-            got = self.server_logprobs({key: value[rows] for key, value in batch.items()}, self.args.teacher_top_k,
-                                       server=self.teacher_servers[name])
+            got = self.server_logprobs({key: batch[key][rows] for key in ("prompt_ids", "prompt_mask",
+                                                                          "completion_ids", "completion_mask")},
+                                       self.args.teacher_top_k, server=self.teacher_servers[name])
             if out is None:
                 out = {key: value.new_empty((N, *value.shape[1:])) for key, value in got.items()}
             for key, value in got.items():
                 out[key][rows] = value
         return {"teacher_top_ids": out["top_ids"], "teacher_top_logp": out["top_logp"],
                 "teacher_sampled_logp": out["sampled_logp"]}
+
+    def row_teachers(self, teacher_ids: list | None, n: int) -> list[str]:
+        """Each of `n` rows' teacher name: its `teacher_id` (checked), or the only teacher when there is no column."""
+        names = list(self.teacher_servers)
+        if teacher_ids is None:
+            if len(names) > 1:
+                raise ValueError(f"teacher_server_urls names {len(names)} teachers {names}: each row needs a "
+                                 "'teacher_id' column naming its teacher; train_dataset has none")
+            return names * n
+        unknown = [(i, t) for i, t in enumerate(teacher_ids) if t not in self.teacher_servers]
+        if unknown:
+            raise ValueError(f"row {unknown[0][0]}: teacher_id {unknown[0][1]!r} is not one of teacher_server_urls' "
+                             f"names {names}")
+        return list(teacher_ids)
+
+    def eval_teacher_names(self) -> list[str]:
+        return list(self.teacher_servers)
+
+    def eval_terms(self, mb: dict, columns: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Each teacher's divergence on the eval rows whose `teacher_id` names it; without the column, every
+        teacher's on every row (how far the student is from each)."""
+        ids = columns.get("teacher_id")
+        ids = self.row_teachers(ids, len(ids)) if ids is not None else None
+        terms = []
+        for name in self.teacher_servers:
+            rows = [i for i in range(mb["completion_ids"].shape[0]) if ids is None or ids[i] == name]
+            if not rows:
+                continue
+            sub = {key: value[rows] for key, value in mb.items()}
+            sub.update({key: value.to(sub["completion_ids"].device)
+                        for key, value in self.teacher_answers(sub, [name] * len(rows)).items()})
+            terms.append((name, self.divergence(self.policy, sub), sub["loss_mask"]))
+        return terms
 
     @torch.no_grad()
     def make_experience(self, inputs: dict) -> list:

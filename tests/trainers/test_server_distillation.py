@@ -85,6 +85,41 @@ def test_each_teacher_scores_the_rows_that_name_it(tmp_path, tiny_teacher):  # n
     assert all(owner[prompt] == name for name, prompts in seen.items() for prompt in prompts)
 
 
+def test_evaluate_scores_against_every_teacher(tmp_path, tiny_teacher):  # noqa: F811
+    from datasets import Dataset
+
+    from posttrain.models.loading import load_causal_lm
+
+    named = Dataset.from_list([{**row, "teacher_id": "math" if i % 3 else "code"} for i, row in enumerate(reverse(8))])
+    other = load_causal_lm("posttrain/tiny-qwen2").eval()
+    with Served(tiny_teacher) as math, Served(other) as code, Served(tiny_teacher) as math_again:
+        trainer = async_trainer({"math": math.url, "code": code.url, "same": math_again.url}, named,
+                                output_dir=tmp_path, max_staleness=0)
+        seen = {}
+        for name, server in trainer.teacher_servers.items():
+            def spy(sequences, lengths, *a, _name=name, _request=server.sequence_logprobs):
+                seen.setdefault(_name, []).extend(trainer.processing_class.decode(s[:n])
+                                                  for s, n in zip(sequences, lengths))
+                return _request(sequences, lengths, *a)
+            server.sequence_logprobs = spy
+        by_row = trainer.evaluate(named)  # each row against the teacher it names
+        owner = {row["prompt"]: row["teacher_id"] for row in named}
+        assert set(seen) == {"math", "code"} and all(owner[p] == name for name, ps in seen.items() for p in ps)
+        assert by_row["eval_teacher_token_frac/same"] == 0.0 and by_row["eval_teacher_loss/same"] != \
+            by_row["eval_teacher_loss/same"]  # NaN: no row names it
+        fracs = [by_row[f"eval_teacher_token_frac/{t}"] for t in ("math", "code")]
+        assert sum(fracs) == pytest.approx(1.0) and min(fracs) > 0
+        assert by_row["eval_loss"] == pytest.approx(sum(f * by_row[f"eval_teacher_loss/{t}"]
+                                                        for f, t in zip(fracs, ("math", "code"))), rel=1e-6)
+        seen.clear()
+        every = trainer.evaluate(named.remove_columns("teacher_id"))  # no teacher_id: every teacher, every row
+        assert all(sorted(ps) == sorted(owner) for ps in seen.values()) and set(seen) == {"math", "code", "same"}
+    assert every["eval_teacher_loss/math"] == pytest.approx(every["eval_teacher_loss/same"], rel=1e-6)
+    # "code" serves the student's own initial weights: next to no divergence, unlike tiny-llama's
+    assert every["eval_teacher_loss/code"] < 0.01 * every["eval_teacher_loss/math"]
+    assert all(every[f"eval_teacher_token_frac/{t}"] == pytest.approx(1 / 3) for t in ("math", "code", "same"))
+
+
 def test_bad_teacher_ids_and_settings_are_refused(tmp_path, tiny_teacher):  # noqa: F811
     from datasets import Dataset
 
