@@ -123,6 +123,17 @@ WORKLOADS = {
     "gkd": dict(trainer="gkd", data="messages", unit="samples", worker="vs_trl_distill_worker.py",
                 config=dict(per_device_train_batch_size=8, max_new_tokens=32, learning_rate=1e-6, temperature=1.0,
                             lmbda=1.0, beta=0.5)),
+    # GOLD's ULD loss (teacher tokenizer by path: the same vocabulary here), IW-OPD's sampled-token objective, and
+    # SDPO's self-distillation (no teacher model: a reward function picks the successful peers), TRL's experimental
+    "gold": dict(trainer="gold", data="messages", unit="samples", worker="vs_trl_distill_worker.py",
+                 config=dict(per_device_train_batch_size=8, max_completion_length=32, learning_rate=1e-6,
+                             temperature=1.0, top_p=1.0, lmbda=1.0, beta=0.5, use_uld_loss=True)),
+    "iw_opd": dict(trainer="iw_opd", data="messages", unit="samples", worker="vs_trl_distill_worker.py",
+                   config=dict(per_device_train_batch_size=8, max_completion_length=32, learning_rate=1e-6,
+                               temperature=1.0, lmbda=1.0, distillation_objective="iw_opd")),
+    "sdpo": dict(trainer="sdpo", data="prompts", unit="samples", worker="vs_trl_distill_worker.py",
+                 config=dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
+                             learning_rate=1e-6, temperature=1.0, top_p=1.0, shuffle_dataset=False)),
     # vision-language SFT: a LLaVA with SmolLM2's architecture, random weights (vs_trl_vlm_worker.prepare)
     "vlm_grpo": dict(trainer="grpo", data="vlm-rows", unit="samples", model="vlm", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
@@ -298,7 +309,8 @@ def flops_per_item(workload: str, lengths: dict, model: tuple, completion_len: f
     if spec["trainer"] == "ppo":  # policy, and critic (no output layer): two no-grad forwards, then fwd + bwd per epoch
         passes = 2 + 3 * spec["config"]["num_ppo_epochs"]
         return passes * (forward((tokens + 1) / 2) + forward((tokens + 1) / 2, n - output)) * tokens
-    passes = 1 + 3 + (1 if spec["trainer"] in ("rloo", "online_dpo", "distillation", "gkd") else 0)  # + reference / teacher
+    teachers = ("rloo", "online_dpo", "distillation", "gkd", "gold", "iw_opd", "sdpo")  # + reference / teacher
+    passes = 1 + 3 + (1 if spec["trainer"] in teachers else 0)
     return passes * forward((tokens + 1) / 2) * tokens
 
 

@@ -1,4 +1,5 @@
-"""One benchmark run of the distillation or GKD workload by one library: TRL 1.16 or posttrain. Started by vs_trl.py.
+"""One benchmark run of a distillation-family workload (distillation, GKD, GOLD, IW-OPD, SDPO) by one library: TRL
+1.16 or posttrain. Started by vs_trl.py.
 
     python benchmarks/vs_trl_distill_worker.py SPEC.json      # writes the result JSON to SPEC["out"]
 
@@ -11,7 +12,14 @@ TRL's DistillationTrainer is `trl.DistillationTrainer`, its GKDTrainer `trl.expe
 (an SFT-based trainer that reads a `messages` column: the GKD workload's rows are prompt + a short answer,
 which with lmbda=1 only fixes the prompts). Samples per step are the completions the teacher scored: on TRL's side
 the rows its decoder body ran on (a forward pre-hook), on posttrain's the rows of its teacher forwards
-(`completion_logits` without gradients), which pack the completions that share a prompt into one sequence.
+(`completion_logits` / `completion_logprobs` without gradients), which pack the completions that share a prompt
+into one sequence.
+GOLD (`trl.experimental.gold`) reads `messages` rows as GKD and runs its ULD loss (`use_uld_loss=True`) with the
+teacher's tokenizer given by path (the same vocabulary here: every token aligns one to one, but the text
+re-encoding and the grouped sorted-probability loss run on both sides). IW-OPD (`trl.experimental.iw_opd`) is
+the sampled-token importance-weighted objective on the student's samples (of `messages` rows, as TRL's IW-OPD reads them). SDPO (`trl.experimental.sdpo`) has no
+teacher model (its teacher is an EMA of the student shown a successful peer): it gets a reward function instead,
+1.0 for a completion of at least 60 characters, and its samples per step are the completions the reward scored.
 """
 
 from __future__ import annotations
@@ -23,7 +31,12 @@ from vs_trl_worker import common_args, start, train_and_measure, write_result
 
 # kind -> (TRL module, posttrain module, class prefix)
 TRAINERS = {"distillation": ("trl", "posttrain.trainers.distillation", "Distillation"),
-            "gkd": ("trl.experimental.gkd", "posttrain.trainers.gkd", "GKD")}
+            "gkd": ("trl.experimental.gkd", "posttrain.trainers.gkd", "GKD"),
+            "gold": ("trl.experimental.gold", "posttrain.trainers.gold", "GOLD"),
+            "iw_opd": ("trl.experimental.iw_opd", "posttrain.trainers.iw_opd", "IWOPD"),
+            "sdpo": ("trl.experimental.sdpo", "posttrain.trainers.sdpo", "SDPO")}
+# the posttrain modules whose teacher forwards (`completion_logits` / `completion_logprobs` without gradients) count
+TEACHER_FORWARDS = ("posttrain.trainers.distillation", "posttrain.trainers.iw_opd", "posttrain.trainers.gold")
 
 
 def trainer_classes(side: str, kind: str):
@@ -48,6 +61,32 @@ def trl_fields(Config, config: dict) -> dict:
     return {k: v for k, v in config.items() if k in names}
 
 
+def long_enough(completions, **kwargs) -> list[float]:
+    """SDPO's reward: 1.0 for a completion of at least 60 characters (its text, or its last message's content)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(len(t) >= 60) for t in texts]
+
+
+def count_teacher_rows(side: str, teacher, scored: list) -> None:
+    """Append to `scored` the rows of each teacher forward: posttrain's (packed) teacher calls, TRL's decoder."""
+    import torch
+
+    if side == "trl":
+        teacher.get_decoder().register_forward_pre_hook(
+            lambda module, a, kw: scored.append((kw.get("input_ids") if kw.get("input_ids") is not None
+                                                 else kw["inputs_embeds"]).shape[0]), with_kwargs=True)
+        return
+    for name in TEACHER_FORWARDS:  # its teacher's forward packs the rows that share a prompt: the completions scored
+        module = importlib.import_module(name)
+        for fn in ("completion_logits", "completion_logprobs"):
+            if hasattr(module, fn):
+                def counted(model, mb, *a, _inner=getattr(module, fn), **kwargs):
+                    if not torch.is_grad_enabled():  # the teacher's forward (the student's trains with gradients)
+                        scored.append((mb if isinstance(mb, torch.Tensor) else mb["completion_ids"]).shape[0])
+                    return _inner(model, mb, *a, **kwargs)
+                setattr(module, fn, counted)
+
+
 def build(spec: dict):
     """(trainer, rows the teacher scored per call)."""
     import torch
@@ -56,30 +95,25 @@ def build(spec: dict):
 
     side, kind = spec["side"], spec["trainer"]
     Config, Trainer = trainer_classes(side, kind)
-    args = Config(**common_args(spec), **trl_fields(Config, spec["config"]) if side == "trl" else spec["config"])
+    config = dict(spec["config"])
+    if kind == "gold":  # the teacher's tokenizer, by path (TRL's GOLD loads it from there)
+        config["teacher_tokenizer_name_or_path"] = spec["models"]["teacher"]
+    args = Config(**common_args(spec), **trl_fields(Config, config) if side == "trl" else config)
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    data = Dataset.from_list(json.load(open(spec["data"])))
+    scored: list[int] = []
+    if kind == "sdpo":  # self-distillation: no teacher model; the samples are the completions the reward scored
+        def reward(completions, **kwargs):
+            scored.append(len(completions))
+            return long_enough(completions)
+        return Trainer(model=spec["model"], reward_funcs=[reward], args=args, train_dataset=data,
+                       processing_class=tokenizer), scored
     teacher = AutoModelForCausalLM.from_pretrained(spec["models"]["teacher"], dtype=torch.float32)
     if side == "posttrain":  # its one-row check that the output layer is plain, made here: not a sample
         from posttrain.forward.logprobs import plain_lm_head
 
         plain_lm_head(teacher, torch.zeros(1, 8, dtype=torch.long))
-    scored: list[int] = []
-    if side == "posttrain":  # its teacher's forward packs the rows that share a prompt: the completions it scored
-        import posttrain.trainers.distillation as distillation
-
-        inner = distillation.completion_logits
-
-        def counted(model, mb, **kwargs):
-            if not torch.is_grad_enabled():  # the teacher's forward (the student's trains with gradients)
-                scored.append(mb["completion_ids"].shape[0])
-            return inner(model, mb, **kwargs)
-
-        distillation.completion_logits = counted
-    else:
-        teacher.get_decoder().register_forward_pre_hook(
-            lambda module, a, kw: scored.append((kw.get("input_ids") if kw.get("input_ids") is not None
-                                                 else kw["inputs_embeds"]).shape[0]), with_kwargs=True)
-    data = Dataset.from_list(json.load(open(spec["data"])))
+    count_teacher_rows(side, teacher, scored)
     trainer = Trainer(model=spec["model"], teacher_model=teacher, args=args, train_dataset=data,
                       processing_class=tokenizer)
     return trainer, scored
