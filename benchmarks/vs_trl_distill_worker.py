@@ -17,9 +17,10 @@ into one sequence.
 GOLD (`trl.experimental.gold`) reads `messages` rows as GKD and runs its ULD loss (`use_uld_loss=True`) with the
 teacher's tokenizer given by path (the same vocabulary here: every token aligns one to one, but the text
 re-encoding and the grouped sorted-probability loss run on both sides). IW-OPD (`trl.experimental.iw_opd`) is
-the sampled-token importance-weighted objective on the student's samples (of `messages` rows, as TRL's IW-OPD reads them). SDPO (`trl.experimental.sdpo`) has no
-teacher model (its teacher is an EMA of the student shown a successful peer): it gets a reward function instead,
-1.0 for a completion of at least 60 characters, and its samples per step are the completions the reward scored.
+the sampled-token importance-weighted objective on the student's samples of the `messages` rows' prompts (TRL's
+IW-OPD reads that column). SDPO (`trl.experimental.sdpo`) has no teacher model (its teacher is an EMA of the
+student shown a successful peer): it gets a reward function instead, 1.0 for a completion of at least 60
+characters, and its samples per step are the completions the reward scored.
 """
 
 from __future__ import annotations

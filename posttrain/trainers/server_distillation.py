@@ -22,8 +22,8 @@ behind (nothing is dropped), so `vllm_server_base_url`, `weight_sync_timeout`, `
 `max_inflight_tasks`, `queue_maxsize` and `heartbeat_stale_after_s` are not fields here; one process.
 `evaluate()` (TRL's trainer has no evaluation of its own) scores each eval row with the teacher its `teacher_id`
 names, or with every teacher when the eval dataset has no such column, and reports each teacher's divergence
-(`eval_teacher_loss/<teacher_id>`, as TRL's training metric `teacher_jsd/<teacher_id>`). Staleness is not corrected for (as TRL's: the loss is a divergence, not
-a ratio).
+(`eval_teacher_loss/<teacher_id>`, as TRL's training metric `teacher_jsd/<teacher_id>`). Staleness is not
+corrected for (as TRL's: the loss is a divergence, not a ratio).
 """
 
 from __future__ import annotations
