@@ -1,7 +1,6 @@
 """MaxRL: the p-normalised advantage by hand and in float64 (1/p weighting of log p's gradient), the preset's
 defaults, every parameter trains, resume, the CLI."""
 
-import pytest
 import torch
 from tests.helpers.online import ONLINE_METRICS, first_token_reward, online_args, prompts, train_and_check
 from tests.helpers.resume import assert_resumes_identically
