@@ -244,7 +244,7 @@ def test_online_dpo_workload_runs_on_posttrain_with_trls_batch_meaning(tmp_path)
     assert all(0 < n <= 4 for n in result["completion_tokens"])
     summary = vs_trl.summarise(result, "samples")
     assert vs_trl.same_work("online_dpo", summary, summary)[0]
-@pytest.mark.parametrize("workload", ["distillation", "gkd"])
+@pytest.mark.parametrize("workload", ["distillation", "gkd", "gold", "iw_opd"])
 def test_distillation_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch, workload):
     # the worker's posttrain side on the tiny models, 2 steps: the trainer builds from the workload's TRL-named
     # config, the teacher's decoder runs on every completion of a step, and the result holds what vs_trl reads
@@ -254,11 +254,11 @@ def test_distillation_workloads_run_on_the_posttrain_side(tmp_path, monkeypatch,
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     worker = importlib.import_module("vs_trl_distill_worker")
     rows = [{"prompt": [{"role": "user", "content": p}]} for p in vs_trl.PROMPTS] * 8
-    if workload == "gkd":
+    if vs_trl.WORKLOADS[workload]["data"] == "messages":
         rows = [{"messages": r["prompt"] + [{"role": "assistant", "content": "Sure."}]} for r in rows]
     (tmp_path / "data.json").write_text(json.dumps(rows))
     config = {**vs_trl.WORKLOADS[workload]["config"], "per_device_train_batch_size": 4}
-    config["max_completion_length" if workload == "distillation" else "max_new_tokens"] = 4
+    config["max_new_tokens" if workload == "gkd" else "max_completion_length"] = 4
     spec = {"side": "posttrain", "workload": workload, "trainer": vs_trl.WORKLOADS[workload]["trainer"],
             "config": config, "model": resolve("posttrain/tiny-qwen2"),
             "models": {"teacher": resolve("posttrain/tiny-llama")}, "data": str(tmp_path / "data.json"), "steps": 2,
