@@ -66,9 +66,12 @@ class CPUDecoder(ModelForward):
         self._patched.enter_context(few_rows.few_rows_linears(self.net) if few_rows.available()
                                     else transposed_head(self.net))
 
-    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
+    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor,
+             embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
         if self.lean is None:
-            return super().step(tokens, t, attention, positions)
+            return super().step(tokens, t, attention, positions, embeds)
+        if embeds is not None:  # the lean step serves text-only Llama/Qwen2-style models: never a tool image
+            raise ValueError("the lean decoding step feeds token ids only, not a tool image's features")
         record = self.linear_outputs
         outputs = None if record is None else torch.empty(len(self.lean.linears), len(tokens), self.lean.record_width)
         logits = self.lean.step(tokens, t, attention, self.cache, record=outputs)
