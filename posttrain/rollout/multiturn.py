@@ -77,10 +77,8 @@ class Episodes:
         jobs = []  # (position in rows, row, the turn's message, its calls, parse errors)
         eos = self.tokenizer.eos_token_id
         for j, (i, ids) in enumerate(zip(rows, tokens)):
-            text = self.tokenizer.decode(ids[self.start[i]:], skip_special_tokens=True)
-            message = assistant_turn(text, self.max_call_chars)
+            message, calls, errors = self.read_turn(i, self.tokenizer.decode(ids[self.start[i]:], skip_special_tokens=True))
             self.turns[i].append(message)
-            calls, errors = parse_tool_calls(text, self.max_call_chars)
             # Only a turn closed by EOS continues: the template's continuation starts after that EOS, and a
             # stop string or stop token ends the completion as it does in a single-turn rollout.
             if ids and ids[-1] == eos and (calls or errors) and self.iterations[i] < self.max_iterations:
@@ -99,6 +97,11 @@ class Episodes:
             self.turns[i] += messages
             self.start[i] = len(tokens[j]) + len(out[j][0] if isinstance(out[j], tuple) else out[j])
         return out
+
+    def read_turn(self, i: int, text: str) -> tuple[dict, list[dict], list[str]]:
+        """Row i's sampled turn, as text -> (its assistant message, its well-formed tool calls, its parse errors)."""
+        calls, errors = parse_tool_calls(text, self.max_call_chars)
+        return assistant_turn(text, self.max_call_chars), calls, errors
 
     def _continuation(self, i: int, messages: list[dict]) -> list[int] | tuple[list[int], dict]:
         """Row i's ids after its turn when `messages` (tool results) follow; with images, (ids, their tensors)."""
