@@ -31,6 +31,13 @@ vision tower encodes a prompt's images once whatever num_generations, the steps 
 from the cache, and the rollout keeps each row's images (`Rollout.vision`, `forward/vision.py`) for the
 training forward. A VLM's image tokens are suppressed (`SamplingConfig.suppress_token_ids`).
 
+Tool images: for a tool result with images `continue_turn` returns (ids, the images' processor outputs). The
+backend computes the images' features once (`SamplerBackend.image_embeddings`) and each image token is fed as
+its feature, where the model's forward would place it; the rollout's `vision` then holds each row's prompt
+images followed by its tool images, in the order fed, for the training forward, so the log-probs of sampling and
+training agree. Such a turn that does not fit whole in the row's remaining `max_new_tokens` is not fed (a cut
+would leave features without their tokens): the row ends there, truncated.
+
 `forward.completions.completion_logprobs` is the teacher-forced counterpart the trainers use: the
 log-probs of given completions, computing each distinct prompt once per forward (with gradients under
 autograd). With `generate(..., record_linears=True)` the sampler also keeps every decoder layer's linear
@@ -214,14 +221,8 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
 
     continue_turn: multi-turn rollouts (`rollout.multiturn`). Called as `continue_turn(rows, tokens)` with
     the rows that stopped at this step and each one's tokens so far; returns per row None (the row
-    finishes) or the token ids to feed next (a tool result and the next assistant header). Those ids
-    are fed one per step, as if sampled, so they go into the row's own KV cache after its earlier
-    tokens (nothing is prefilled again) while the other rows go on decoding; `tool_mask` marks them.
-    For a tool result with images (a vision-language model) it returns (ids, the images' processor outputs):
-    the backend computes the images' features once (`image_embeddings`) and each image token is fed as its
-    feature, as the model's forward places them; the rollout's `vision` then holds each row's prompt images
-    followed by its tool images, in order, for the training forward. Such a turn that does not fit whole in
-    the row's remaining `max_new_tokens` is not fed: the row ends there, truncated.
+    finishes) or the ids to feed next (a tool result and the next assistant header; images: "Tool images"
+    above), fed one per step, as if sampled, into the row's own KV cache (nothing is prefilled again); `tool_mask`.
     """
     _check_inputs(prompt_ids, sampling, tokenizer, vision)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -239,8 +240,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     finished = torch.zeros(N, dtype=torch.bool, device=device)
     tokens, logps, masks, fed_masks = [], [], [], []
     history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings and continue_turn
-    feeds = _Feeds(N)  # ids (and tool images' features) still to feed (continue_turn)
-    step_embeds: dict[int, Tensor] = {}  # row -> the input embedding of the token fed last step, for a tool image
+    feeds = _Feeds(N, backend, max_new)  # ids (and tool images' features) still to feed (continue_turn)
     with backend:
         # 1. prefill: each prompt once -> (B, V) logits after its last token
         logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0),
@@ -253,13 +253,13 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         for t in range(max_new):
             if t:  # 3. step: feed each decoded row its last token (t - 1), for the logits of token t
                 logits = backend.step(tokens[-1][rows], t - 1, attention[:, : P + t], next_position + (t - 1),
-                                      **_fed_embeddings(step_embeds, rows))
+                                      **feeds.fed_embeddings(rows))
 
             # 4. sample: from the penalised, filtered distribution; the log-prob is under softmax(logits / T)
             # one uniform per row, decoded or not: a row's draws depend only on the seed
             u = torch.rand(N, generator=generator, device=gen_device).to(device)[rows] if sampling.do_sample else None
             alive = ~finished
-            token, logp, fed, step_embeds = _sample_step(logits, sampling, seen, u, rows, alive, pad_token_id, feeds)
+            token, logp, fed = _sample_step(logits, sampling, seen, u, rows, alive, pad_token_id, feeds)
             if seen is not None:
                 seen[rows, token[rows]] = True
             tokens.append(token)
@@ -269,8 +269,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
 
             # 5. stop: EOS, a stop token or a stop string; a fed EOS closes a tool turn, not the completion, and
             # a row whose turn ended goes on when continue_turn gives it ids to feed
-            stopped = _stopped(token, alive, fed, stop_ids, history, t, sampling, tokenizer, continue_turn,
-                               (feeds, backend, max_new))
+            stopped = _stopped(token, alive, fed, stop_ids, history, t, sampling, tokenizer, continue_turn, feeds)
             finished = finished | (stopped & alive)
             num_finished = int(finished.sum())  # the loop's one host sync per step
             if t == max_new - 1 or not (_any_rank(num_finished < N, device) if backend.lockstep else num_finished < N):
@@ -296,8 +295,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         is_truncated=~finished | feeds.cut.to(device),
         linear_outputs=backend.linear_outputs,
         tool_mask=torch.stack(fed_masks, dim=1).long() if continue_turn is not None else None,
-        vision=None if vision is None and not any(feeds.images) else row_inputs(vision or [{}] * B, G,
-                                                                                  tool_images=feeds.images),
+        vision=feeds.row_images(vision, B, G),
     )
 
 
@@ -307,45 +305,57 @@ class _Feeds:
     `SamplerBackend.image_embeddings`, computed once when the turn is given); each row's tool images (their
     processor outputs, in order) are kept for the training forward (`forward.vision.row_inputs`)."""
 
-    def __init__(self, N: int):
+    def __init__(self, N: int, backend: SamplerBackend, max_new: int):
+        self.backend, self.max_new = backend, max_new  # what computes tool images' features; max_new_tokens
         self.ids: dict[int, list[int]] = {}
         self.embeds: dict[int, list[Tensor | None]] = {}
+        self.last: dict[int, Tensor] = {}  # row -> the embedding of the tool image token fed at the last step
         self.images: list[list[dict[str, Tensor]]] = [[] for _ in range(N)]
         self.cut = torch.zeros(N, dtype=torch.bool)  # rows ended because a tool turn's images did not fit
 
-    def give(self, backend: SamplerBackend, row: int, more, room: int) -> bool:
-        """Queue `more` (ids, or (ids, the tool images' processor outputs)) for `row`, which has `room` completion
-        tokens left; returns whether the row goes on. A tool turn with images that does not fit whole is not fed
-        (the cut would leave image features without their tokens): the row ends there, truncated."""
+    def give(self, row: int, more, t: int) -> bool:
+        """Queue `more` (ids, or (ids, the tool images' processor outputs)) for `row`, whose turn ended at step t;
+        returns whether the row goes on. A tool turn with images that does not fit whole in the completion is not
+        fed (the cut would leave image features without their tokens): the row ends there, truncated."""
         ids, images = more if isinstance(more, tuple) else (more, None)
         if not ids:
             return False
         if images:
-            if len(ids) > room:
+            if len(ids) > self.max_new - t - 1:
                 self.cut[row] = True
                 return False
-            self.embeds[row] = backend.image_embeddings(list(ids), images)
+            self.embeds[row] = self.backend.image_embeddings(list(ids), images)
             self.images[row].append(images)
         self.ids[row] = list(ids)
         return True
 
-    def pop(self, row: int) -> tuple[int, Tensor | None]:
-        """The row's next id to feed, and the embedding to feed in its place (or None: the id's own)."""
+    def row_images(self, vision: list[dict[str, Tensor]] | None, B: int, G: int) -> dict[str, Tensor] | None:
+        """`Rollout.vision`: each row's prompt images (`vision`, per prompt) and then its tool images; None when
+        there are neither."""
+        if vision is None and not any(self.images):
+            return None
+        return row_inputs(vision or [{}] * B, G, tool_images=self.images)
+
+    def pop(self, row: int) -> int:
+        """The row's next id to feed; its embedding, when it is fed as one (a tool image's token), goes to `last`."""
         token = self.ids[row].pop(0)
         embed = self.embeds[row].pop(0) if row in self.embeds else None
+        if embed is not None:
+            self.last[row] = embed
         if not self.ids[row]:
             del self.ids[row]
             self.embeds.pop(row, None)
-        return token, embed
+        return token
 
-
-def _fed_embeddings(embeds: dict[int, Tensor], rows: Tensor) -> dict:
-    """`SamplerBackend.step`'s `embeds` for this step ({} when no tool image token is fed): which of the decoded
-    rows `rows` (A,) take an embedding instead of their token's, and those embeddings in the rows' order."""
-    if not embeds:
-        return {}
-    which = torch.isin(rows, torch.tensor(list(embeds), device=rows.device))
-    return {"embeds": (which, torch.stack([embeds[r] for r in rows[which].tolist()]))}
+    def fed_embeddings(self, rows: Tensor) -> dict:
+        """`SamplerBackend.step`'s `embeds` for the tokens fed at the last step ({} when none is a tool image's):
+        which of the decoded rows `rows` (A,) take an embedding instead of their token's, and those embeddings in
+        the rows' order."""
+        last, self.last = self.last, {}
+        if not last:
+            return {}
+        which = torch.isin(rows, torch.tensor(list(last), device=rows.device))
+        return {"embeds": (which, torch.stack([last[r] for r in rows[which].tolist()]))}
 
 
 def _prompt_batch(prompt_ids: list[list[int]], pad_token_id: int, G: int, max_new: int, device: torch.device):
@@ -381,10 +391,9 @@ def _prompt_tokens_seen(prompt_rows: Tensor, prompt_mask: Tensor, V: int) -> Ten
 
 
 def _sample_step(logits: Tensor, sampling: SamplingConfig, seen: Tensor | None, u: Tensor | None, rows: Tensor,
-                 alive: Tensor, pad_token_id: int, feeds: _Feeds) -> tuple[Tensor, Tensor, Tensor, dict[int, Tensor]]:
+                 alive: Tensor, pad_token_id: int, feeds: _Feeds) -> tuple[Tensor, Tensor, Tensor]:
     """Phase 4 of `generate`: (N,) token of every row (pad where finished; the next fed id where `feeds` has
-    one), its log-prob under softmax(logits / T) (the decoded rows' `logits` (A, V)), which rows were fed, and
-    {row: embedding} of the fed tool image tokens (fed as those embeddings at the next step)."""
+    one), its log-prob under softmax(logits / T) (the decoded rows' `logits` (A, V)), and which rows were fed."""
     N, device = len(alive), logits.device
     scaled = logits.float()
     if sampling.temperature != 1.0:
@@ -394,21 +403,16 @@ def _sample_step(logits: Tensor, sampling: SamplingConfig, seen: Tensor | None, 
     token = torch.where(alive, token, pad_token_id)
     logp = torch.zeros(N, device=device).index_copy_(0, rows, selective_log_softmax(scaled, picked))
     fed = torch.zeros(N, dtype=torch.bool, device=device)
-    embeds = {}
     for i in list(feeds.ids):  # rows inside a tool result take its next id instead of their sample
-        token[i], embed = feeds.pop(i)
-        fed[i] = True
-        if embed is not None:
-            embeds[i] = embed
-    return token, logp, fed, embeds
+        token[i], fed[i] = feeds.pop(i), True
+    return token, logp, fed
 
 
 def _stopped(token: Tensor, alive: Tensor, fed: Tensor, stop_ids: Tensor, history: list[list[int]], t: int,
-             sampling: SamplingConfig, tokenizer, continue_turn, feeding: tuple[_Feeds, SamplerBackend, int]) -> Tensor:
+             sampling: SamplingConfig, tokenizer, continue_turn, feeds: _Feeds) -> Tensor:
     """Phase 5 of `generate`: (N,) rows whose completion ends at step t (EOS, a stop token, a stop string; not
     a fed token). Appends each row's token to `history` where that is kept; a row whose turn ended and that
-    `continue_turn` gives ids to feed goes on, its ids queued in `feeding` (the feeds, the backend that computes
-    tool images' features, max_new_tokens)."""
+    `continue_turn` gives ids to feed goes on, its ids queued in `feeds`."""
     stopped = torch.isin(token, stop_ids) if len(stop_ids) else torch.zeros_like(alive)
     if sampling.stop_strings or continue_turn is not None:
         for row, tok in zip(history, token.tolist()):
@@ -423,9 +427,8 @@ def _stopped(token: Tensor, alive: Tensor, fed: Tensor, stop_ids: Tensor, histor
     stopped &= ~fed
     if continue_turn is not None and bool((stopped & alive).any()):
         ended = (stopped & alive).nonzero().flatten().tolist()
-        feeds, backend, max_new = feeding
         for i, more in zip(ended, continue_turn(ended, [history[i][:t + 1] for i in ended])):
-            if feeds.give(backend, i, more, max_new - t - 1):
+            if feeds.give(i, more, t):
                 stopped[i] = False
     return stopped
 
