@@ -249,7 +249,7 @@ def _finish(name: str, thread: threading.Thread, box: dict, timeout: float,
                 f"tool {name!r} returned an image ({type(box['value']).__name__}), but this model reads text only: "
                 "its tool results are fed as the chat template's text tokens, so the pixels would never reach it; "
                 "return text from the tool (e.g. a description of the image), or train a vision-language model "
-                "with its processor, whose rollouts feed tool images (docs/tools.md)")
+                "with its processor, whose rollouts feed tool images (docs/vision.md)")
         content, error = image_content(name, box["value"], max_result_chars)
         return {"role": "tool", "name": name, "content": content}, error
     else:
