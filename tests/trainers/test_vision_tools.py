@@ -73,7 +73,8 @@ def scripted(trainer):
         return out
 
     trainer.tooling.episodes = episodes
-    trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=tuple(range(len(trainer.processing_class.tokenizer))))
+    every_token = tuple(range(len(trainer.processing_class.tokenizer)))
+    trainer.sampling = dataclasses.replace(trainer.sampling, stop_token_ids=every_token)
     return trainer
 
 
@@ -81,9 +82,9 @@ def grpo(**fields):
     """GRPO on the tiny VLM with the zoom environment, scripted to call it: 2 completions per prompt, room for the
     1-token call, the 34-token tool turn and a 1-token answer."""
     overrides = {key: fields.pop(key) for key in list(fields) if key not in run_fields("", 0, 1)}
-    args = GRPOConfig(**{**online_args(fields["output_dir"], num_generations=2, per_device_train_batch_size=2,
-                                       gradient_accumulation_steps=1, max_completion_length=40, max_tool_calling_iterations=1, beta=0.1),
-                         **overrides, **fields})
+    small = online_args(fields["output_dir"], num_generations=2, per_device_train_batch_size=2,
+                        gradient_accumulation_steps=1, max_completion_length=40, max_tool_calling_iterations=1, beta=0.1)
+    args = GRPOConfig(**{**small, **overrides, **fields})
     return scripted(GRPOTrainer(VLM, zooms_reward, args=args, train_dataset=image_prompts(),
                                 environment_factory=ZoomEnv))
 
