@@ -89,22 +89,16 @@ def grpo(**fields):
                                 environment_factory=ZoomEnv))
 
 
-def test_grpo_feeds_tool_images_and_trains(tmp_path):
-    trainer = grpo(output_dir=str(tmp_path), max_steps=1)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    logged = {k: v for entry in trainer.state.log_history for k, v in entry.items()}
-    assert logged["tools/calls_per_completion"] > 0 and logged["tools/failure_rate"] == 0
-    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
-    assert any("language_model" in n for n in moved) and any("vision_tower" in n for n in moved)
-    # the generation batch's rows: those that called the tool hold two images (the prompt's, the crop)
-    counts = torch.cat([mb[PIXELS + "pixel_values.count"] for mb in trainer.experience])
-    assert counts.max() == 2 and counts.min() >= 1
-
-
-def test_grpo_with_tool_images_resumes_after_sigkill(tmp_path):
+def test_grpo_feeds_tool_images_trains_and_resumes_after_sigkill(tmp_path):
     full = grpo(**run_fields(tmp_path / "full", 2, 1))
+    before = {n: p.detach().clone() for n, p in full.model.named_parameters()}
     full.train()
+    logged = {k: v for entry in full.state.log_history for k, v in entry.items()}
+    assert logged["tools/calls_per_completion"] > 0 and logged["tools/failure_rate"] == 0
+    moved = {n for n, p in full.model.named_parameters() if not torch.equal(p, before[n])}
+    assert any("language_model" in n for n in moved) and any("vision_tower" in n for n in moved)
+    # the generation batch's rows called the tool: each holds two images (the prompt's, the zoom)
+    assert torch.cat([mb[PIXELS + "pixel_values.count"] for mb in full.experience]).tolist() == [2, 2]
     expected_state, expected_logs = trained_state(full), logged_numbers(full, 1)
     del full
     killed_at_save(tmp_path, os.path.dirname(__file__), "from test_vision_tools import grpo",
