@@ -448,6 +448,13 @@ class BaseTrainer(Trainer):
         if hasattr(model, "add_model_tags"):
             model.add_model_tags([tag for tag in dict.fromkeys(("posttrain", self._tag))])
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        # transformers computes the step's gradient norm (clipped or not) just before on_pre_optimizer_step: kept
+        # for `FiniteGuard`, which a finite norm spares its own pass over the gradients
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._step_grad_norm = grad_norm
+        return grad_norm
+
     def create_optimizer(self, model=None):
         # transformers 5.0's create_optimizer takes no model (later 5.x releases: an optional one)
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()

@@ -361,6 +361,11 @@ class FiniteGuard(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if getattr(self.trainer.accelerator, "scaler", None) is not None:
             return  # float16 loss scaling: an overflowing step is expected, and skipped by the scaler itself
+        # the norm transformers took of every gradient this step (`BaseTrainer._get_grad_norm`): a NaN or an
+        # infinity in any gradient makes it non-finite, so a finite one needs no pass of our own
+        norm, self.trainer._step_grad_norm = getattr(self.trainer, "_step_grad_norm", None), None
+        if norm is not None and math.isfinite(float(norm)):
+            return
         if name := first_non_finite((n, p.grad) for n, p in self._trained()):
             raise NonFiniteError(
                 f"step {state.global_step + 1}: the gradient of {name} is NaN or infinite (the loss or a reward "
