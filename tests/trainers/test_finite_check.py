@@ -32,3 +32,23 @@ def test_random_tensors_agree_with_isfinite():
             t[int(torch.randint(0, len(t), (1,), generator=gen))] = float("nan") if trial % 2 else float("inf")
         assert first_non_finite(named) == _expected(named), trial
     assert first_non_finite([("empty", torch.zeros(0)), ("none", None)]) is None
+
+
+def test_guard_takes_the_steps_finite_gradient_norm_instead_of_its_own_pass(tmp_path):
+    from types import SimpleNamespace
+
+    from posttrain.trainers.guards import FiniteGuard, NonFiniteError
+
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad, model.bias.grad = torch.ones(2, 3), torch.tensor([1.0, float("nan")])
+    trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(scaler=None))
+    guard, args, state = FiniteGuard(trainer), SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=0)
+    trainer._step_grad_norm = torch.tensor(2.5)  # the norm transformers took: finite, so the guard does not look
+    guard.on_pre_optimizer_step(args, state, None)
+    assert trainer._step_grad_norm is None  # used once: the next step's guard looks unless it gets a new norm
+    with pytest.raises(NonFiniteError, match="bias"):
+        guard.on_pre_optimizer_step(args, state, None)
+    for norm in (float("nan"), torch.tensor(float("inf"))):  # a non-finite norm: the guard's own pass names the tensor
+        trainer._step_grad_norm = norm
+        with pytest.raises(NonFiniteError, match="gradient of bias"):
+            guard.on_pre_optimizer_step(args, state, None)
