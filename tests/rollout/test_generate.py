@@ -181,6 +181,19 @@ def test_top_p_by_radix_sort_equals_torch_sort():
                                torch_sort_top_p(logits, top_p).isfinite())
 
 
+def test_top_p_samples_equal_those_of_torch_sort(model, tok, prompt_ids, monkeypatch):
+    from posttrain.rollout import generate as generate_module
+
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.3, top_p=0.9, num_generations=3)
+    kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    radix = [generate(model, prompt_ids, sampling, generator=torch.Generator().manual_seed(s), **kw) for s in range(3)]
+    monkeypatch.setattr(generate_module, "sort_descending",
+                        lambda x: (*torch.sort(x, dim=-1, descending=True), False))
+    for s, r in enumerate(radix):
+        ref = generate(model, prompt_ids, sampling, generator=torch.Generator().manual_seed(s), **kw)
+        assert torch.equal(r.completion_ids, ref.completion_ids) and torch.equal(r.logprobs, ref.logprobs)
+
+
 def test_sampler_frequencies_follow_the_distribution():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     logits = probs.log().expand(20000, 4)
