@@ -22,3 +22,19 @@ def run_launch(cmd: list, cwd, *, timeout: float = 240, path: str | None = None,
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
+
+
+def joined(*jobs: list) -> list:
+    """Several jobs' arguments as one worker command line (tests/trainers/worker_jobs.py): "+" between them."""
+    return [str(word) for job in jobs for word in ["+", *job]][1:]
+
+
+def accelerate_on_two(script: str) -> list:
+    """`accelerate launch` of a worker script on 2 processes: the torch.distributed launcher (`--multi_gpu`;
+    `--cpu --num_processes 2` starts one process unless MPI is installed), the script putting the run on the CPU
+    (`use_cpu=True`) with gloo."""
+    import sys
+
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), script]

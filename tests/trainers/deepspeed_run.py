@@ -10,8 +10,10 @@ DPO's first loss is log 2 only if the reference scores exactly as the policy doe
 weights), and GRPO's first KL is 0 only then: a reference that is not prepared for ZeRO-3 fails or differs.
 """
 
+import gc
 import importlib
 import json
+import os
 import sys
 
 import torch
@@ -119,8 +121,13 @@ def _weights(model) -> dict:
 
 if __name__ == "__main__":
     try:
-        # out.json, sft | dpo | dpo_sync | grpo | grpo_rm | distillation | ppo | ppo_critic, processes
-        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+        # out folder, a comma-separated list of sft | dpo | dpo_sync | grpo | grpo_rm | distillation | ppo |
+        # ppo_critic, processes. The trainers run one after the other in the same processes (one launch: the
+        # start-up of a launch is most of its time), each writing <out folder>/<algorithm>.json; every trainer
+        # seeds itself, so the order does not change a result.
+        for name in sys.argv[2].split(","):
+            main(os.path.join(sys.argv[1], name + ".json"), name, int(sys.argv[3]))
+            gc.collect()
     finally:  # see cli.close_process_group
         close_process_group()
     end_process(0)  # see cli.end_process

@@ -9,12 +9,10 @@ a single `generate` call would have made it, and the number of replayed forwards
 
 import json
 import os
-import sys
 
 import torch
 
 from posttrain.accel.replay import LinearRecord
-from posttrain.cli import close_process_group
 from posttrain.forward import completions as completions_module
 from posttrain.rollout.generate import Rollout, generate
 from posttrain.tasks.builtin import task_dataset
@@ -75,6 +73,13 @@ def main(out_path: str, per_device_batch: int, replay: bool):
     replayed = []
     real = completions_module.replaying
     completions_module.replaying = lambda *a: replayed.append(1) or real(*a)
+    try:
+        _train(out_path, per_device_batch, replay, replayed)
+    finally:  # the next job counts its own
+        completions_module.replaying = real
+
+
+def _train(out_path: str, per_device_batch: int, replay: bool, replayed: list):
     args = GRPOConfig(replay_linear_outputs=replay, output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch, num_generations=4,
                       max_completion_length=6, learning_rate=1e-2, max_steps=1, logging_steps=1, beta=0.1,
                       shuffle_dataset=False, report_to="none", disable_tqdm=True, use_cpu=True,
@@ -92,7 +97,6 @@ def main(out_path: str, per_device_batch: int, replay: bool):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "replay")
-    finally:  # see cli.close_process_group
-        close_process_group()
+    from worker_jobs import run_jobs
+
+    run_jobs(main, str, int, lambda mode: mode == "replay")  # out.json, per-device batch, replay | plain

@@ -4,11 +4,9 @@ and how many rows each process scored."""
 
 import json
 import os
-import sys
 
 import torch
 
-from posttrain.cli import close_process_group
 from posttrain.models.loading import load_tokenizer
 from posttrain.tasks.builtin import task_preference_dataset
 
@@ -47,7 +45,6 @@ def main(out_path: str, trainer_name: str):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], sys.argv[2])  # out.json, dpo | bco
-    finally:  # see cli.close_process_group
-        close_process_group()
+    from worker_jobs import run_jobs
+
+    run_jobs(main, str, str)  # out.json, dpo | bco

@@ -11,12 +11,10 @@ rows of the whole batch, so each prompt's call gets it with its rows offset to t
 
 import json
 import os
-import sys
 
 import torch
 from datasets import Dataset
 
-from posttrain.cli import close_process_group
 from posttrain.models.loading import load_causal_lm
 from posttrain.forward import completions as completions_module
 from posttrain.rollout.generate import generate
@@ -62,6 +60,13 @@ def main(out_path: str, per_device_batch: int, kind: str, weights_path: str):
     replayed = []
     real = completions_module.replaying
     completions_module.replaying = lambda *a: replayed.append(1) or real(*a)
+    try:
+        _train(out_path, per_device_batch, kind, weights_path, replayed)
+    finally:  # the next job counts its own
+        completions_module.replaying = real
+
+
+def _train(out_path: str, per_device_batch: int, kind: str, weights_path: str, replayed: list):
     args = GRPOConfig(output_dir=out_path + ".run", per_device_train_batch_size=per_device_batch, num_generations=4,
                       max_completion_length=48, max_tool_calling_iterations=2, learning_rate=1e-2, max_steps=1,
                       optim="sgd",
@@ -94,7 +99,6 @@ def main(out_path: str, per_device_batch: int, kind: str, weights_path: str):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
-    finally:  # see cli.close_process_group
-        close_process_group()
+    from worker_jobs import run_jobs
+
+    run_jobs(main, str, int, str, str)  # out.json, per-device batch, tool | env, the caller's weights

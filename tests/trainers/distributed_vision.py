@@ -10,12 +10,10 @@ pixels, and the per-prompt rollouts (their images included) are joined into one.
 import dataclasses
 import json
 import os
-import sys
 
 import torch
 from distributed_grpo import join_rollouts
 
-from posttrain.cli import close_process_group
 from posttrain.forward.vision import IMAGE_GROUP
 from posttrain.rollout.images import text_tokenizer
 from posttrain.tasks.vision import vision_dataset
@@ -74,7 +72,6 @@ def main(out_path: str, trainer_name: str, per_device_batch: int):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))  # out.json, sft | grpo, per-device batch
-    finally:  # see cli.close_process_group
-        close_process_group()
+    from worker_jobs import run_jobs
+
+    run_jobs(main, str, str, int)  # out.json, sft | grpo, per-device batch

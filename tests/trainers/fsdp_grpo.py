@@ -16,12 +16,11 @@ max_completion_length: the ranks stop decoding at different steps.
 import dataclasses
 import json
 import os
-import sys
 
 import torch.distributed as dist
 
 from distributed_grpo import PerPromptSeededGRPO, first_token_reward
-from posttrain.cli import close_process_group, end_process
+from posttrain.cli import end_process
 from posttrain.tasks.builtin import task_dataset
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
@@ -105,8 +104,8 @@ def main(out_path: str, per_device_batch: int, uneven: bool, algorithm: str):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "uneven", sys.argv[4])  # even | uneven, grpo | rloo | ppo
-    finally:  # see cli.close_process_group
-        close_process_group()
+    from worker_jobs import run_jobs
+
+    # out.json, per-device batch, even | uneven, grpo | rloo | ppo
+    run_jobs(main, str, int, lambda split: split == "uneven", str)
     end_process(0)  # see cli.end_process

@@ -4,8 +4,9 @@ and PPO (a critic trained
 with the policy, a reference, and a reward model).
 
 Skipped when deepspeed is not installed (`pip install 'posttrain[deepspeed]'`; on a machine without CUDA
-`DS_BUILD_OPS=0 pip install deepspeed`); CI installs it (.ci/run). Marked slow: each
-launch takes 20-60 s on a 2-core machine.
+`DS_BUILD_OPS=0 pip install deepspeed`); CI installs it (.ci/run). Marked slow: the three launches
+(one plain process, ZeRO-2, ZeRO-3; each runs its trainers one after the other) take about 2 minutes on a
+2-core machine.
 """
 
 import functools
@@ -18,47 +19,50 @@ from tests.helpers.launch import free_port, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "deepspeed_run.py")
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "posttrain", "accelerate_configs")
-_run = functools.partial(run_launch, timeout=300, path=os.path.dirname(__file__))
+_run = functools.partial(run_launch, timeout=600, path=os.path.dirname(__file__))
+
+
+# GRPO with a reward model loaded by name (partitioned under ZeRO-3); DPO whose reference moves towards the policy
+# after every step (sync_ref_model); distillation: the teacher (loaded by name) partitioned as a reference; PPO: a
+# value head on the policy; a separate value model and a reward model by name
+CASES = {2: ("sft", "dpo", "grpo", "ppo_critic"),
+         3: ("sft", "dpo", "grpo", "grpo_rm", "dpo_sync", "distillation", "ppo", "ppo_critic")}
 
 
 @pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory):
-    """The plain one-process run of each trainer, shared by both ZeRO stages."""
-    folder, runs = tmp_path_factory.mktemp("plain"), {}
+def runs(tmp_path_factory):
+    """Each launch's results by algorithm: the plain one-process run ("plain", shared by both stages) and each
+    ZeRO stage's 2-process run, every trainer of a launch run one after the other in its processes."""
+    done = {}
 
-    def run(algorithm):
-        if algorithm not in runs:
-            out = str(folder / f"{algorithm}.json")
-            _run([sys.executable, SCRIPT, out, algorithm, "1"], folder)
-            runs[algorithm] = json.load(open(out))
-        return runs[algorithm]
+    def run(launch):
+        if launch not in done:
+            folder = tmp_path_factory.mktemp(f"ds_{launch}")
+            names = sorted(set().union(*CASES.values())) if launch == "plain" else CASES[launch]
+            if launch == "plain":
+                _run([sys.executable, SCRIPT, str(folder), ",".join(names), "1"], folder)
+            else:
+                _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                      os.path.join(CONFIGS, f"deepspeed_zero{launch}.yaml"), "--num_processes", "2",
+                      "--main_process_port", str(free_port()), SCRIPT, str(folder), ",".join(names), "2"], folder)
+            done[launch] = {name: json.load(open(folder / f"{name}.json")) for name in names}
+        return done[launch]
 
     return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm,stage", [(a, stage) for stage in (2, 3) for a in ("sft", "dpo", "grpo")]
-                         # GRPO with a reward model loaded by name (partitioned under ZeRO-3); DPO whose
-                         # reference moves towards the policy after every step (sync_ref_model)
-                         + [("grpo_rm", 3), ("dpo_sync", 3)]
-                         # distillation: the teacher (loaded by name) partitioned as a reference
-                         + [("distillation", 3)]
-                         # PPO: a value head on the policy; a separate value model and a reward model by name
-                         + [("ppo", 3), ("ppo_critic", 2), ("ppo_critic", 3)])
-def test_two_zero_processes_match_one_plain_process(tmp_path, plain_runs, algorithm, stage):
+@pytest.mark.parametrize("algorithm,stage", [(a, stage) for stage, names in CASES.items() for a in names])
+def test_two_zero_processes_match_one_plain_process(runs, algorithm, stage):
     pytest.importorskip("deepspeed")
-    out = str(tmp_path / "zero.json")
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-          os.path.join(CONFIGS, f"deepspeed_zero{stage}.yaml"), "--num_processes", "2",
-          "--main_process_port", str(free_port()), SCRIPT, out, algorithm, "2"], tmp_path)
-    zero, plain = json.load(open(out)), plain_runs(algorithm)
+    zero, plain = runs(stage)[algorithm], runs("plain")[algorithm]
     assert (zero["engine"], zero["processes"], plain["engine"], plain["processes"]) == ("DEEPSPEED", 2, "NO", 1)
     assert zero["policy_partitioned"] == (stage == 3) and not plain["policy_partitioned"]
     # ZeRO-3 partitions the reference (DPO, GRPO with beta > 0) like the policy; ZeRO-2 keeps whole weights
     assert zero["ref_partitioned"] == (stage == 3 and algorithm != "sft")
     assert zero["critic_partitioned"] == (stage == 3 and algorithm.startswith("ppo"))  # trained with the policy
     if algorithm == "dpo_sync":  # the synced reference changed the second loss
-        assert plain["loss"][1] != pytest.approx(plain_runs("dpo")["loss"][1], rel=1e-4)
+        assert plain["loss"][1] != pytest.approx(runs("plain")["dpo"]["loss"][1], rel=1e-4)
     assert zero["reward_models_partitioned"] == ([stage == 3] if algorithm in ("grpo_rm", "ppo_critic") else [])
     if algorithm.startswith("dpo"):
         assert plain["loss"][0] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the first step

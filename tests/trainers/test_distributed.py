@@ -11,22 +11,29 @@ import os
 import sys
 
 import pytest
-from tests.helpers.launch import free_port, run_launch
+from tests.helpers.launch import accelerate_on_two, joined, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_grpo.py")
-_run = functools.partial(run_launch, timeout=240, path=os.path.dirname(__file__))
+_run = functools.partial(run_launch, timeout=480, path=os.path.dirname(__file__))
 
 
-@pytest.mark.parametrize("mode", ["replay", "plain"])  # the training forward replays the sampler's, or computes
-def test_two_processes_match_one(tmp_path, mode):
+MODES = ["replay", "plain"]  # the training forward replays the sampler's, or computes
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each mode's result from 1 process and from 2, both modes in one launch each (worker_jobs.py):
+    1 process x 8 completions (2 prompts) vs 2 processes x 4 completions (1 prompt each)."""
     pytest.importorskip("accelerate")
-    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
-    # 1 process x 8 completions (2 prompts) vs 2 processes x 4 completions (1 prompt each)
-    _run([sys.executable, SCRIPT, one, "8", mode], tmp_path)
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-          SCRIPT, two, "4", mode], tmp_path)
-    a, b = (json.load(open(p)) for p in (one, two))
+    folder = tmp_path_factory.mktemp("grpo")
+    _run([sys.executable, SCRIPT, *joined(*([folder / f"one_{m}.json", 8, m] for m in MODES))], folder)
+    _run([*accelerate_on_two(SCRIPT), *joined(*([folder / f"two_{m}.json", 4, m] for m in MODES))], folder)
+    return {m: [json.load(open(folder / f"{n}_{m}.json")) for n in ("one", "two")] for m in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_processes_match_one(runs, mode):
+    a, b = runs[mode]
     assert (a["processes"], b["processes"]) == (1, 2)
     assert (a["replayed"] > 0, b["replayed"] > 0) == ((mode == "replay",) * 2)
     assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same completions were sampled

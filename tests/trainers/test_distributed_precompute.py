@@ -8,19 +8,27 @@ import os
 import sys
 
 import pytest
-from tests.helpers.launch import free_port, run_launch
+from tests.helpers.launch import accelerate_on_two, joined, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_precompute.py")
-_run = functools.partial(run_launch, timeout=240)
+_run = functools.partial(run_launch, timeout=480)
 
 
-@pytest.mark.parametrize("trainer", ["dpo", "bco"])
-def test_each_process_scores_its_share_and_the_columns_match_one_process(tmp_path, trainer):
-    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
-    _run([sys.executable, SCRIPT, one, trainer], tmp_path)
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-          "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-          SCRIPT, two, trainer], tmp_path)
+TRAINERS = ["dpo", "bco"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Both trainers in one 1-process run and one 2-process launch (worker_jobs.py)."""
+    folder = tmp_path_factory.mktemp("precompute")
+    _run([sys.executable, SCRIPT, *joined(*([folder / f"one_{t}.json", t] for t in TRAINERS))], folder)
+    _run([*accelerate_on_two(SCRIPT), *joined(*([folder / f"two_{t}.json", t] for t in TRAINERS))], folder)
+    return folder
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_each_process_scores_its_share_and_the_columns_match_one_process(folder, trainer):
+    one, two = str(folder / f"one_{trainer}.json"), str(folder / f"two_{trainer}.json")
     single = json.load(open(one + ".0"))
     ranks = [json.load(open(f"{two}.{rank}")) for rank in (0, 1)]
     assert single["processes"] == 1 and all(r["processes"] == 2 for r in ranks)

@@ -8,22 +8,29 @@ import os
 import sys
 
 import pytest
-from tests.helpers.launch import free_port, run_launch
+from tests.helpers.launch import accelerate_on_two, joined, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_vision.py")
-_run = functools.partial(run_launch, timeout=300, path=os.path.dirname(__file__))
+_run = functools.partial(run_launch, timeout=600, path=os.path.dirname(__file__))
 
 
-@pytest.mark.parametrize("trainer", ["sft", "grpo"])
-def test_two_processes_match_one_on_a_vision_language_model(tmp_path, trainer):
+TRAINERS = ["sft", "grpo"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each trainer's result from 1 process and from 2, both trainers in one launch each (worker_jobs.py):
+    1 process x 8 rows (GRPO: 8 completions, 2 prompts) vs 2 processes x 4 rows (GRPO: 1 prompt each)."""
     pytest.importorskip("accelerate")
-    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
-    # 1 process x 8 rows (GRPO: 8 completions, 2 prompts) vs 2 processes x 4 rows (GRPO: 1 prompt each)
-    _run([sys.executable, SCRIPT, one, trainer, "8"], tmp_path)
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-          "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-          SCRIPT, two, trainer, "4"], tmp_path)
-    a, b = (json.load(open(p)) for p in (one, two))
+    folder = tmp_path_factory.mktemp("vision")
+    _run([sys.executable, SCRIPT, *joined(*([folder / f"one_{t}.json", t, 8] for t in TRAINERS))], folder)
+    _run([*accelerate_on_two(SCRIPT), *joined(*([folder / f"two_{t}.json", t, 4] for t in TRAINERS))], folder)
+    return {t: [json.load(open(folder / f"{n}_{t}.json")) for n in ("one", "two")] for t in TRAINERS}
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_two_processes_match_one_on_a_vision_language_model(runs, trainer):
+    a, b = runs[trainer]
     assert (a["processes"], b["processes"]) == (1, 2)
     if trainer == "grpo":
         assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same completions were sampled

@@ -12,10 +12,10 @@ import os
 import sys
 
 import pytest
-from tests.helpers.launch import free_port, run_launch
+from tests.helpers.launch import free_port, joined, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_grpo.py")
-_run = functools.partial(run_launch, timeout=240, path=os.path.dirname(__file__))
+_run = functools.partial(run_launch, timeout=480, path=os.path.dirname(__file__))
 
 
 def _two_processes(tmp_path, out, *args, **env):
@@ -24,17 +24,27 @@ def _two_processes(tmp_path, out, *args, **env):
     return [json.load(open(f"{out}.{rank}")) for rank in (0, 1)]
 
 
+ALGORITHMS = ["grpo", "ppo"]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """Each algorithm's result from 1 plain process x 8 completions (GRPO: 2 prompts, PPO: 8) and from 2 FSDP2
+    processes x 4 completions, with each rank's: both algorithms in one launch each (worker_jobs.py)."""
+    pytest.importorskip("accelerate")
+    folder = tmp_path_factory.mktemp("fsdp")
+    _run([sys.executable, SCRIPT, *joined(*([folder / f"one_{a}.json", 8, "even", a] for a in ALGORITHMS))], folder)
+    _two_processes(folder, *joined(*([folder / f"two_{a}.json", 4, "even", a] for a in ALGORITHMS)))
+    return {a: [json.load(open(folder / f"{n}_{a}.json")) for n in ("one", "two")]
+            + [[json.load(open(folder / f"two_{a}.json.{rank}")) for rank in (0, 1)]] for a in ALGORITHMS}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_two_sharded_processes_match_one(tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_two_sharded_processes_match_one(sharded_runs, algorithm):
     """PPO: the sharded module is the policy with its value head, and the sampler calls the policy alone
     (`loading.route_through_fsdp_root`); its weights include the value head's."""
-    pytest.importorskip("accelerate")
-    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
-    # 1 plain process x 8 completions (GRPO: 2 prompts, PPO: 8) vs 2 FSDP2 processes x 4 completions
-    _run([sys.executable, SCRIPT, one, "8", "even", algorithm], tmp_path)
-    ranks = _two_processes(tmp_path, two, "4", "even", algorithm)
-    a, b = (json.load(open(p)) for p in (one, two))
+    a, b, ranks = sharded_runs[algorithm]
     assert (a["processes"], b["processes"]) == (1, 2)
     assert all(r["sharded"] for r in ranks)
     assert ranks[0]["forwards"] == ranks[1]["forwards"] > 0

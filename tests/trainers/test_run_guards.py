@@ -74,7 +74,7 @@ def test_weights_that_overflow_in_the_optimizer_step_stop_the_run_unsaved(tmp_pa
 def lock_from_another_process(folder) -> str:
     """What another process trying to lock `folder` reports: "locked", or the refusal."""
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        from posttrain.trainers.guards import output_dir_lock, OutputDirInUseError
+        from posttrain.trainers.dir_lock import output_dir_lock, OutputDirInUseError
         try:
             with output_dir_lock({str(folder)!r}):
                 print("locked")
@@ -98,7 +98,7 @@ def test_a_second_run_into_a_locked_output_dir_is_refused(tmp_path):
 def test_the_lock_of_a_killed_run_is_not_stale(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from posttrain.trainers.guards import output_dir_lock
+        from posttrain.trainers.dir_lock import output_dir_lock
         with output_dir_lock({str(tmp_path)!r}):
             print("locked", flush=True)
             time.sleep(600)
@@ -117,7 +117,7 @@ def test_the_cli_says_in_one_line_that_output_dir_is_in_use(tmp_path, capsys):
             "--max_steps", "1", "--per_device_train_batch_size", "2", "--disable_tqdm", "true"]
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from posttrain.trainers.guards import output_dir_lock
+        from posttrain.trainers.dir_lock import output_dir_lock
         with output_dir_lock({str(tmp_path)!r}):
             print("locked", flush=True)
             time.sleep(600)

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import torch
-from tests.helpers.launch import free_port, run_launch
+from tests.helpers.launch import accelerate_on_two, joined, run_launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_tools.py")
-_run = functools.partial(run_launch, timeout=300, path=os.path.dirname(__file__))
+_run = functools.partial(run_launch, timeout=600, path=os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +27,24 @@ def caller_weights(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["tool", "env"])
-def test_two_processes_match_one_with_tools(tmp_path, caller_weights, kind):
+KINDS = ["tool", "env"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, caller_weights):
+    """Each kind's result from 1 process and from 2, both kinds in one launch each (worker_jobs.py):
+    1 process x 8 episodes (2 prompts) vs 2 processes x 4 episodes (1 prompt each)."""
     pytest.importorskip("accelerate")
-    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
-    # 1 process x 8 episodes (2 prompts) vs 2 processes x 4 episodes (1 prompt each)
-    _run([sys.executable, SCRIPT, one, "8", kind, caller_weights], tmp_path)
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-          "--main_process_port", str(free_port()), SCRIPT, two, "4", kind, caller_weights], tmp_path)
-    a, b = (json.load(open(p)) for p in (one, two))
+    folder = tmp_path_factory.mktemp("tools")
+    _run([sys.executable, SCRIPT, *joined(*([folder / f"one_{k}.json", 8, k, caller_weights] for k in KINDS))], folder)
+    _run([*accelerate_on_two(SCRIPT), *joined(*([folder / f"two_{k}.json", 4, k, caller_weights] for k in KINDS))],
+         folder)
+    return {k: [json.load(open(folder / f"{n}_{k}.json")) for n in ("one", "two")] for k in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_processes_match_one_with_tools(runs, kind):
+    a, b = runs[kind]
     assert (a["processes"], b["processes"]) == (1, 2)
     assert a["calls"] > 0 and a["turns"] > 1  # the episodes had tool turns
     assert a["reward_std"] > 0  # and advantages that are not all 0, so the update depends on them
