@@ -89,6 +89,7 @@ _EXPORTS = {
     "GFPOConfig": "posttrain.trainers.gfpo", "GFPOTrainer": "posttrain.trainers.gfpo",
     "GPGConfig": "posttrain.trainers.gpg", "GPGTrainer": "posttrain.trainers.gpg",
     "DPPOConfig": "posttrain.trainers.dppo", "DPPOTrainer": "posttrain.trainers.dppo",
+    "MaxRLConfig": "posttrain.trainers.maxrl", "MaxRLTrainer": "posttrain.trainers.maxrl",
     # vision-language models (docs/vision.md); prepare_multimodal_messages is TRL's trl.data_utils name
     "prepare_multimodal_messages": "posttrain.data.multimodal",
     "vision_dataset": "posttrain.tasks.vision", "vision_preference_dataset": "posttrain.tasks.vision",

@@ -299,6 +299,8 @@ TRAINERS = {
              "DPPO: GRPO with a per-token divergence trust region instead of the ratio clip."),
     "gpg": ("posttrain.trainers.gpg:GPGTrainer", build_online, OnlineScriptArguments,
             "GPG: GRPO as the plain policy gradient, rescaled for groups without signal."),
+    "maxrl": ("posttrain.trainers.maxrl:MaxRLTrainer", build_online, OnlineScriptArguments,
+              "MaxRL: GRPO with advantages divided by the group's mean reward (p-normalisation)."),
     "async_grpo": ("posttrain.trainers.async_grpo:AsyncGRPOTrainer", build_online, OnlineScriptArguments,
                    "GRPO sampling the next batches while the current one trains (max_staleness)."),
     "reward": ("posttrain.trainers.reward:RewardTrainer", build_reward, ScriptArguments,

@@ -8,6 +8,9 @@
                         (AdvantageInput.kept), 0 on the others.
   leave_one_out         RLOO (Ahmadian et al. 2024; Kool et al. 2019): reward minus the mean
                         reward of the other completions of the same prompt.
+  p_norm                MaxRL (Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning"): reward
+                        minus the group mean, divided by the group mean's magnitude (p-normalisation: with
+                        0/1 rewards a prompt of pass rate p weighs 1/p, the gradient of log p).
   opo                   OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"):
                         reward minus the length-weighted mean reward of the group.
   gae                   PPO with a critic (Schulman et al. 2016, "High-Dimensional Continuous
@@ -248,6 +251,20 @@ def leave_one_out(inp: AdvantageInput, *, normalize_advantage: bool = False):
     if normalize_advantage:
         adv = masked_whiten(adv, torch.ones_like(adv, dtype=torch.bool))
     return _broadcast(adv, inp.mask), None
+
+
+P_NORM_EPS = 1e-6  # TRL's MaxRLTrainer: advantage = (r - mean) / (|mean| + 1e-6)
+
+
+@register_advantage("p_norm", per_token=False, critic=False, min_group=2)
+def p_norm(inp: AdvantageInput):
+    """A_i = (r_i - mean_group) / (|mean_group| + 1e-6), MaxRL's p-normalisation. With 0/1 rewards and pass rate
+    p > 0 a correct completion gets (1 - p) / p, a wrong one -1: the group's policy gradient is that of log p, so
+    hard prompts weigh more than under GRPO's std. A group whose scores are all 0 gets 0 (no signal), as in TRL;
+    a group of one completion has itself as baseline and gets 0 too."""
+    g = group_view(inp.scores, inp.group_size, inp.layout)  # (P, k)
+    mean = g.mean(dim=1, keepdim=True)
+    return _broadcast(_ungroup((g - mean) / (mean.abs() + P_NORM_EPS), inp.layout), inp.mask), None
 
 
 @register_advantage("opo", per_token=False, critic=False, min_group=2)
