@@ -63,7 +63,7 @@ from posttrain.data.collate import pad
 from posttrain.forward.vision import prompt_inputs, row_inputs
 from posttrain.models.modes import unwrap
 from posttrain.rollout.backends import ModelForward, SamplerBackend, model_device
-from posttrain.rollout.cpu_backend import cpu_backend
+from posttrain.rollout.cpu_backend import cpu_backend, sort_descending
 
 if TYPE_CHECKING:
     from posttrain.accel.replay import LinearRecord
@@ -137,11 +137,16 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_logits, order, by_radix = sort_descending(logits)
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
         drop_sorted = mass_before >= top_p
         drop_sorted[..., 0] = False
+        if by_radix and bool((drop_sorted[..., 1:] != drop_sorted[..., :-1]).logical_and_(
+                sorted_logits[..., 1:] == sorted_logits[..., :-1]).any()):
+            # equal logits on both sides of the cut: which of them is kept follows the sort's order of equal values,
+            # so it is torch.sort's (a radix sort's values and masses are the same, its order of ties may not be)
+            order = torch.sort(logits, dim=-1, descending=True).indices
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if min_p > 0.0:

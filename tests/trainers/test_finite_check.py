@@ -66,3 +66,23 @@ def test_a_nan_gradient_still_stops_training_after_clipping(tmp_path):
         trainer.train()
     assert torch.equal(weight.detach(), before)
     assert trainer.finite_guard.grad_norm is None  # read by the guard, which then checked the gradients itself
+
+
+def test_guard_takes_the_steps_finite_gradient_norm_instead_of_its_own_pass(tmp_path):
+    from types import SimpleNamespace
+
+    from posttrain.trainers.guards import FiniteGuard, NonFiniteError
+
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad, model.bias.grad = torch.ones(2, 3), torch.tensor([1.0, float("nan")])
+    trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(scaler=None))
+    guard, args, state = FiniteGuard(trainer), SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=0)
+    guard.grad_norm = torch.tensor(2.5)  # the clipping's norm: finite, so the guard does not look
+    guard.on_pre_optimizer_step(args, state, None)
+    assert guard.grad_norm is None  # used once: the next step's guard looks unless it gets a new norm
+    with pytest.raises(NonFiniteError, match="bias"):
+        guard.on_pre_optimizer_step(args, state, None)
+    for norm in (torch.tensor(float("nan")), torch.tensor(float("inf"))):  # a non-finite norm: the guard's own pass names the tensor
+        guard.grad_norm = norm
+        with pytest.raises(NonFiniteError, match="gradient of bias"):
+            guard.on_pre_optimizer_step(args, state, None)
