@@ -350,6 +350,8 @@ def run_worker(column: str, workload: str, args, models: dict, data: dict, scrat
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("PYTHONPATH", None)  # the TRL side must not see posttrain
+    if side != "trl":  # posttrain's side runs this checkout's code, not whichever checkout the venv installed
+        env["PYTHONPATH"] = str(ROOT)
     env.update(extra_env)
     worker = HERE / spec.get("worker", "vs_trl_worker.py")
     proc = subprocess.run([str(python), str(worker), str(spec_path)], capture_output=True, text=True, env=env,

@@ -219,6 +219,22 @@ def test_the_allocator_off_column_runs_posttrain_with_malloc_untouched(tmp_path,
         run("posttrain-malloc-off", "liar")
 
 
+def test_posttrain_side_runs_this_checkout_and_trl_side_sees_no_posttrain(tmp_path, monkeypatch):
+    import sys
+
+    worker = tmp_path / "worker.py"  # a stand-in worker: it writes the PYTHONPATH it was started with
+    worker.write_text("import json, os, sys\nspec = json.load(open(sys.argv[1]))\n"
+                      "json.dump({'path': os.environ.get('PYTHONPATH')}, open(spec['out'], 'w'))\n")
+    monkeypatch.setitem(vs_trl.WORKLOADS, "fake", dict(trainer="sft", data="d", unit="tokens", config={},
+                                                       worker=str(worker)))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    args = type("Args", (), dict(gradient_checkpointing=False, bf16=False, steps=2, threads=1, memory_profile=False,
+                                 time_profile=False, op_times=False, trl_python=sys.executable))()
+    run = lambda side: vs_trl.run_worker(side, "fake", args, {"causal": "m"}, {"d": "d.json"}, tmp_path)  # noqa: E731
+    assert run("posttrain") == {"path": str(vs_trl.ROOT)}
+    assert run("trl") == {"path": None}
+
+
 def test_online_dpo_workload_runs_on_posttrain_with_trls_batch_meaning(tmp_path):
     """The posttrain side of the online_dpo workload, on the tiny model for 2 steps (timing nothing): TRL's batch of
     2 prompts becomes 4 completions, each step scores 2 pairs, and the first loss is DPO's log 2."""

@@ -330,3 +330,62 @@ void lean_decode_step(const LeanModel *m, const LeanLayer *layers, const long *t
         team_linear(A, x, D, m->head, m->head_b, logits, m->V, m->V, D);
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * The sampler's top-p filter sorts every decoded row's logits (a few rows of a whole vocabulary) at every
+ * step; a comparison sort of (value, index) pairs costs about 50 times a pass over the row. This is a
+ * stable least-significant-digit radix sort of each row's float32 values in descending order (three
+ * passes of 11 bits over keys that order as the floats do): `values` the row sorted, `indices` where
+ * each came from, equal values in the order of their indices. Returns the number of rows holding a NaN
+ * (those rows are left unsorted: the caller sorts with torch instead). Rows are split over OpenMP threads.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* the key of a float for a descending order: larger values get smaller keys (+0 before -0, -inf last) */
+static inline uint32_t descending_key(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x80000000u) ? u : (~u & 0x7fffffffu);
+}
+
+static int sort_row_descending(const float *x, ptrdiff_t n, float *values, int64_t *indices, uint32_t *buf) {
+    uint32_t *key = buf, *idx = buf + n, *key2 = buf + 2 * n, *idx2 = buf + 3 * n;
+    uint32_t count[3][2048];
+    memset(count, 0, sizeof count);
+    for (ptrdiff_t i = 0; i < n; i++) {
+        if (x[i] != x[i]) return 1;  /* NaN */
+        uint32_t k = descending_key(x[i]);
+        key[i] = k, idx[i] = (uint32_t)i;
+        count[0][k & 2047]++, count[1][(k >> 11) & 2047]++, count[2][k >> 22]++;
+    }
+    for (int pass = 0; pass < 3; pass++) {
+        uint32_t start = 0, shift = 11 * pass;
+        for (int d = 0; d < 2048; d++) {
+            uint32_t c = count[pass][d];
+            count[pass][d] = start, start += c;
+        }
+        for (ptrdiff_t i = 0; i < n; i++) {  /* in order: equal digits keep their order (stable) */
+            uint32_t at = count[pass][(key[i] >> shift) & 2047]++;
+            key2[at] = key[i], idx2[at] = idx[i];
+        }
+        uint32_t *t = key; key = key2, key2 = t;
+        t = idx, idx = idx2, idx2 = t;
+    }
+    for (ptrdiff_t i = 0; i < n; i++) indices[i] = idx[i], values[i] = x[idx[i]];
+    return 0;
+}
+
+int sort_rows_descending(const float *x, int rows, ptrdiff_t n, float *values, int64_t *indices, int threads) {
+    int nan_rows = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : nan_rows)
+    {
+        uint32_t *buf = malloc(4 * (size_t)n * sizeof(uint32_t));
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++)
+            nan_rows += buf == NULL ? 1 : sort_row_descending(x + r * n, n, values + r * n, indices + r * n, buf);
+        free(buf);
+    }
+    return nan_rows;
+}

@@ -171,3 +171,32 @@ def few_rows_linears(model):
     finally:
         for m in linears:
             m.__dict__.pop("forward", None)
+
+
+@functools.cache
+def _sort_kernel():
+    lib = kernels()
+    if lib is None:
+        return None
+    fn = lib.sort_rows_descending
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def stable_sort_descending(x: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(values, indices) of `x` (..., V) sorted in descending order along its last dimension, equal values in the
+    order of their indices (a stable sort), by the kernels' radix sort: about 20 times cheaper than
+    `torch.sort` on a few rows of a vocabulary. None where the kernel cannot take `x` (not CPU float32, under
+    autograd, a NaN in it, no kernels): the caller sorts with torch. The values are those `torch.sort` gives
+    (a comparison sort may order equal values, +0 and -0 included, otherwise)."""
+    fn = _sort_kernel()
+    if (fn is None or type(x) is not torch.Tensor or x.device.type != "cpu" or x.dtype != torch.float32
+            or x.dim() < 1 or x.numel() == 0 or x.requires_grad or x.shape[-1] >= 2**31):
+        return None
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    values, indices = torch.empty_like(flat), torch.empty(flat.shape, dtype=torch.long)
+    if fn(flat.data_ptr(), flat.shape[0], flat.shape[1], values.data_ptr(), indices.data_ptr(),
+          torch.get_num_threads()):
+        return None
+    return values.view(x.shape), indices.view(x.shape)

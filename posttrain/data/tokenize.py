@@ -113,7 +113,14 @@ def encode_prompt_completion(tokenizer, prompt, completion, max_length: int | No
 
 
 def continuation_ids(tokenizer, messages, new_messages, tools=None) -> list[int]:
-    """Token ids to append after a sampled assistant turn when `new_messages` (tool results) follow.
+    """Token ids to append after a sampled assistant turn when `new_messages` (tool results) follow:
+    `continuation_text`, tokenised."""
+    return list(tokenizer(continuation_text(tokenizer, messages, new_messages, tools), add_special_tokens=False)
+                ["input_ids"])
+
+
+def continuation_text(tokenizer, messages, new_messages, tools=None) -> str:
+    """The text to append after a sampled assistant turn when `new_messages` (tool results) follow.
 
     messages: the conversation so far, ending with the sampled assistant turn (as a message, e.g.
     `posttrain.rollout.tools.assistant_turn`); its tokens end with the EOS the sampler stopped at.
@@ -137,8 +144,7 @@ def continuation_ids(tokenizer, messages, new_messages, tools=None) -> list[int]
             f"the chat template does not render the conversation as a prefix of the conversation with the new "
             f"messages, ending the assistant turn with the EOS token {eos!r}; a multi-turn rollout cannot "
             f"append the new turns to the sampled tokens")
-    cut = before.rindex(eos) + len(eos)
-    return list(tokenizer(after[cut:], add_special_tokens=False)["input_ids"])
+    return after[before.rindex(eos) + len(eos):]
 
 
 def encode_text(tokenizer, text, assistant_only: bool = False, tools=None, template_kwargs=None) -> dict:

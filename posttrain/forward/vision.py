@@ -7,7 +7,8 @@ images (or image patches) along dim 0. Three places need them:
 * the sampler's prefill (`rollout.generate`): the batch's prompts once each, their images concatenated in
   prompt order (`prompt_inputs`), so the vision tower encodes each prompt's images once per group, and the
   KV cache the group's samples decode from already holds the image tokens;
-* the micro-batches of the online trainers: one row per completion, so each image tensor is kept per row,
+* the micro-batches of the online trainers: one row per completion, so each image tensor is kept per row
+  (its prompt's images, then the images its tools returned, in the order the sampler fed them),
   padded along its image dim to the longest row and given a trailing dim of 1 (never 2-D, so never taken
   for completion columns when a micro-batch is trimmed), with each row's count (`row_inputs`); rows are
   indexed, shuffled and checkpointed like the other per-row tensors. `IMAGE_GROUP` numbers the prompt of each row:
@@ -38,22 +39,47 @@ def prompt_inputs(per_prompt: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {name: torch.cat([p[name] for p in per_prompt if name in p]) for name in names}
 
 
-def row_inputs(per_prompt: list[dict[str, Tensor]], group: int, first_group: int = 0) -> dict[str, Tensor]:
+def row_inputs(per_prompt: list[dict[str, Tensor]], group: int, first_group: int = 0,
+               tool_images: list[list[dict[str, Tensor]]] | None = None) -> dict[str, Tensor]:
     """The per-row tensors of `group` rows per prompt (prompt-major): for each key, (N, n_max, ..., 1) padded with
-    zeros along the image dim and its counts (N,); and `IMAGE_GROUP` (N,): first_group + the prompt's index."""
+    zeros along the image dim and its counts (N,); and `IMAGE_GROUP` (N,): first_group + the prompt's index.
+
+    tool_images: per row, the processor outputs of the images its tools returned, in the order fed; a row's
+    images are then its prompt's followed by those. A row with tool images shares its prompt's computation with
+    no other row (their completions hold different images): its `IMAGE_GROUP` is its own,
+    first_group + len(per_prompt) + the row's index."""
+    N = len(per_prompt) * group
+    tool_images = tool_images or [[] for _ in range(N)]
+    if not any(tool_images):  # each prompt's tensors once, repeated for its rows
+        rows = {k: v.repeat_interleave(group, dim=0) for k, v in _padded(per_prompt).items()}
+    else:
+        rows = _padded([_joined([per_prompt[n // group], *tool_images[n]]) for n in range(N)])
+    group_of = torch.arange(first_group, first_group + len(per_prompt)).repeat_interleave(group)
+    own = torch.tensor([bool(t) for t in tool_images])
+    rows[IMAGE_GROUP] = torch.where(own, first_group + len(per_prompt) + torch.arange(N), group_of)
+    return rows
+
+
+def _joined(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """One row's images from several processor outputs (its prompt's, then each tool turn's): each key's
+    tensors concatenated along the image dim, in order."""
+    return {name: torch.cat([p[name] for p in parts if name in p]) for name in _names(parts)}
+
+
+def _padded(per_row: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """For each key of the rows' image tensors: (R, n_max, ..., 1) padded with zeros along the image dim, and
+    its counts (R,)."""
     rows: dict[str, Tensor] = {}
-    for name in _names(per_prompt):
-        parts = [p.get(name) for p in per_prompt]
-        shape = next(t for t in parts if t is not None).shape[1:]
+    for name in _names(per_row):
+        parts = [p.get(name) for p in per_row]
+        first = next(t for t in parts if t is not None)
         longest = max(0 if t is None else len(t) for t in parts)
-        padded = torch.zeros(len(parts), longest, *shape, dtype=next(t for t in parts if t is not None).dtype)
+        padded = torch.zeros(len(parts), longest, *first.shape[1:], dtype=first.dtype)
         counts = torch.zeros(len(parts), dtype=torch.long)
         for i, t in enumerate(parts):
             if t is not None:
                 padded[i, :len(t)], counts[i] = t, len(t)
-        rows[PIXELS + name] = padded.repeat_interleave(group, dim=0)[..., None]
-        rows[PIXELS + name + COUNT] = counts.repeat_interleave(group)
-    rows[IMAGE_GROUP] = torch.arange(first_group, first_group + len(per_prompt)).repeat_interleave(group)
+        rows[PIXELS + name], rows[PIXELS + name + COUNT] = padded[..., None], counts
     return rows
 
 
@@ -71,7 +97,8 @@ def row_part(batch: dict) -> dict[str, Tensor] | None:
 
 def forward_inputs(rows: dict[str, Tensor], which: Tensor) -> dict[str, Tensor]:
     """The model's vision inputs for a forward over the rows `which` (indices into `rows`, in the forward's
-    order): each key's real images of those rows, concatenated along dim 0."""
+    order): each key's real images of those rows, concatenated along dim 0; a key none of those rows has an
+    image of is left out (rows without images have no image tokens)."""
     which = which.to(rows[IMAGE_GROUP].device)
     out = {}
     for key, padded in rows.items():
@@ -80,7 +107,8 @@ def forward_inputs(rows: dict[str, Tensor], which: Tensor) -> dict[str, Tensor]:
         counts = rows[key + COUNT][which]
         picked = padded[which]  # (R, n_max, ...)
         keep = torch.arange(picked.shape[1], device=picked.device)[None] < counts.to(picked.device)[:, None]
-        out[key[len(PIXELS):]] = picked[keep][..., 0]
+        if bool(keep.any()):
+            out[key[len(PIXELS):]] = picked[keep][..., 0]
     return out
 
 

@@ -73,6 +73,14 @@ class SamplerBackend(abc.ABC):
     def select(self, keep: Tensor) -> None:
         """Phase 6. Keep only the decoded rows `keep` (A',) of the current A, in that order."""
 
+    def image_embeddings(self, ids: list[int], vision: dict[str, Tensor]) -> list[Tensor | None]:
+        """For a tool turn with images (a vision-language model): per id of `ids`, the input embedding to feed in
+        its place (its image's feature, for an image token) or None. A backend that feeds images also takes
+        `step(..., embeds=(which, values))`: the decoded rows `which` (A,) bool take `values` (k, H) as their
+        input embedding instead of their token's."""
+        raise ValueError(f"the sampler backend {type(self).__name__} cannot feed a tool's images to the model; "
+                         "posttrain's own sampler does (a vision-language model, use_vllm=False)")
+
 
 class ModelForward(SamplerBackend):
     """The model's own forward (`logits_to_keep=1`) over a transformers KV cache: any causal LM, any device,
@@ -105,14 +113,60 @@ class ModelForward(SamplerBackend):
     def expand(self, group: int, capacity: int) -> None:
         self.cache = make_room(expand_cache(self.cache, group), capacity)
 
-    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
-        out = self.net(input_ids=tokens[:, None], attention_mask=attention, position_ids=positions,
+    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor,
+             embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        if embeds is None:
+            inputs = {"input_ids": tokens[:, None]}
+        else:  # tool image tokens: their image features in place of the token embeddings, as the forward places them
+            x = self.net.get_input_embeddings()(tokens[:, None])
+            which, values = embeds
+            x[which.to(x.device), 0] = values.to(x.device, x.dtype)
+            inputs = {"inputs_embeds": x}
+        out = self.net(**inputs, attention_mask=attention, position_ids=positions,
                        **compat.cache_kwargs(self.net, self.cache), use_cache=True, logits_to_keep=1)
         self.cache = compat.output_cache(self.net, out)
         return out.logits[:, -1, :]
 
+    def image_embeddings(self, ids: list[int], vision: dict[str, Tensor]) -> list[Tensor | None]:
+        return image_embeddings(self.net, ids, {k: v.to(self.device) for k, v in vision.items()})
+
     def select(self, keep: Tensor) -> None:
         self.cache = select_cache(self.cache, keep)
+
+
+def image_token_id(net) -> int | None:
+    """The id of a vision-language model's image placeholder token (its config's `image_token_id`, or the older
+    `image_token_index`), or None for a model without one."""
+    config = getattr(net, "config", None)
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def image_embeddings(net, ids: list[int], vision: dict[str, Tensor]) -> list[Tensor | None]:
+    """`SamplerBackend.image_embeddings` through the model's `get_image_features` (the vision tower and projector
+    its forward runs): the images' features, one per image token of `ids` in order (each image's features in
+    its tokens' order, the images in the order of `vision`), None for the other ids. Raises ValueError when the
+    model has no image features or their number differs from the image tokens'."""
+    image_id, features = image_token_id(net), getattr(net, "get_image_features", None)
+    if image_id is None or not callable(features):
+        raise ValueError(f"{type(net).__name__} has no image token or get_image_features: a tool turn with images "
+                         "needs a vision-language model")
+    out = features(**vision)
+    feats = getattr(out, "pooler_output", out)  # transformers 5: the projected features; older: the tensor(s)
+    if isinstance(feats, (list, tuple)):
+        feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    feats = feats.reshape(-1, feats.shape[-1])
+    where = [k for k, x in enumerate(ids) if x == image_id]
+    if len(where) != len(feats):
+        raise ValueError(f"a tool turn has {len(where)} image tokens but its images have {len(feats)} features: the "
+                         "processor's expansion of the image placeholders does not match the model")
+    embeds: list[Tensor | None] = [None] * len(ids)
+    for k, f in zip(where, feats):
+        embeds[k] = f
+    return embeds
 
 
 def model_device(model) -> torch.device:

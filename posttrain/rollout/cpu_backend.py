@@ -18,6 +18,7 @@ from torch import Tensor
 
 from posttrain.accel import few_rows
 from posttrain.accel.decode import LeanDecoder, lean_decoder, transposed_head
+from posttrain.accel.few_rows import stable_sort_descending
 from posttrain.accel.replay import LinearRecord, recording_prefill
 from posttrain.rollout.backends import ModelForward, decodes_in_lockstep, roomy_layer_class
 
@@ -66,9 +67,12 @@ class CPUDecoder(ModelForward):
         self._patched.enter_context(few_rows.few_rows_linears(self.net) if few_rows.available()
                                     else transposed_head(self.net))
 
-    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
+    def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor,
+             embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
         if self.lean is None:
-            return super().step(tokens, t, attention, positions)
+            return super().step(tokens, t, attention, positions, embeds)
+        if embeds is not None:  # the lean step serves text-only Llama/Qwen2-style models: never a tool image
+            raise ValueError("the lean decoding step feeds token ids only, not a tool image's features")
         record = self.linear_outputs
         outputs = None if record is None else torch.empty(len(self.lean.linears), len(tokens), self.lean.record_width)
         logits = self.lean.step(tokens, t, attention, self.cache, record=outputs)
@@ -92,6 +96,17 @@ def cpu_backend(net, record: tuple[int, int, int, int] | None = None) -> CPUDeco
         return CPUDecoder(net, lean)
     B, P, G, T = record
     return CPUDecoder(net, lean, LinearRecord(lean.linears, B, P, B * G, T, G))
+
+
+def sort_descending(logits: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """(values, indices, by_radix) of `logits` (..., V) sorted in descending order along the last dimension: the
+    values `torch.sort(logits, dim=-1, descending=True)` gives. On CPU by the kernels' radix sort (by_radix True:
+    `few_rows.stable_sort_descending`, equal values in the order of their indices, where torch's comparison sort
+    may order them otherwise); elsewhere, or without the kernels, by torch.sort itself (by_radix False)."""
+    got = stable_sort_descending(logits)
+    if got is not None:
+        return *got, True
+    return *torch.sort(logits, dim=-1, descending=True), False
 
 
 # ------------------------------------------------------------------ the record kept for the training forwards

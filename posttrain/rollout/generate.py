@@ -31,6 +31,13 @@ vision tower encodes a prompt's images once whatever num_generations, the steps 
 from the cache, and the rollout keeps each row's images (`Rollout.vision`, `forward/vision.py`) for the
 training forward. A VLM's image tokens are suppressed (`SamplingConfig.suppress_token_ids`).
 
+Tool images: for a tool result with images `continue_turn` returns (ids, the images' processor outputs). The
+backend computes the images' features once (`SamplerBackend.image_embeddings`) and each image token is fed as
+its feature, where the model's forward would place it; the rollout's `vision` then holds each row's prompt
+images followed by its tool images, in the order fed, for the training forward, so the log-probs of sampling and
+training agree. Such a turn that does not fit whole in the row's remaining `max_new_tokens` is not fed (a cut
+would leave features without their tokens): the row ends there, truncated.
+
 `forward.completions.completion_logprobs` is the teacher-forced counterpart the trainers use: the
 log-probs of given completions, computing each distinct prompt once per forward (with gradients under
 autograd). With `generate(..., record_linears=True)` the sampler also keeps every decoder layer's linear
@@ -56,7 +63,7 @@ from posttrain.data.collate import pad
 from posttrain.forward.vision import prompt_inputs, row_inputs
 from posttrain.models.modes import unwrap
 from posttrain.rollout.backends import ModelForward, SamplerBackend, model_device
-from posttrain.rollout.cpu_backend import cpu_backend
+from posttrain.rollout.cpu_backend import cpu_backend, sort_descending
 
 if TYPE_CHECKING:
     from posttrain.accel.replay import LinearRecord
@@ -130,11 +137,16 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_logits, order, by_radix = sort_descending(logits)
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
         drop_sorted = mass_before >= top_p
         drop_sorted[..., 0] = False
+        if by_radix and bool((drop_sorted[..., 1:] != drop_sorted[..., :-1]).logical_and_(
+                sorted_logits[..., 1:] == sorted_logits[..., :-1]).any()):
+            # equal logits on both sides of the cut: which of them is kept follows the sort's order of equal values,
+            # so it is torch.sort's (a radix sort's values and masses are the same, its order of ties may not be)
+            order = torch.sort(logits, dim=-1, descending=True).indices
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if min_p > 0.0:
@@ -214,9 +226,8 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
 
     continue_turn: multi-turn rollouts (`rollout.multiturn`). Called as `continue_turn(rows, tokens)` with
     the rows that stopped at this step and each one's tokens so far; returns per row None (the row
-    finishes) or the token ids to feed next (a tool result and the next assistant header). Those ids
-    are fed one per step, as if sampled, so they go into the row's own KV cache after its earlier
-    tokens (nothing is prefilled again) while the other rows go on decoding; `tool_mask` marks them.
+    finishes) or the ids to feed next (a tool result and the next assistant header; images: "Tool images"
+    above), fed one per step, as if sampled, into the row's own KV cache (nothing is prefilled again); `tool_mask`.
     """
     _check_inputs(prompt_ids, sampling, tokenizer, vision)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -234,7 +245,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     finished = torch.zeros(N, dtype=torch.bool, device=device)
     tokens, logps, masks, fed_masks = [], [], [], []
     history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings and continue_turn
-    pending: dict[int, list[int]] = {}  # row -> ids still to feed (continue_turn)
+    feeds = _Feeds(N, backend, max_new)  # ids (and tool images' features) still to feed (continue_turn)
     with backend:
         # 1. prefill: each prompt once -> (B, V) logits after its last token
         logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0),
@@ -246,13 +257,14 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
             prompts.repeat_interleave(G, dim=0), attention[:, :P], logits.shape[-1])
         for t in range(max_new):
             if t:  # 3. step: feed each decoded row its last token (t - 1), for the logits of token t
-                logits = backend.step(tokens[-1][rows], t - 1, attention[:, : P + t], next_position + (t - 1))
+                logits = backend.step(tokens[-1][rows], t - 1, attention[:, : P + t], next_position + (t - 1),
+                                      **feeds.fed_embeddings(rows))
 
             # 4. sample: from the penalised, filtered distribution; the log-prob is under softmax(logits / T)
             # one uniform per row, decoded or not: a row's draws depend only on the seed
             u = torch.rand(N, generator=generator, device=gen_device).to(device)[rows] if sampling.do_sample else None
             alive = ~finished
-            token, logp, fed = _sample_step(logits, sampling, seen, u, rows, alive, pad_token_id, pending)
+            token, logp, fed = _sample_step(logits, sampling, seen, u, rows, alive, pad_token_id, feeds)
             if seen is not None:
                 seen[rows, token[rows]] = True
             tokens.append(token)
@@ -262,7 +274,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
 
             # 5. stop: EOS, a stop token or a stop string; a fed EOS closes a tool turn, not the completion, and
             # a row whose turn ended goes on when continue_turn gives it ids to feed
-            stopped = _stopped(token, alive, fed, stop_ids, history, t, sampling, tokenizer, continue_turn, pending)
+            stopped = _stopped(token, alive, fed, stop_ids, history, t, sampling, tokenizer, continue_turn, feeds)
             finished = finished | (stopped & alive)
             num_finished = int(finished.sum())  # the loop's one host sync per step
             if t == max_new - 1 or not (_any_rank(num_finished < N, device) if backend.lockstep else num_finished < N):
@@ -285,11 +297,70 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
         completion_ids=torch.stack(tokens, dim=1),
         completion_mask=torch.stack(masks, dim=1).long(),
         logprobs=torch.stack(logps, dim=1),
-        is_truncated=~finished,
+        is_truncated=~finished | feeds.cut.to(device),
         linear_outputs=backend.linear_outputs,
         tool_mask=torch.stack(fed_masks, dim=1).long() if continue_turn is not None else None,
-        vision=None if vision is None else row_inputs(vision, G),
+        vision=feeds.row_images(vision, B, G),
     )
+
+
+class _Feeds:
+    """What `continue_turn` gave rows to feed, one id per step: the ids and, for a tool turn with images (a
+    vision-language model), the input embedding that replaces each image token's (its image's features,
+    `SamplerBackend.image_embeddings`, computed once when the turn is given); each row's tool images (their
+    processor outputs, in order) are kept for the training forward (`forward.vision.row_inputs`)."""
+
+    def __init__(self, N: int, backend: SamplerBackend, max_new: int):
+        self.backend, self.max_new = backend, max_new  # what computes tool images' features; max_new_tokens
+        self.ids: dict[int, list[int]] = {}
+        self.embeds: dict[int, list[Tensor | None]] = {}
+        self.last: dict[int, Tensor] = {}  # row -> the embedding of the tool image token fed at the last step
+        self.images: list[list[dict[str, Tensor]]] = [[] for _ in range(N)]
+        self.cut = torch.zeros(N, dtype=torch.bool)  # rows ended because a tool turn's images did not fit
+
+    def give(self, row: int, more, t: int) -> bool:
+        """Queue `more` (ids, or (ids, the tool images' processor outputs)) for `row`, whose turn ended at step t;
+        returns whether the row goes on. A tool turn with images that does not fit whole in the completion is not
+        fed (the cut would leave image features without their tokens): the row ends there, truncated."""
+        ids, images = more if isinstance(more, tuple) else (more, None)
+        if not ids:
+            return False
+        if images:
+            if len(ids) > self.max_new - t - 1:
+                self.cut[row] = True
+                return False
+            self.embeds[row] = self.backend.image_embeddings(list(ids), images)
+            self.images[row].append(images)
+        self.ids[row] = list(ids)
+        return True
+
+    def row_images(self, vision: list[dict[str, Tensor]] | None, B: int, G: int) -> dict[str, Tensor] | None:
+        """`Rollout.vision`: each row's prompt images (`vision`, per prompt) and then its tool images; None when
+        there are neither."""
+        if vision is None and not any(self.images):
+            return None
+        return row_inputs(vision or [{}] * B, G, tool_images=self.images)
+
+    def pop(self, row: int) -> int:
+        """The row's next id to feed; its embedding, when it is fed as one (a tool image's token), goes to `last`."""
+        token = self.ids[row].pop(0)
+        embed = self.embeds[row].pop(0) if row in self.embeds else None
+        if embed is not None:
+            self.last[row] = embed
+        if not self.ids[row]:
+            del self.ids[row]
+            self.embeds.pop(row, None)
+        return token
+
+    def fed_embeddings(self, rows: Tensor) -> dict:
+        """`SamplerBackend.step`'s `embeds` for the tokens fed at the last step ({} when none is a tool image's):
+        which of the decoded rows `rows` (A,) take an embedding instead of their token's, and those embeddings in
+        the rows' order."""
+        last, self.last = self.last, {}
+        if not last:
+            return {}
+        which = torch.isin(rows, torch.tensor(list(last), device=rows.device))
+        return {"embeds": (which, torch.stack([last[r] for r in rows[which].tolist()]))}
 
 
 def _prompt_batch(prompt_ids: list[list[int]], pad_token_id: int, G: int, max_new: int, device: torch.device):
@@ -325,8 +396,8 @@ def _prompt_tokens_seen(prompt_rows: Tensor, prompt_mask: Tensor, V: int) -> Ten
 
 
 def _sample_step(logits: Tensor, sampling: SamplingConfig, seen: Tensor | None, u: Tensor | None, rows: Tensor,
-                 alive: Tensor, pad_token_id: int, pending: dict[int, list[int]]) -> tuple[Tensor, Tensor, Tensor]:
-    """Phase 4 of `generate`: (N,) token of every row (pad where finished; the next fed id where `pending` has
+                 alive: Tensor, pad_token_id: int, feeds: _Feeds) -> tuple[Tensor, Tensor, Tensor]:
+    """Phase 4 of `generate`: (N,) token of every row (pad where finished; the next fed id where `feeds` has
     one), its log-prob under softmax(logits / T) (the decoded rows' `logits` (A, V)), and which rows were fed."""
     N, device = len(alive), logits.device
     scaled = logits.float()
@@ -337,18 +408,16 @@ def _sample_step(logits: Tensor, sampling: SamplingConfig, seen: Tensor | None, 
     token = torch.where(alive, token, pad_token_id)
     logp = torch.zeros(N, device=device).index_copy_(0, rows, selective_log_softmax(scaled, picked))
     fed = torch.zeros(N, dtype=torch.bool, device=device)
-    for i in list(pending):  # rows inside a tool result take its next id instead of their sample
-        token[i], fed[i] = pending[i].pop(0), True
-        if not pending[i]:
-            del pending[i]
+    for i in list(feeds.ids):  # rows inside a tool result take its next id instead of their sample
+        token[i], fed[i] = feeds.pop(i), True
     return token, logp, fed
 
 
 def _stopped(token: Tensor, alive: Tensor, fed: Tensor, stop_ids: Tensor, history: list[list[int]], t: int,
-             sampling: SamplingConfig, tokenizer, continue_turn, pending: dict[int, list[int]]) -> Tensor:
+             sampling: SamplingConfig, tokenizer, continue_turn, feeds: _Feeds) -> Tensor:
     """Phase 5 of `generate`: (N,) rows whose completion ends at step t (EOS, a stop token, a stop string; not
     a fed token). Appends each row's token to `history` where that is kept; a row whose turn ended and that
-    `continue_turn` gives ids to feed goes on, its ids put in `pending`."""
+    `continue_turn` gives ids to feed goes on, its ids queued in `feeds`."""
     stopped = torch.isin(token, stop_ids) if len(stop_ids) else torch.zeros_like(alive)
     if sampling.stop_strings or continue_turn is not None:
         for row, tok in zip(history, token.tolist()):
@@ -363,9 +432,9 @@ def _stopped(token: Tensor, alive: Tensor, fed: Tensor, stop_ids: Tensor, histor
     stopped &= ~fed
     if continue_turn is not None and bool((stopped & alive).any()):
         ended = (stopped & alive).nonzero().flatten().tolist()
-        for i, ids in zip(ended, continue_turn(ended, [history[i][:t + 1] for i in ended])):
-            if ids:
-                stopped[i], pending[i] = False, list(ids)
+        for i, more in zip(ended, continue_turn(ended, [history[i][:t + 1] for i in ended])):
+            if feeds.give(i, more, t):
+                stopped[i] = False
     return stopped
 
 

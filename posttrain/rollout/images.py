@@ -22,6 +22,7 @@ from posttrain.data.multimodal import (IMAGE_COLUMNS, VisionDataError, check_vis
 from posttrain.data.tokenize import check_prompts
 from posttrain.models import loading
 from posttrain.models.vision import vision_run
+from posttrain.rollout.tools import ToolImageError
 
 # processor outputs that are per token, not per image: the sampler and the packed forward place tokens
 # themselves, and the models the online path supports read the image tokens from the ids
@@ -64,11 +65,12 @@ def check_image_prompts(dataset, processing_class, what: str = "train_dataset") 
 
 
 def encode_image_prompts(processor, rows: list[dict], template_kwargs: dict | None = None,
-                         max_prompt_length: int | None = None) -> tuple[list[list[int]], list[dict[str, Tensor]]]:
+                         max_prompt_length: int | None = None,
+                         tools: list[list[dict] | None] | None = None) -> tuple[list[list[int]], list[dict[str, Tensor]]]:
     """(token ids per prompt, the processor's image tensors per prompt) for prompt rows with images.
 
     Each prompt is encoded alone, so its ids carry no padding and its tensors only its own images;
-    a row without images gets an empty dict."""
+    a row without images gets an empty dict. tools: per row, the tool schemas the chat template shows (or None)."""
     if not loading.is_processor(processor):
         raise VisionDataError(f"rows with images need the model's processor (AutoProcessor) as processing_class, "
                               f"got {type(processor).__name__}, which cannot turn images into pixel values")
@@ -76,8 +78,9 @@ def encode_image_prompts(processor, rows: list[dict], template_kwargs: dict | No
     for i, row in enumerate(rows):
         images = row_images(row, i)
         messages = prepare_multimodal_messages(row["prompt"], images) if images else row["prompt"]
+        schemas = {"tools": tools[i]} if tools and tools[i] else {}
         text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                       **(template_kwargs or {}))
+                                                       **schemas, **(template_kwargs or {}))
         out = processor(text=[text], images=[images] if images else None, return_tensors="pt",
                         add_special_tokens=False)
         row_ids = out["input_ids"][0].tolist()
@@ -89,3 +92,19 @@ def encode_image_prompts(processor, rows: list[dict], template_kwargs: dict | No
         ids.append(row_ids)
         vision.append({k: v for k, v in out.items() if k not in PER_TOKEN})
     return ids, vision
+
+
+def encode_tool_turn(processor, text: str, images: list, names: list[str]) -> tuple[list[int], dict[str, Tensor]]:
+    """(ids, the processor's image tensors) of a tool turn with images: `text` (the chat template's continuation,
+    `data.tokenize.continuation_text`, one placeholder per image part) expanded by the processor, as a prompt's
+    images are. names: the tools whose results hold the images, for the error when the template writes no
+    placeholder for them (it does not render image parts of `tool` messages)."""
+    token = getattr(processor, "image_token", None)
+    if isinstance(token, str) and text.count(token) != len(images):
+        raise ToolImageError(
+            f"tool(s) {sorted(set(names))} returned {len(images)} image(s), but the chat template wrote "
+            f"{text.count(token)} {token!r} placeholder(s) for them: it does not render the image parts of `tool` "
+            "messages, so the model could not see them; use a chat template that renders {'type': 'image'} parts "
+            "in every role, or return text from the tool")
+    out = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
+    return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in PER_TOKEN}

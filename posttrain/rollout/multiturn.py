@@ -33,10 +33,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from posttrain.data.collate import pad
-from posttrain.data.tokenize import continuation_ids, encode_prompt
+from posttrain.data.tokenize import continuation_ids, continuation_text, encode_prompt
 from posttrain.data.tools import environment_tools, tool_schemas
 from posttrain.rollout.generate import Rollout
-from posttrain.rollout.tools import assistant_turn, parse_tool_calls, run_tool_calls, tools_by_name, was_truncated
+from posttrain.rollout.images import encode_tool_turn
+from posttrain.rollout.tools import ToolImageError, assistant_turn, parse_tool_calls, run_tool_calls, tools_by_name, was_truncated
 
 __all__ = ["Episodes", "Tooling", "engine_turns", "rollout_from_func"]
 
@@ -48,48 +49,80 @@ class Episodes:
     schemas the chat template shows each row. After the rollout, `completions(rollout)` gives each
     episode as messages (assistant turns with their `tool_calls`, `tool` results) and `calls`,
     `failures`, `turns` count per row what happened.
+
+    processor: a vision-language model's processor, whose rollouts take tools that return images: such a
+    turn's continuation is the processor's expansion of the template's text (`images.encode_tool_turn`), handed
+    to the sampler as (ids, the images' tensors); at most `max_images` tool images per episode (more: the result
+    is an error text for the model). None (a text-only model): a tool returning an image raises ToolImageError.
     """
 
     def __init__(self, tokenizer, prompts: list[list[dict]], tools: list[Mapping[str, Callable]],
                  schemas: list[list[dict] | None], max_iterations: int, timeout: float,
-                 max_call_chars: int | None = None, max_result_chars: int | None = None):
+                 max_call_chars: int | None = None, max_result_chars: int | None = None, processor=None,
+                 max_images: int | None = None):
         self.tokenizer, self.prompts, self.tools, self.schemas = tokenizer, prompts, tools, schemas
+        self.processor, self.max_images = processor, max_images
         self.max_iterations, self.timeout = max_iterations, timeout
         self.max_call_chars, self.max_result_chars = max_call_chars, max_result_chars
         N = len(prompts)
         self.turns: list[list[dict]] = [[] for _ in range(N)]  # messages after the prompt
         self.start = [0] * N  # where the current assistant turn begins in the row's completion ids
         self.calls, self.failures, self.iterations, self.truncated = [0] * N, [0] * N, [0] * N, [0] * N
+        self.images = [0] * N  # tool images fed per row
 
-    def __call__(self, rows: list[int], tokens: list[list[int]]) -> list[list[int] | None]:
-        """The ids to feed after each row's finished turn, or None where the episode ends."""
+    def __call__(self, rows: list[int], tokens: list[list[int]]) -> list[list[int] | tuple | None]:
+        """The ids to feed after each row's finished turn ((ids, the images' processor outputs) for a turn with
+        tool images), or None where the episode ends."""
         out: list[list[int] | None] = [None] * len(rows)
         jobs = []  # (position in rows, row, the turn's message, its calls, parse errors)
         eos = self.tokenizer.eos_token_id
         for j, (i, ids) in enumerate(zip(rows, tokens)):
-            text = self.tokenizer.decode(ids[self.start[i]:], skip_special_tokens=True)
-            message = assistant_turn(text, self.max_call_chars)
+            message, calls, errors = self.read_turn(i, self.tokenizer.decode(ids[self.start[i]:], skip_special_tokens=True))
             self.turns[i].append(message)
-            calls, errors = parse_tool_calls(text, self.max_call_chars)
             # Only a turn closed by EOS continues: the template's continuation starts after that EOS, and a
             # stop string or stop token ends the completion as it does in a single-turn rollout.
             if ids and ids[-1] == eos and (calls or errors) and self.iterations[i] < self.max_iterations:
                 jobs.append((j, i, calls, errors))
         results = iter(run_tool_calls([c for _, _, calls, _ in jobs for c in calls],
                                       [self.tools[i] for _, i, calls, _ in jobs for _ in calls], self.timeout,
-                                      self.max_result_chars))
+                                      self.max_result_chars, images=self.processor is not None))
         for j, i, calls, errors in jobs:
-            replies = [next(results) for _ in calls]
+            replies = [self._capped(i, *next(results)) for _ in calls]
             messages = [m for m, _ in replies] + [{"role": "tool", "name": "", "content": f"Error: {e}"} for e in errors]
             self.calls[i] += len(calls) + len(errors)
             self.failures[i] += sum(err is not None for _, err in replies) + len(errors)
             self.truncated[i] += sum(was_truncated(m) for m, _ in replies)
             self.iterations[i] += 1
-            ids = continuation_ids(self.tokenizer, self.prompts[i] + self.turns[i], messages, tools=self.schemas[i])
+            out[j] = self._continuation(i, messages)
             self.turns[i] += messages
-            self.start[i] = len(tokens[j]) + len(ids)
-            out[j] = ids
+            self.start[i] = len(tokens[j]) + len(out[j][0] if isinstance(out[j], tuple) else out[j])
         return out
+
+    def read_turn(self, i: int, text: str) -> tuple[dict, list[dict], list[str]]:
+        """Row i's sampled turn, as text -> (its assistant message, its well-formed tool calls, its parse errors)."""
+        calls, errors = parse_tool_calls(text, self.max_call_chars)
+        return assistant_turn(text, self.max_call_chars), calls, errors
+
+    def _continuation(self, i: int, messages: list[dict]) -> list[int] | tuple[list[int], dict]:
+        """Row i's ids after its turn when `messages` (tool results) follow; with images, (ids, their tensors)."""
+        images = [(m["name"], p["image"]) for m in messages if not isinstance(m["content"], str)
+                  for p in m["content"] if p.get("type") == "image"]
+        if not images:
+            return continuation_ids(self.tokenizer, self.prompts[i] + self.turns[i], messages, tools=self.schemas[i])
+        text = continuation_text(self.tokenizer, self.prompts[i] + self.turns[i], messages, tools=self.schemas[i])
+        return encode_tool_turn(self.processor, text, [image for _, image in images], [name for name, _ in images])
+
+    def _capped(self, i: int, message: dict, error: str | None) -> tuple[dict, str | None]:
+        """A tool message of row i, or in its place an error text when its images would take the row past
+        `max_images` tool images."""
+        count = 0 if isinstance(message["content"], str) else sum(p.get("type") == "image" for p in message["content"])
+        if count and self.max_images is not None and self.images[i] + count > self.max_images:
+            error = (f"Error: {message['name']} returned {count} image(s), but this episode already holds "
+                     f"{self.images[i]} tool image(s) and may hold at most {self.max_images} (max_tool_images); "
+                     "the images were not shown")
+            return {"role": "tool", "name": message["name"], "content": error}, error
+        self.images[i] += count
+        return message, error
 
     def completions(self, rollout: Rollout) -> list[list[dict]]:
         """Each row's episode as messages; a row cut by the length limit gets its last, unfinished turn
@@ -126,7 +159,7 @@ class Tooling:
 
     def __init__(self, tools: Sequence[Callable] | None = None, environment_factory=None,
                  max_iterations: int = 10, timeout: float = 10.0, max_call_chars: int | None = None,
-                 max_result_chars: int | None = None):
+                 max_result_chars: int | None = None, max_images: int | None = None):
         if tools and environment_factory is not None:
             raise ValueError("give tools= or environment_factory= (an environment's methods are its tools), not both")
         self.tools = tools_by_name(list(tools or []))
@@ -137,7 +170,7 @@ class Tooling:
                 raise TypeError(f"environment_factory[{name!r}] must be a callable returning an environment, "
                                 f"got {factory!r}")
         self.max_iterations, self.timeout = max_iterations, timeout
-        self.max_call_chars, self.max_result_chars = max_call_chars, max_result_chars
+        self.max_call_chars, self.max_result_chars, self.max_images = max_call_chars, max_result_chars, max_images
         self.prompt_from_reset = False  # set by `reset_dataset`: no train_dataset, reset() writes each prompt
         # the schemas of each environment kind, from one probe instance (same methods on every instance)
         self._schemas = ({name: tool_schemas(environment_tools(factory())) for name, factory in self.factories.items()}
@@ -190,11 +223,12 @@ class Tooling:
         return funcs
 
     def episodes(self, tokenizer, prompts: list, columns: dict[str, list], num_generations: int,
-                 max_prompt_length: int | None) -> tuple[Episodes, list | None, list[list[int]] | None]:
+                 max_prompt_length: int | None, processor=None) -> tuple[Episodes, list | None, list[list[int]] | None]:
         """(episodes, environments or None, prompt ids per prompt or None when unchanged) for N rows
         (prompt-major, `num_generations` per prompt). Each row gets a fresh environment, `reset` with
         the row's columns (and `prompt`); text it returns is appended to the last user message, which
-        must then be the same across a group (its rows share one prefill)."""
+        must then be the same across a group (its rows share one prefill). processor: a vision-language
+        model's, whose tools may return images (`Episodes`)."""
         N = len(prompts)
         if any(not isinstance(p, list) for p in prompts):
             raise ValueError("tools and environments need conversational prompts (lists of messages): the chat "
@@ -228,12 +262,16 @@ class Tooling:
                                      f"{num_generations} rollouts of one prompt; return the same text for the "
                                      "same row (the group shares one prompt)")
             if any(p != q for p, q in zip(prompts, (r["prompt"] for r in rows))):
+                if processor is not None:
+                    raise ValueError("an environment's reset() returned text for a vision-language model's prompt: "
+                                     "the prompt would have to be encoded again with its images; put the text in "
+                                     "the dataset's prompt instead")
                 new_ids = [encode_prompt(tokenizer, p, tools=self._schemas[k])
                            for p, k in zip(firsts, kinds[::num_generations])]
                 if max_prompt_length:
                     new_ids = [ids[-max_prompt_length:] for ids in new_ids]
         episodes = Episodes(tokenizer, prompts, tools, [self._schemas[k] for k in kinds], self.max_iterations,
-                            self.timeout, self.max_call_chars, self.max_result_chars)
+                            self.timeout, self.max_call_chars, self.max_result_chars, processor, self.max_images)
         return episodes, env_list, new_ids
 
 
@@ -266,6 +304,10 @@ def engine_turns(generate_turn: Callable, prompt_ids: list[list[int]], sampling,
     while ended:
         going = []
         for i, more in zip(ended, continue_turn(ended, [list(ids[i]) for i in ended])):
+            if isinstance(more, tuple):  # (ids, images): a tool returned an image
+                raise ToolImageError("a tool returned an image, but this engine samples from token ids only and "
+                                     "cannot be fed the image's features; posttrain's own sampler can "
+                                     "(use_vllm=False)")
             if not more:
                 continue
             room = max_new - len(ids[i])

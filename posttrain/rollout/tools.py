@@ -13,6 +13,12 @@ arguments the function refuses, an exception inside it or a timeout become an er
 back to the model as the `tool` message. A result longer than `max_result_chars` is cut, with a
 note saying how much was cut (`was_truncated` tells), so one tool returning megabytes cannot make a
 step slow and large.
+
+A result that is or holds an image (a PIL image, `{"type": "image", "image": ...}`, a list of such parts with
+text parts) becomes, for a vision-language model's rollout (`images=True`), a `tool` message whose content is
+those parts, each image part holding its RGB image (`image_content`; the rollout renders its placeholder and
+feeds its features, `rollout/multiturn.py`); an image that cannot be opened is an error text for the model. For
+a text-only model it raises `ToolImageError` naming the tool: its pixels could never reach the model.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 from posttrain.data.chat import TOOL_CALL_END, TOOL_CALL_START
 from posttrain.data.tools import tool_schemas  # noqa: F401  (its home is data.tools; public here as before)
 
-__all__ = ["assistant_turn", "parse_tool_calls", "run_tool_call", "run_tool_calls", "still_running", "tool_schemas",
+__all__ = ["ToolImageError", "assistant_turn", "image_content", "parse_tool_calls", "run_tool_call", "run_tool_calls", "still_running", "tool_schemas",
            "tools_by_name", "was_truncated"]
 
 _TRUNCATED = re.compile(r"\n\[truncated: \d+ more characters\]\Z")  # the note `cap` ends a cut text with
@@ -65,8 +71,10 @@ def cap(text: str, limit: int | None) -> str:
 
 
 def was_truncated(message: Mapping) -> bool:
-    """Whether a `tool` message's content was cut by `cap` (max_result_chars)."""
-    return bool(_TRUNCATED.search(message.get("content") or ""))
+    """Whether a `tool` message's content (a text, or content parts) was cut by `cap` (max_result_chars)."""
+    content = message.get("content") or ""
+    texts = [content] if isinstance(content, str) else [p.get("text") or "" for p in content if isinstance(p, Mapping)]
+    return any(_TRUNCATED.search(text) for text in texts)
 
 
 def parse_tool_calls(text: str, max_call_chars: int | None = None) -> tuple[list[dict], list[str]]:
@@ -124,7 +132,8 @@ def assistant_turn(text: str, max_call_chars: int | None = None) -> dict:
 
 
 class ToolImageError(ValueError):
-    """A tool returned an image, which this rollout cannot show to the model."""
+    """A tool returned an image that this rollout cannot show to the model (a text-only model, or an engine
+    that feeds tool turns as token ids only)."""
 
 
 def _holds_image(value: Any, depth: int = 0) -> bool:
@@ -137,6 +146,38 @@ def _holds_image(value: Any, depth: int = 0) -> bool:
     if isinstance(value, (list, tuple)) and depth == 0:
         return any(_holds_image(v, 1) for v in value)
     return False
+
+
+def _part(name: str, value: Any, limit: int | None) -> dict:
+    """One content part of an image result: an image part holding its RGB PIL image, or a text part."""
+    from posttrain.data.multimodal import load_image
+
+    if isinstance(value, str):
+        return {"type": "text", "text": cap(value, limit)}
+    if isinstance(value, Mapping) and value.get("type") == "text":
+        return {"type": "text", "text": cap(_as_text(value.get("text", "")), limit)}
+    if not _holds_image(value, 1):
+        return {"type": "text", "text": cap(_as_text(value), limit)}
+    image = value.get("image") if isinstance(value, Mapping) else value
+    if image is None:
+        raise ValueError(f"{name} returned an image part without an image ({{'type': 'image'}} needs an 'image': a "
+                         "PIL image, a file path or bytes)")
+    return {"type": "image", "image": load_image(image, f"the image {name} returned")}
+
+
+def image_content(name: str, value: Any, max_result_chars: int | None = None) -> tuple[list[dict], str | None]:
+    """(content parts, error text or None) of a tool result that holds images (`_holds_image`): a PIL image, an
+    image part `{"type": "image", "image": ...}` (a PIL image, a path or bytes), or a list of such parts, text
+    parts and strings; text parts are cut at `max_result_chars`. An image that cannot be opened makes the result
+    an error text for the model, as any failed call."""
+    from posttrain.data.multimodal import VisionDataError
+
+    values = value if isinstance(value, (list, tuple)) else [value]
+    try:
+        return [_part(name, v, max_result_chars) for v in values], None
+    except (VisionDataError, ValueError) as err:
+        error = cap(f"Error: {err}", max_result_chars)
+        return [{"type": "text", "text": error}], error
 
 
 def _as_text(value: Any) -> str:
@@ -195,27 +236,30 @@ def _prepare(call: Mapping, tools: Mapping[str, Callable]) -> tuple[str, Callabl
 
 
 def _finish(name: str, thread: threading.Thread, box: dict, timeout: float,
-            max_result_chars: int | None = None) -> tuple[dict, str | None]:
+            max_result_chars: int | None = None, images: bool = False) -> tuple[dict, str | None]:
     if thread.is_alive():
         error = f"Error: {name} did not return within {timeout:g} s"
     elif "error" in box:
         err = box["error"]
         kind = "timed out" if isinstance(err, (asyncio.TimeoutError, TimeoutError)) else "failed"
         error = cap(f"Error: {name} {kind}: {type(err).__name__}: {_as_text(err)}", max_result_chars)
+    elif _holds_image(box.get("value")):
+        if not images:
+            raise ToolImageError(
+                f"tool {name!r} returned an image ({type(box['value']).__name__}), but this model reads text only: "
+                "its tool results are fed as the chat template's text tokens, so the pixels would never reach it; "
+                "return text from the tool (e.g. a description of the image), or train a vision-language model "
+                "with its processor, whose rollouts feed tool images (docs/vision.md)")
+        content, error = image_content(name, box["value"], max_result_chars)
+        return {"role": "tool", "name": name, "content": content}, error
     else:
         error = None
-        if _holds_image(box.get("value")):
-            raise ToolImageError(
-                f"tool {name!r} returned an image ({type(box['value']).__name__}): tool results are fed to the model "
-                "as the chat template's text tokens, so its pixels would never reach the model (a text-only model "
-                "cannot read images, and tool turns with images are not supported for vision-language models "
-                "yet); return text from the tool, e.g. a description of the image")
     content = error if error is not None else cap(_as_text(box.get("value")), max_result_chars)
     return {"role": "tool", "name": name, "content": content}, error
 
 
 def run_tool_call(call: Mapping, tools: Mapping[str, Callable], timeout: float = 10.0,
-                  max_result_chars: int | None = None) -> tuple[dict, str | None]:
+                  max_result_chars: int | None = None, images: bool = False) -> tuple[dict, str | None]:
     """Run one call; return (the `tool` message, the error text or None).
 
     call: a `parse_tool_calls` call (or a flat {"name", "arguments"}); arguments a dict or a JSON
@@ -225,13 +269,16 @@ def run_tool_call(call: Mapping, tools: Mapping[str, Callable], timeout: float =
     function still running at the timeout is left to finish in its daemon thread (Python cannot stop
     a thread: a tool that loops forever keeps a CPU busy until the process ends, even after
     `train()` returns; give such tools their own time limit, or make them async, which is cancelled).
-    A content longer than `max_result_chars` is cut (`cap`).
+    A content longer than `max_result_chars` is cut (`cap`). A result that is or holds an image (a PIL image,
+    an image part, a list of parts) raises ToolImageError naming the tool unless `images` (a vision-language
+    model's rollout): the content is then a list of parts (`image_content`), each image part holding its image.
     """
-    return run_tool_calls([call], tools, timeout, max_result_chars)[0]
+    return run_tool_calls([call], tools, timeout, max_result_chars, images)[0]
 
 
 def run_tool_calls(calls: Sequence[Mapping], tools: Mapping[str, Callable] | Sequence[Mapping[str, Callable]],
-                   timeout: float = 10.0, max_result_chars: int | None = None) -> list[tuple[dict, str | None]]:
+                   timeout: float = 10.0, max_result_chars: int | None = None,
+                   images: bool = False) -> list[tuple[dict, str | None]]:
     """`run_tool_call` for several calls at once (e.g. every row of a rollout step): each runs in
     its own thread from the same start, so slow or async tools overlap; results in call order.
 
@@ -253,7 +300,7 @@ def run_tool_calls(calls: Sequence[Mapping], tools: Mapping[str, Callable] | Seq
             continue
         thread, box = job
         thread.join(max(0.0, deadline - time.monotonic()))
-        results.append(_finish(name, thread, box, timeout, max_result_chars))
+        results.append(_finish(name, thread, box, timeout, max_result_chars, images))
     return results
 
 

@@ -42,7 +42,7 @@ from posttrain.models import compat, loading
 from posttrain.trainers.guards import (MANIFEST_FILE, RUN_SETTINGS, STAGING_PREFIX, STATE_FILE,  # noqa: F401
                                        TRAINER_STATE, CheckpointError, FiniteGuard, NonFiniteError,
                                        OutputDirInUseError, SaveError, check_checkpoint, check_finite_fields,
-                                       check_training_numbers, checkpoint_folders, explained_write_errors,
+                                       check_training_numbers, checkpoint_folders, clip_grad_norm_exact, explained_write_errors,
                                        latest_checkpoint, output_dir_lock, read_manifest, write_manifest)
 
 logger = logging.getLogger(__name__)
@@ -422,10 +422,28 @@ class BaseTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, **trainer_kwargs)
-        self.add_callback(FiniteGuard(self))
+        self.finite_guard = FiniteGuard(self)
+        self.add_callback(self.finite_guard)
         self.run_threads = None  # the thread count of this run, when fitted to the machine's load
         if threads.fit_wanted() and (args.use_cpu or not _accelerator_available()):
             self.add_callback(FitThreadsCallback(self))
+
+    def _clip_grad_norm(self, model):
+        """transformers' clipping (max_grad_norm), through `guards.clip_grad_norm_exact` on one process or DDP
+        without a loss scaler: the same gradients and norm without a pass over the gradients when none is clipped,
+        and the norm handed to `FiniteGuard`, which then needs no pass of its own. Elsewhere (DeepSpeed, FSDP,
+        float16 scaling, torch < 2.6) transformers' own."""
+        from accelerate.utils import DistributedType
+
+        plain = (self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU,
+                                                       DistributedType.MULTI_GPU)
+                 and getattr(self.accelerator, "scaler", None) is None
+                 and not getattr(self, "_has_mixed_mesh_grads", lambda m: False)(model))
+        norm = clip_grad_norm_exact(model.parameters(), self.args.max_grad_norm) if plain else None
+        if norm is None:
+            return super()._clip_grad_norm(model)
+        self.finite_guard.grad_norm = norm
+        return norm
 
     @staticmethod
     def vision_parts(model, args, peft_config):

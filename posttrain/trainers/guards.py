@@ -278,6 +278,24 @@ def first_non_finite(named) -> str | None:
     return next(name for (name, _), peak in zip(named, peaks) if not torch.isfinite(peak))
 
 
+def clip_grad_norm_exact(parameters, max_norm: float):
+    """`torch.nn.utils.clip_grad_norm_` (2-norm) without its pass over every gradient when nothing is clipped:
+    torch multiplies the gradients by the clamped coefficient even when it is 1, a read and a write of every
+    gradient for nothing. The same total norm, the same coefficient and the same gradients, bit for bit (a NaN
+    or infinite norm still multiplies, so the gradients turn NaN as with torch, for `FiniteGuard` to stop).
+    Returns the total norm (a 0-d tensor). None where this torch lacks `get_total_norm` (before 2.6)."""
+    utils = torch.nn.utils
+    if not (hasattr(utils, "get_total_norm") and hasattr(utils, "clip_grads_with_norm_")):
+        return None
+    parameters = [p for p in parameters if p.grad is not None]
+    if not parameters:
+        return torch.tensor(0.0)
+    total = utils.get_total_norm([p.grad for p in parameters], 2.0)
+    if not bool(max_norm / (total + 1e-6) >= 1.0):  # torch's coefficient, clamped at 1: a multiply only below
+        utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
 def _all_finite(norms: list) -> bool:
     return bool(torch.stack([n.float().to(norms[0].device) for n in norms]).isfinite().all())
 
@@ -289,6 +307,7 @@ class FiniteGuard(TrainerCallback):
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
+        self.grad_norm = None  # the step's total gradient 2-norm where the trainer's clipping computed it
 
     def _trained(self):
         return [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
@@ -301,6 +320,9 @@ class FiniteGuard(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if getattr(self.trainer.accelerator, "scaler", None) is not None:
             return  # float16 loss scaling: an overflowing step is expected, and skipped by the scaler itself
+        norm, self.grad_norm = self.grad_norm, None
+        if norm is not None and bool(torch.isfinite(norm)):
+            return  # the clipping's total 2-norm of these gradients is finite: so is each of them (no second pass)
         if name := first_non_finite((n, p.grad) for n, p in self._trained()):
             raise NonFiniteError(
                 f"step {state.global_step + 1}: the gradient of {name} is NaN or infinite (the loss or a reward "

@@ -163,6 +163,10 @@ class OnlineConfig(BaseConfig):
     max_tool_result_chars: int | None = field(default=16384, metadata={"help": "A tool result (or error) longer than "
                                               "this many characters is cut, with a note of how much was cut, before "
                                               "it is fed back (`tools/truncation_rate` counts them). None: no limit."})
+    max_tool_images: int | None = field(default=8, metadata={"help": "A vision-language model's rollouts: the most "
+                                        "images its tools may return in one episode (they are fed to the model and "
+                                        "kept for the training forward); a result past it is fed back as an error "
+                                        "text instead. None: no limit."})
     # ---- reward
     reward_timeout: float | None = field(default=600.0, metadata={"help": "Seconds a reward function may take for "
                                          "one batch; past it training stops with an error naming the function "
@@ -337,6 +341,8 @@ class OnlineConfig(BaseConfig):
         for name in ("max_tool_call_chars", "max_tool_result_chars"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 characters (or None: no limit), got {getattr(self, name)}")
+        if self.max_tool_images is not None and self.max_tool_images < 0:
+            raise ValueError(f"max_tool_images must be >= 0 (or None: no limit), got {self.max_tool_images}")
         if self.generation_batch_size is not None:
             per_step = bs * self.world_size
             if self.generation_batch_size % per_step:

@@ -39,12 +39,10 @@ class OnlinePromptData:
         tok, limit = text_tokenizer(self.processing_class), self.args.max_prompt_length
         vision = None
         if "prompt" in rows[0] and has_image_prompts(rows):  # image prompts: ids with the image tokens, and pixels
-            if self.tooling is not None:
-                raise ValueError("tools= / environment_factory= with image prompts are not supported yet: the tool "
-                                 "schemas and tool turns are rendered by the text chat template")
             prompts = [row["prompt"] for row in rows]
             prompt_ids, vision = encode_image_prompts(self.processing_class, rows, self.args.chat_template_kwargs,
-                                                      limit)
+                                                      limit, [self.tooling.schemas_for(row) for row in rows]
+                                                      if self.tooling else None)
         elif "prompt" in rows[0]:
             prompts = [row["prompt"] for row in rows]
             prompt_ids = [encode_prompt(tok, p, tools=self.tooling.schemas_for(row) if self.tooling else None,

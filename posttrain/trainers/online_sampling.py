@@ -70,11 +70,15 @@ class OnlineSampling:
             extra = {} if vision is None else {"vision": vision}
             return self.sample_completions(inputs["prompt_ids"], sampling, **extra), None
         G = (sampling or self.sampling).num_generations
-        episodes, environments, prompt_ids = self.tooling.episodes(tok, prompts, columns, G, self.args.max_prompt_length)
+        episodes, environments, prompt_ids = self.tooling.episodes(
+            tok, prompts, columns, G, self.args.max_prompt_length,  # a VLM's processor: its tools may return images
+            processor=self.processing_class if self.vision else None)
         if environments is not None:
             columns["environments"] = environments
             prompts[:] = episodes.prompts  # with reset()'s text: the reward functions get the prompts the model saw
-        rollout = self.sample_completions(prompt_ids or inputs["prompt_ids"], sampling, continue_turn=episodes)
+        vision = inputs.get("vision")
+        rollout = self.sample_completions(prompt_ids or inputs["prompt_ids"], sampling, continue_turn=episodes,
+                                          **({} if vision is None else {"vision": vision}))
         self.record(episodes.metrics(lambda x: self._gather_rows(x.to(self.accelerator.device))), mode)
         return rollout, episodes
 

@@ -67,7 +67,7 @@ def tooling(args: OnlineConfig, tools, environment_factory, reward_funcs, train_
     made = Tooling(tools, environment_factory, max_iterations=args.max_tool_calling_iterations
                    if args.max_tool_calling_iterations is not None else 2 ** 31,
                    timeout=args.tool_call_timeout, max_call_chars=args.max_tool_call_chars,
-                   max_result_chars=args.max_tool_result_chars)
+                   max_result_chars=args.max_tool_result_chars, max_images=args.max_tool_images)
     env_rewards = made.environment_rewards()
     if env_rewards:
         given = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \

@@ -145,6 +145,55 @@ def test_filter_logits_by_hand():
     assert kept(top_k=3, top_p=0.85) == pytest.approx([0.5, 0.2, 0.15])
 
 
+def torch_sort_top_p(logits, top_p):
+    """filter_logits' top-p as it was written on torch.sort alone: the reference of the radix sort's."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    drop_sorted = probs.cumsum(-1) - probs >= top_p
+    drop_sorted[..., 0] = False
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+def test_top_p_by_radix_sort_equals_torch_sort():
+    from posttrain.accel import few_rows
+
+    if few_rows.stable_sort_descending(torch.zeros(1, 4)) is None:
+        pytest.skip("no compiled kernels here: filter_logits sorts with torch.sort itself")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 4096, generator=gen) * 3
+    values, indices = few_rows.stable_sort_descending(x)
+    assert torch.equal(values, torch.sort(x, dim=-1, descending=True).values)
+    assert torch.equal(indices, torch.sort(x, dim=-1, descending=True, stable=True).indices)
+    for top_p in (0.3, 0.9, 0.95, 0.999):
+        assert torch.equal(filter_logits(x, top_p=top_p), torch_sort_top_p(x, top_p))
+        assert torch.equal(filter_logits(x, top_k=50, top_p=top_p), torch_sort_top_p(filter_logits(x, top_k=50),
+                                                                                     top_p))
+    # logits on a coarse grid: many equal values, some on both sides of the cut (then torch.sort's order decides),
+    # infinities, signed zeros; a row with a NaN is sorted by torch
+    coarse = (x * 2).round() / 2
+    coarse[:, ::97] = float("-inf")
+    with_nan = coarse.clone()
+    with_nan[3, 5] = float("nan")
+    assert few_rows.stable_sort_descending(with_nan) is None
+    for top_p in (0.5, 0.8, 0.9, 0.95):
+        for logits in (coarse, with_nan):
+            assert torch.equal(filter_logits(logits, top_p=top_p).isfinite(),
+                               torch_sort_top_p(logits, top_p).isfinite())
+
+
+def test_top_p_samples_equal_those_of_torch_sort(model, tok, prompt_ids, monkeypatch):
+    from posttrain.rollout import generate as generate_module
+
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.3, top_p=0.9, num_generations=3)
+    kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    radix = [generate(model, prompt_ids, sampling, generator=torch.Generator().manual_seed(s), **kw) for s in range(3)]
+    monkeypatch.setattr(generate_module, "sort_descending",
+                        lambda x: (*torch.sort(x, dim=-1, descending=True), False))
+    for s, r in enumerate(radix):
+        ref = generate(model, prompt_ids, sampling, generator=torch.Generator().manual_seed(s), **kw)
+        assert torch.equal(r.completion_ids, ref.completion_ids) and torch.equal(r.logprobs, ref.logprobs)
+
+
 def test_sampler_frequencies_follow_the_distribution():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     logits = probs.log().expand(20000, 4)
