@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from PIL import Image
+from tests.helpers.vision import tiny_vlm_with_visible_images
 
 from posttrain.data.tokenize import continuation_text
 from posttrain.data.tools import tool_schemas
@@ -67,17 +68,7 @@ def test_a_rollout_whose_tool_returns_an_image_stops_naming_the_tool():
 # ----------------------------------------------------------------------------------- vision-language models
 @pytest.fixture(scope="module")
 def vlm():
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from posttrain.models.tiny import tiny_model_path
-
-    path = tiny_model_path("tiny-llava")
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_pretrained(path)
-    with torch.no_grad():  # a random tower whose features matter: scale the projector so images move the logits
-        for p in model.model.multi_modal_projector.parameters():
-            p.mul_(8.0)
-    return model.eval(), AutoProcessor.from_pretrained(path)
+    return tiny_vlm_with_visible_images()
 
 
 def picture_rows(n: int = 2):

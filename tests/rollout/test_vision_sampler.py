@@ -4,6 +4,7 @@ distinct prompt's images once; prompts with the same text and different images a
 
 import pytest
 import torch
+from tests.helpers.vision import tiny_vlm_with_visible_images
 
 from posttrain.forward.completions import completion_logprobs
 from posttrain.forward.vision import IMAGE_GROUP, forward_inputs, prompt_inputs, row_inputs
@@ -13,17 +14,7 @@ from posttrain.rollout.images import encode_image_prompts
 
 @pytest.fixture(scope="module")
 def vlm():
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from posttrain.models.tiny import tiny_model_path
-
-    path = tiny_model_path("tiny-llava")
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_pretrained(path)
-    with torch.no_grad():  # a random tower whose features matter: scale the projector so images move the logits
-        for p in model.model.multi_modal_projector.parameters():
-            p.mul_(8.0)
-    return model.eval(), AutoProcessor.from_pretrained(path)
+    return tiny_vlm_with_visible_images()
 
 
 def rows(n: int, same_text: bool = False):

@@ -73,16 +73,21 @@ def test_each_teacher_scores_the_rows_that_name_it(tmp_path, tiny_teacher):  # n
     other = load_causal_lm("posttrain/tiny-qwen2").eval()
     with Served(tiny_teacher) as math, Served(other) as code:
         trainer = async_trainer({"math": math.url, "code": code.url}, data, output_dir=tmp_path, max_staleness=0)
-        seen = {}
-        for name, server in trainer.teacher_servers.items():
-            def spy(sequences, lengths, *a, _name=name, _request=server.sequence_logprobs):
-                seen.setdefault(_name, []).extend(trainer.processing_class.decode(s[:n])
-                                                  for s, n in zip(sequences, lengths))
-                return _request(sequences, lengths, *a)
-            server.sequence_logprobs = spy
+        seen = prompts_each_teacher_sees(trainer)
         changed_everything(trainer)
     assert set(seen) == {"math", "code"}
     assert all(owner[prompt] == name for name, prompts in seen.items() for prompt in prompts)
+
+
+def prompts_each_teacher_sees(trainer) -> dict:
+    """teacher_id -> the decoded prompts its server is asked about, filled in as the trainer asks."""
+    seen = {}
+    for name, server in trainer.teacher_servers.items():
+        def spy(sequences, lengths, *a, _name=name, _request=server.sequence_logprobs):
+            seen.setdefault(_name, []).extend(trainer.processing_class.decode(s[:n]) for s, n in zip(sequences, lengths))
+            return _request(sequences, lengths, *a)
+        server.sequence_logprobs = spy
+    return seen
 
 
 def test_evaluate_scores_against_every_teacher(tmp_path, tiny_teacher):  # noqa: F811
@@ -95,13 +100,7 @@ def test_evaluate_scores_against_every_teacher(tmp_path, tiny_teacher):  # noqa:
     with Served(tiny_teacher) as math, Served(other) as code, Served(tiny_teacher) as math_again:
         trainer = async_trainer({"math": math.url, "code": code.url, "same": math_again.url}, named,
                                 output_dir=tmp_path, max_staleness=0)
-        seen = {}
-        for name, server in trainer.teacher_servers.items():
-            def spy(sequences, lengths, *a, _name=name, _request=server.sequence_logprobs):
-                seen.setdefault(_name, []).extend(trainer.processing_class.decode(s[:n])
-                                                  for s, n in zip(sequences, lengths))
-                return _request(sequences, lengths, *a)
-            server.sequence_logprobs = spy
+        seen = prompts_each_teacher_sees(trainer)
         by_row = trainer.evaluate(named)  # each row against the teacher it names
         owner = {row["prompt"]: row["teacher_id"] for row in named}
         assert set(seen) == {"math", "code"} and all(owner[p] == name for name, ps in seen.items() for p in ps)
