@@ -1,13 +1,13 @@
-"""GPG, DPPO and MaxRL learn: from the partially SFT-trained tiny model on `reverse`, with the harness of the other GRPO
-variants' learning tests (`tests/helpers/online.py`: rollouts of 8 prompts x 8 samples, lr 1e-3), held-out greedy
-accuracy and sampled reward each rise by more than 0.15.
+"""GPG, DPPO and MaxRL learn: from the partially SFT-trained tiny model on `reverse`, with the harness of the other
+GRPO variants' learning tests (`tests/helpers/online.py`: rollouts of 8 prompts x 8 samples, lr 1e-3), held-out
+greedy accuracy and sampled reward each rise by more than 0.15.
 
 Measured (seed 42): GPG in 200 steps 0.15 -> 0.74 greedy, 0.424 -> 0.821 sampled; DPPO in 100 steps 0.15 -> 0.34
-greedy, 0.424 -> 0.645 sampled; MaxRL in 150 steps 0.15 -> 0.34 greedy, 0.424 -> 0.659 sampled (100
-steps: 0.15 -> 0.30, 0.424 -> 0.634, short of the margin) (DPPO: 0.18 -> 0.57 and 0.432 -> 0.720 from an SFT checkpoint trained on one thread).
-GPG gets 200 steps because its advantages are not divided by the group's std (`scale_rewards="none"`,
-digit_match's std is about 0.2): at 100 steps its greedy accuracy reached 0.19, 0.34 and 0.39 for seeds 42, 1
-and 2 (sampled reward 0.574, 0.632, 0.676), and a higher rate (3e-3, 5e-3) fell."""
+greedy, 0.424 -> 0.645 sampled (0.18 -> 0.57 and 0.432 -> 0.720 from an SFT checkpoint trained on one thread);
+MaxRL in 150 steps 0.15 -> 0.34 greedy, 0.424 -> 0.659 sampled (in 100 steps 0.15 -> 0.30 and 0.424 -> 0.634,
+short of the margin). GPG gets 200 steps because its advantages are not divided by the group's std
+(`scale_rewards="none"`, digit_match's std is about 0.2): at 100 steps its greedy accuracy reached 0.19, 0.34
+and 0.39 for seeds 42, 1 and 2 (sampled reward 0.574, 0.632, 0.676), and a higher rate (3e-3, 5e-3) fell."""
 
 import pytest
 from tests.helpers.online import assert_learns, learning_args
