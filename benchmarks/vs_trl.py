@@ -44,7 +44,8 @@ step's end (the first step's from the start of training), taken by the same Trai
 processes; steady items/s is the median over the steps after the first; whole-run items/s divides
 all items by the wall time of `trainer.train()` (warm-up included). Peak RSS is the worker's own
 VmHWM (/proc/self/status; getrusage's ru_maxrss would carry this script's own peak over into the worker). The fp32 matmul peak is the best time of a
-2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs.
+2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs. Each run's line also gives its
+CPU seconds and minor page faults per steady step (median; getrusage's ru_minflt at each step's end).
 
 --allocator-off-too adds a third column to every round: posttrain again with
 POSTTRAIN_KEEP_FREED_MEMORY=0 (glibc's malloc left as it is; see posttrain/accel/memory.py), printed as a
@@ -385,9 +386,12 @@ def summarise(r: dict, unit: str) -> dict:
     rates = [n / t for n, t in zip(items[1:], times[1:])] or [items[0] / times[0]]
     cpu = r.get("step_cpu_end", [])
     cpu_times = [b - a for a, b in zip(cpu, cpu[1:])]  # process CPU seconds of each step after the first
+    faults = r.get("step_faults_end", [])
+    step_faults = [b - a for a, b in zip(faults, faults[1:])]  # minor page faults of each step after the first
     return {"steady": statistics.median(rates), "whole": sum(items) / r["train_seconds"],
             "first_step_s": times[0], "steady_step_s": statistics.median(times[1:] or times),
             "steady_cpu_step_s": statistics.median(cpu_times) if cpu_times else None,
+            "steady_step_faults": statistics.median(step_faults) if step_faults else None,
             "items_per_step": statistics.mean(items), "first_loss": losses[0] if losses else None,
             "first_logps": {k: v for k, v in (r["logs"] or [{}])[0].items() if k.startswith("logps/")},
             "completion_len": statistics.mean(lengths) if lengths else None, "peak_rss_mib": r["peak_rss_mib"],
@@ -539,7 +543,8 @@ def main():
                     print(f"  round {round_ + 1} {workload:<10} {column:<9} steady {s['steady']:8.2f} "
                           f"{WORKLOADS[workload]['unit']}/s, whole {s['whole']:8.2f}, first step {s['first_step_s']:.1f} s, "
                           f"peak RSS {s['peak_rss_mib']:.0f} MiB, steady step {s['steady_step_s']:.1f} s "
-                          f"({_fmt(s['steady_cpu_step_s'])} CPU s)", file=sys.stderr, flush=True)
+                          f"({_fmt(s['steady_cpu_step_s'])} CPU s, {_fmt(s['steady_step_faults'], 0)} page faults)",
+                          file=sys.stderr, flush=True)
     peak = max(peak_before, matmul_peak(args.threads))
     load_after = os.getloadavg()[0]
     if alone:  # nothing to compare with: each run's figures (printed above as they came) and where memory went

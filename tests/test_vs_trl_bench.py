@@ -35,6 +35,10 @@ def test_steps_are_end_to_end_and_steady_is_the_median_after_the_first():
     cpu = vs_trl.summarise({**_run([11.0, 13.0, 17.0, 18.0], [100] * 4, 20.0), "step_cpu_end": [5.0, 8.0, 9.0, 13.0]},
                            "tokens")
     assert cpu["steady_cpu_step_s"] == 3.0  # median of 3, 1, 4
+    assert s["steady_step_faults"] is None  # a run without page-fault counts (an older worker)
+    faults = vs_trl.summarise({**_run([11.0, 13.0, 17.0, 18.0], [100] * 4, 20.0),
+                               "step_faults_end": [900, 1000, 5000, 5200]}, "tokens")
+    assert faults["steady_step_faults"] == 200  # median of 100, 4000, 200: the steps after the first
 
 
 def test_same_work_needs_equal_first_loss_and_tokens_per_step():
