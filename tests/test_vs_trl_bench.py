@@ -239,6 +239,25 @@ def test_posttrain_side_runs_this_checkout_and_trl_side_sees_no_posttrain(tmp_pa
     assert run("trl") == {"path": None}
 
 
+def test_a_workloads_min_steps_raise_the_steps_of_both_sides(tmp_path, monkeypatch):
+    import sys
+
+    worker = tmp_path / "worker.py"  # a stand-in worker: it writes the steps it was asked for
+    worker.write_text("import json, sys\nspec = json.load(open(sys.argv[1]))\n"
+                      "json.dump({'steps': spec['steps']}, open(spec['out'], 'w'))\n")
+    monkeypatch.setitem(vs_trl.WORKLOADS, "fake", dict(trainer="sft", data="d", unit="tokens", config={},
+                                                       worker=str(worker), min_steps=10))
+    assert vs_trl.WORKLOADS["vlm_sft"]["min_steps"] == 10
+
+    def run(side, steps):
+        args = type("Args", (), dict(gradient_checkpointing=False, bf16=False, steps=steps, threads=1,
+                                     memory_profile=False, time_profile=False, op_times=False,
+                                     trl_python=sys.executable))()
+        return vs_trl.run_worker(side, "fake", args, {"causal": "m"}, {"d": "d.json"}, tmp_path)["steps"]
+
+    assert run("posttrain", 5) == run("trl", 5) == 10 and run("trl", 12) == 12
+
+
 def test_online_dpo_workload_runs_on_posttrain_with_trls_batch_meaning(tmp_path):
     """The posttrain side of the online_dpo workload, on the tiny model for 2 steps (timing nothing): TRL's batch of
     2 prompts becomes 4 completions, each step scores 2 pairs, and the first loss is DPO's log 2."""
