@@ -45,8 +45,9 @@ step's end (the first step's from the start of training), taken by the same Trai
 processes; steady items/s is the median over the steps after the first; whole-run items/s divides
 all items by the wall time of `trainer.train()` (warm-up included). Peak RSS is the worker's own
 VmHWM (/proc/self/status; getrusage's ru_maxrss would carry this script's own peak over into the worker). The fp32 matmul peak is the best time of a
-2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs. Each run's line also gives its
-CPU seconds and minor page faults per steady step (median; getrusage's ru_minflt at each step's end).
+2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs. Each run's
+line also gives its CPU seconds and minor page faults per steady step (median; getrusage's ru_minflt
+at each step's end).
 
 --allocator-off-too adds a third column to every round: posttrain again with
 POSTTRAIN_KEEP_FREED_MEMORY=0 (glibc's malloc left as it is; see posttrain/accel/memory.py), printed as a
@@ -345,7 +346,8 @@ def run_worker(column: str, workload: str, args, models: dict, data: dict, scrat
     config = {**spec["config"], "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16}
     job = {"side": side, "workload": workload, "trainer": spec["trainer"], "config": config,
            "model": models[spec.get("model", "causal")], "models": models, "data": data[spec["data"]],
-           "steps": max(args.steps, spec.get("min_steps", 0)), "threads": args.threads, "seed": SEED, "output_dir": str(scratch / f"out-{side}"),
+           "steps": max(args.steps, spec.get("min_steps", 0)), "threads": args.threads, "seed": SEED,
+           "output_dir": str(scratch / f"out-{side}"),
            "out": str(out), "memory_profile": args.memory_profile, "time_profile": args.time_profile,
            "op_times": args.op_times}
     spec_path = out.with_suffix(".spec.json")

@@ -149,7 +149,8 @@ class LeanEmbedding:
 
     def forward(self, ids: Tensor) -> Tensor:
         w = self.weight
-        if not (_recording(w) and type(w) is torch.nn.Parameter and w.device.type == "cpu" and not hasattr(w, "ds_id")):
+        plain = type(w) is torch.nn.Parameter and w.device.type == "cpu" and not hasattr(w, "ds_id")
+        if not (plain and _recording(w)):
             return super().forward(ids)  # a DTensor shard, a ZeRO-3 or GPU weight, no gradient wanted: as it was
         if _densify not in (getattr(w, "_post_accumulate_grad_hooks", None) or {}).values():
             w.register_post_accumulate_grad_hook(_densify)  # per weight: copies and unpickled models get their own
