@@ -36,7 +36,7 @@ Workloads (default: all but the long ones; --long adds those):
   vlm_sft      vision-language SFT: batch 4 rows of the visual task (one 64x64 image = 64 image tokens each) on a
                LLaVA with SmolLM2's architecture and random weights; vs_trl_vlm_worker.py (details: its docstring).
                Its FLOPs count the language model only (the 4-layer vision tower adds a little). It runs at
-               least 10 steps whatever --steps says (a short step; TRL's warm-up lasts two or three)
+               least 10 steps whatever --steps says (a short step; TRL's warm-up can last two or three)
 TRL 1.16 no longer ships PPO and BCO: their TRL side is TRL 1.12.0's trl.experimental, in .bench-venv-trl112
 (`bash benchmarks/setup_trl112_env.sh`), run by vs_trl_experimental_worker.py (what it matches: its docstring).
 
@@ -141,8 +141,8 @@ WORKLOADS = {
     "vlm_grpo": dict(trainer="grpo", data="vlm-rows", unit="samples", model="vlm", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
         temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
-    # min_steps: TRL's side still warms up in its second and third steps (page faults, lazily made Adam moments),
-    # and a step is ~2 s: a median over 4 steps took 1 or 2 of those, hence 111 or 174 tokens/s on two days
+    # min_steps: TRL's side was seen warming up through its third step (2 threads) and a step is ~2 s: a median
+    # over 4 steps takes 1 or 2 warm-up steps (benchmarks/README.md, "Where time goes in vlm_sft")
     "vlm_sft": dict(trainer="sft", data="vlm-rows", unit="tokens", model="vlm", worker="vs_trl_vlm_worker.py",
                     min_steps=10, config=dict(per_device_train_batch_size=4, max_length=None, learning_rate=1e-5)),
 }
