@@ -3,18 +3,21 @@
     python benchmarks/decode_bench.py [--model posttrain/smollm2-135m-instruct] [--old main] [--rows 1,4,8,16]
         [--repeats 30] [--threads 0] [--steps 32]
 
-Builds `posttrain/accel/decode_kernels.c` as it is at the git ref --old into a temporary library and loads it
-beside the working tree's (both with the working tree's compiler flags for the old source's ISA: the old
-source is compiled with few_rows.BASE_FLAGS), then times, interleaved (old, new, old, new, ...) and taking
+Builds `posttrain/accel/decode_kernels.c` as it is at the git ref --old into a temporary library (with
+`few_rows.BASE_FLAGS`: the AVX2 build) and loads it beside the working tree's build (`few_rows.variant()`;
+POSTTRAIN_KERNELS_ISA=avx2 for the AVX2 one), then times, interleaved (old, new, old, new, ...) and taking
 the minimum of --repeats:
 
 1. `few_rows_linear` on every weight shape of the model (per layer kind and the output layer), at each row
-   count of --rows: milliseconds and the weight streaming rate (weight bytes / time, GB/s);
+   count of --rows: milliseconds and the weight streaming rate (weight bytes / time, GB/s); and one small
+   weight read again and again from L2 (the kernel's arithmetic ceiling, free of memory and of the load);
 2. the whole lean decoding step (`LeanDecoder.step`, 8 rows, the KV cache at prompt + 16 positions) through
    each library, and its parts: the products alone (the sum of 1.'s rows for one step), the rest (attention,
    norms, rotary, Python around the call);
 3. the per-step sampling ops of `rollout.generate` (`_sample_step` at temperature 1, no filters) on the
-   step's (8, V) logits, and a whole `generate` call's time per step.
+   step's (8, V) logits;
+4. a whole `generate` call (2 prompts x 4 samples x --steps tokens) with each library, and whether both give the
+   same samples.
 
 Also checks that both libraries give the same products up to float rounding (the largest difference is
 printed). CPU seconds (process time) are printed beside wall seconds: on a loaded machine they are the
@@ -76,7 +79,9 @@ def products(model, fns, rows: list[int], repeats: int) -> dict[int, list[float]
                       for l in layers]),
              ("o", [l.self_attn.o_proj.weight for l in layers]),
              ("gate+up", [w for l in layers for w in (l.mlp.gate_proj.weight, l.mlp.up_proj.weight)]),
-             ("down", [l.mlp.down_proj.weight for l in layers]), ("output layer", [model.lm_head.weight])]
+             ("down", [l.mlp.down_proj.weight for l in layers]), ("output layer", [model.lm_head.weight]),
+             # one 256-row slice read 30 times: it stays in L2, so this row is the kernel's arithmetic ceiling
+             ("L2-resident", [model.lm_head.weight[:256]] * len(layers))]
     threads = torch.get_num_threads()
     print(f"\n1. few_rows_linear, {threads} threads, every layer's weight in turn: wall ms (GB/s of weight; CPU ms) "
           f"old -> new, max |new - old|")
@@ -98,8 +103,9 @@ def products(model, fns, rows: list[int], repeats: int) -> dict[int, list[float]
             diff = (outs[1] - outs[0]).abs().max().item()
             print(f"  rows {M:2d} {name:<13}{len(weights):>3} x {N:>5}x{K:<5} {old * 1e3:7.2f} ({gb / old:5.1f}; "
                   f"{old_cpu * 1e3:6.2f}) -> {new * 1e3:7.2f} ({gb / new:5.1f}; {new_cpu * 1e3:6.2f})  max diff {diff:.1e}")
-            totals[M][0] += old
-            totals[M][1] += new
+            if name != "L2-resident":
+                totals[M][0] += old
+                totals[M][1] += new
         print(f"  rows {M:2d} all products of one step: {totals[M][0] * 1e3:.2f} -> {totals[M][1] * 1e3:.2f} ms")
     return totals
 
@@ -156,16 +162,30 @@ def sampling_ops(logits, repeats: int):
     print(f"\n3. sampling ops per step on ({A}, {logits.shape[1]}) logits: {w * 1e3:.2f} ms wall ({c * 1e3:.2f} CPU)")
 
 
-def whole_generate(model, repeats: int, steps: int):
+def whole_generate(model, libs, repeats: int, steps: int):
+    """A whole `generate` call (prefill included) with each library's kernels, interleaved; the same samples."""
     from posttrain.rollout.generate import SamplingConfig, generate
 
     prompts = [list(range(100, 140)), list(range(200, 230))]
     sampling = SamplingConfig(max_new_tokens=steps, num_generations=4)
-    run = lambda: generate(model, prompts, sampling, pad_token_id=0, eos_token_id=None,  # noqa: E731
-                           generator=torch.Generator().manual_seed(0))
-    ((w, c),) = interleaved([run], repeats)
-    print(f"   generate 2 prompts x 4 x {steps} tokens: {w:.3f} s wall ({c:.3f} CPU), "
-          f"{w / steps * 1e3:.1f} ms per step with the prefill")
+    saved = decode._c_step_function, few_rows.few_rows_kernel
+    rollouts = []
+
+    def run(lib):
+        step = lib.lean_decode_step
+        step.argtypes, step.restype = saved[0]().argtypes, None
+        decode._c_step_function, few_rows.few_rows_kernel = (lambda: step), (lambda: linear_fn(lib))
+        try:
+            rollouts.append(generate(model, prompts, sampling, pad_token_id=0, eos_token_id=None,
+                                     generator=torch.Generator().manual_seed(0)))
+        finally:
+            decode._c_step_function, few_rows.few_rows_kernel = saved
+    (ow, oc), (nw, nc) = interleaved([lambda lib=lib: run(lib) for lib in libs], repeats)
+    old, new = rollouts[-2:]
+    same = torch.equal(old.completion_ids, new.completion_ids)
+    print(f"\n4. generate, 2 prompts x 4 samples x {steps} tokens: wall s (CPU s) {ow:.3f} ({oc:.3f}) -> {nw:.3f} "
+          f"({nc:.3f}); {ow / steps * 1e3:.1f} -> {nw / steps * 1e3:.1f} ms per token with the prefill; same samples: "
+          f"{same}, max |log-prob diff| {(old.logprobs - new.logprobs).abs().max().item():.1e}")
 
 
 def main():
@@ -194,7 +214,7 @@ def main():
         logits = lean_step(model, [old, new], totals.get(8, totals[max(totals)]), args.repeats)
         sampling_ops(logits, args.repeats)
         if args.steps:
-            whole_generate(model, max(3, args.repeats // 10), args.steps)
+            whole_generate(model, [old, new], max(3, args.repeats // 5), args.steps)
 
 
 if __name__ == "__main__":
