@@ -30,7 +30,7 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
 
 /* one load of an x vector for the NB multiply-adds that use it: without this the compiler folds the load into
  * each of them (NB loads instead of one) */
-#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v)) /* "v": any vector register (AVX-512: 32) */
 
 /* y[m, n + j] for rows m < R and weight rows j < NB from the accumulators' lane sums */
 static inline __attribute__((always_inline)) void store_outputs(const int R, const float *sums, const float *x,
