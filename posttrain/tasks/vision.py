@@ -234,18 +234,6 @@ def vision_tool_reward(completions=None, answer=None, **kwargs) -> list[float]:
     """1.0 when the assistant's last message of an episode is its row's colour (`vision_check`), else 0.0."""
     if completions is None or answer is None:
         raise ValueError("vision_tool_reward needs the completions and the dataset's 'answer' column")
-    return [float(vision_check(_last_said(c), a)) for c, a in zip(completions, answer)]
+    from posttrain.tasks.environments import last_answer_text
 
-
-def _last_said(completion) -> str:
-    """The text of the assistant's last message (a message list), or the completion itself (a string)."""
-    if isinstance(completion, str):
-        return completion
-    said = [m.get("content") for m in completion if isinstance(m, dict) and m.get("role") == "assistant"]
-    return completion_text([{"content": _text(said[-1])}]) if said else ""
-
-
-def _text(content) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return content or ""
+    return [float(vision_check(last_answer_text(c), a)) for c, a in zip(completions, answer)]

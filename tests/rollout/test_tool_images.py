@@ -28,6 +28,16 @@ from posttrain.rollout.tools import ToolImageError, run_tool_call
 PICTURE = Image.new("RGB", (8, 8), (200, 30, 30))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models decoding one token per step: one thread is faster than two that wait on each other on a busy
+    machine (the Idefics3 rollout took 13 s with two on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def zoom(factor: int):
     """Zoom into the picture.
 

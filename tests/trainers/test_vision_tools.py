@@ -125,3 +125,36 @@ def test_grpo_feeds_tool_images_on_idefics3(tmp_path, one_thread):
     pixels = torch.cat([mb[PIXELS + "pixel_values"] for mb in trainer.experience])
     assert pixels.shape[:3] == (2, 2, 1)  # per row: the prompt's and the zoom's images, (1, 3, 32, 32) each
     assert torch.cat([mb[PIXELS + "pixel_values.count"] for mb in trainer.experience]).tolist() == [2, 2]
+
+
+def test_the_image_tool_task_hides_the_picture_behind_the_tool(tmp_path, one_thread):
+    """vision_tool_dataset's prompts hold no image; ShowImageEnv's tool returns the row's picture (or "unavailable");
+    the SFT traces put that picture in the tool message, and only the answer and the call are trained on."""
+    from posttrain.data.collate import IGNORE_INDEX
+    from posttrain.tasks.vision import (ShowImageEnv, vision_dataset, vision_tool_dataset, vision_tool_reward,
+                                        vision_tool_traces)
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    rows, plain = vision_tool_dataset("test", 4), vision_dataset("test", 4, kinds=("color",))
+    assert "images" not in rows.column_names and isinstance(rows[0]["prompt"][0]["content"], str)
+    assert [r["answer"] for r in rows] == [r["answer"] for r in plain]  # the same pictures as the visual task's
+    env = ShowImageEnv()
+    env.reset(**rows[0])
+    assert env.show_image()["image"].tobytes() == plain[0]["images"][0].tobytes() and env.calls == 1
+    assert ShowImageEnv(show_results=False).show_image() == "unavailable"
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "show_image"}}]}
+    said = [[call, {"role": "tool", "content": [{"type": "image"}]}, {"role": "assistant", "content": a}]
+            for a in ("Red.", "blue")]
+    assert vision_tool_reward(said, ["red", "red"]) == [1.0, 0.0]
+    traces = vision_tool_traces("test", 4)
+    sft = SFTTrainer(VLM, train_dataset=traces, args=SFTConfig(output_dir=str(tmp_path), max_steps=1,
+                                                               assistant_only_loss=True, report_to="none"))
+    batch = sft.data_collator([sft.train_dataset[0]])
+    tok = sft.processing_class.tokenizer
+    image = batch["input_ids"][0] == tok.convert_tokens_to_ids("<image>")
+    assert int(image.sum()) == 16 and batch["model_inputs"]["pixel_values"].shape == (1, 3, 32, 32)
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    target = tok.decode([t for t, y in zip(ids, labels) if y != IGNORE_INDEX])
+    call_text = '<tool_call>{"name": "show_image", "arguments": {}}</tool_call><|im_end|>'
+    assert target == f'{call_text}{rows[0]["answer"]}<|im_end|>'
