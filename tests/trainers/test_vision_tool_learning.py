@@ -52,4 +52,5 @@ def test_sft_then_grpo_with_an_image_tool_beats_the_tool_withheld_baseline(tmp_p
     assert logged and all(entry["tools/calls_per_completion"] > 0.9 for entry in logged)  # sampled at temperature
     assert after["eval_tools/calls_per_completion"] > 0.95  # (nearly) every held-out episode looked at its picture
     assert before["eval_reward"] > CHANCE + 0.2 and after["eval_reward"] > CHANCE + 0.2, (before, after)
-    assert withheld["eval_reward"] < CHANCE, withheld  # without the tool's image the colour is not known
+    # without the tool's image the colour is not known (the model calls the tool again rather than guess)
+    assert withheld["eval_reward"] < CHANCE, withheld
