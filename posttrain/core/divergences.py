@@ -167,34 +167,36 @@ class _WholeVocabulary(torch.autograd.Function):
     """The generalised JSD(beta) (forward KL at beta = 0, reverse KL at 1) over the whole vocabulary, from the
     student's logits (R, V) and the teacher's log-probs (R, V): (R,) values, equal to `generalized_jsd` of the two
     log-softmaxes up to float rounding. Its gradient with respect to the logits is made in the forward and is all
-    it keeps: with g = dJSD/dp_S, softmax's backward gives p_S (g - <p_S, g>) / temperature per unit of a row's
-    value, and g is (1 - beta) log(p_S / M) (+ 1, which cancels), so the JSD's backward is
-    (1 - beta) p_S (log p_S - log M - KL(S || M)) / temperature: for reverse KL (M = p_T)
-    p_S (log p_S - log p_T - KL) / temperature, for forward KL (p_S - p_T) / temperature. One (R, V) tensor is
-    kept instead of the half-dozen autograd keeps through log_softmax, where, exp and the products."""
+    it keeps (one (R, V) tensor instead of what autograd keeps through log_softmax, where, exp and the products).
+
+    The gradient is made as autograd makes it: G, the gradient with respect to the student's log-probs, then
+    log_softmax's backward G - p_S sum(G), divided by the temperature. G is -p_T for forward KL, p_S (log p_S -
+    log p_T + 1) for reverse KL and (1 - beta) p_S (log p_S - log M + 1) for the JSD (M = beta p_T + (1 - beta) p_S;
+    the +1 terms cancel through the softmax, as the teacher's terms of the JSD do, up to the rounding that autograd's
+    gradient has too: where both models are the same, the gradient is that rounding, not an exact 0)."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, teacher_logp: Tensor, beta: float, temperature: float) -> Tensor:
         s_logp = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)
         s = s_logp.exp()
-        if beta == 0.0:  # KL(T || S); d/dlogits (p_S - p_T) / T
-            values = (teacher_logp.exp() * (teacher_logp - s_logp)).sum(-1)
-            grad = s.sub_(teacher_logp.exp()) if ctx.needs_input_grad[0] else None
+        if beta == 0.0:  # KL(T || S)
+            t = teacher_logp.exp()
+            values = (t * (teacher_logp - s_logp)).sum(-1)
+            grad = t.neg_() if ctx.needs_input_grad[0] else None
         else:
             if beta == 1.0:  # KL(S || T)
                 gap = s_logp.sub_(teacher_logp)  # log p_S - log M, M = p_T
                 values = (s * gap).sum(-1)
-                kl_s = values
             else:  # log M = logaddexp(log p_T + log beta, log p_S + log(1 - beta))
                 mixture = torch.logaddexp(teacher_logp + math.log(beta), s_logp + math.log1p(-beta))
                 kl_t = (teacher_logp.exp() * (teacher_logp - mixture)).sum(-1)
                 gap = s_logp.sub_(mixture)
-                kl_s = (s * gap).sum(-1)
-                values = beta * kl_t + (1.0 - beta) * kl_s
-            grad = s.mul_(gap.sub_(kl_s[:, None])) if ctx.needs_input_grad[0] else None
+                values = beta * kl_t + (1.0 - beta) * (s * gap).sum(-1)
+            grad = gap.add_(1.0).mul_(s) if ctx.needs_input_grad[0] else None
             if grad is not None and beta != 1.0:
                 grad.mul_(1.0 - beta)
-        if grad is not None:
+        if grad is not None:  # log_softmax's backward: G - p_S sum(G)
+            grad.sub_(s.mul_(grad.sum(-1, keepdim=True)))
             ctx.save_for_backward(grad if temperature == 1.0 else grad.div_(temperature))
         return values
 

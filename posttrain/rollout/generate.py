@@ -251,15 +251,9 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings and continue_turn
     feeds = _Feeds(N, backend, max_new)  # ids (and tool images' features) still to feed (continue_turn)
     with backend:
-        # 1. prefill: each distinct prompt once -> (U, V) logits after its last token
-        logits = _prefill(backend, prompts, prompt_mask, vision, lead)
-        # 2. expand: each row gets its prompt's state, with room for the whole completion
-        if len(lead) == B:  # prompt-major groups of G
-            backend.expand(G, P + max_new)
-            logits = logits.repeat_interleave(G, dim=0)  # (A, V)
-        else:
-            backend.expand_rows(source.to(device), P + max_new)
-            logits = logits[source.to(logits.device)]
+        # 1. prefill: each distinct prompt once; 2. expand: each row gets its prompt's state, with room for the
+        # whole completion -> (A, V) logits after each row's prompt
+        logits = _prefill_and_expand(backend, prompts, prompt_mask, vision, lead, source, P + max_new)
         seen = None if sampling.repetition_penalty == 1.0 else _prompt_tokens_seen(
             prompts.repeat_interleave(G, dim=0), attention[:, :P], logits.shape[-1])
         for t in range(max_new):
@@ -401,14 +395,22 @@ def _same_images(vision: list[dict[str, Tensor]] | None, a: int, b: int) -> bool
         if isinstance(x[k], Tensor) else x[k] == y[k] for k in x)
 
 
-def _prefill(backend: SamplerBackend, prompts: Tensor, prompt_mask: Tensor, vision, lead: list[int]) -> Tensor:
-    """Phase 1 of `generate`: the backend's prefill of the distinct prompts `lead` (U,) of the (B, P) batch."""
-    if len(lead) < len(prompts):
+def _prefill_and_expand(backend: SamplerBackend, prompts: Tensor, prompt_mask: Tensor, vision, lead: list[int],
+                        source: Tensor, capacity: int) -> Tensor:
+    """Phases 1 and 2 of `generate`: the backend's prefill of the distinct prompts `lead` (U,) of the (B, P) batch,
+    then each of the N rows given its prompt's state (`source` (N,)) -> (N, V) logits after each row's prompt."""
+    B, N = len(prompts), len(source)
+    if len(lead) < B:
         index = torch.tensor(lead, device=prompts.device)
         prompts, prompt_mask = prompts[index], prompt_mask[index]
         vision = None if vision is None else [vision[i] for i in lead]
-    return backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0),
-                           **({} if vision is None else {"vision": prompt_inputs(vision)}))
+    logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0),
+                             **({} if vision is None else {"vision": prompt_inputs(vision)}))
+    if len(lead) == B:  # every prompt distinct: prompt-major groups of G
+        backend.expand(N // B, capacity)
+        return logits.repeat_interleave(N // B, dim=0)
+    backend.expand_rows(source.to(backend.device), capacity)
+    return logits[source.to(logits.device)]
 
 
 def _prompt_batch(prompt_ids: list[list[int]], pad_token_id: int, G: int, max_new: int, device: torch.device):
