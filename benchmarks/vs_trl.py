@@ -35,7 +35,8 @@ Workloads (default: all but the long ones; --long adds those):
                completions x <= 32 tokens per step, beta 0; the generic worker, both sides given PIL images
   vlm_sft      vision-language SFT: batch 4 rows of the visual task (one 64x64 image = 64 image tokens each) on a
                LLaVA with SmolLM2's architecture and random weights; vs_trl_vlm_worker.py (details: its docstring).
-               Its FLOPs count the language model only (the 4-layer vision tower adds a little)
+               Its FLOPs count the language model only (the 4-layer vision tower adds a little). It runs at
+               least 10 steps whatever --steps says (a short step; TRL's warm-up can last two or three)
 TRL 1.16 no longer ships PPO and BCO: their TRL side is TRL 1.12.0's trl.experimental, in .bench-venv-trl112
 (`bash benchmarks/setup_trl112_env.sh`), run by vs_trl_experimental_worker.py (what it matches: its docstring).
 
@@ -44,7 +45,9 @@ step's end (the first step's from the start of training), taken by the same Trai
 processes; steady items/s is the median over the steps after the first; whole-run items/s divides
 all items by the wall time of `trainer.train()` (warm-up included). Peak RSS is the worker's own
 VmHWM (/proc/self/status; getrusage's ru_maxrss would carry this script's own peak over into the worker). The fp32 matmul peak is the best time of a
-2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs.
+2048 x 2048 x 2048 `torch.mm` on --threads threads, measured before and after the runs. Each run's
+line also gives its CPU seconds and minor page faults per steady step (median; getrusage's ru_minflt
+at each step's end).
 
 --allocator-off-too adds a third column to every round: posttrain again with
 POSTTRAIN_KEEP_FREED_MEMORY=0 (glibc's malloc left as it is; see posttrain/accel/memory.py), printed as a
@@ -138,8 +141,10 @@ WORKLOADS = {
     "vlm_grpo": dict(trainer="grpo", data="vlm-rows", unit="samples", model="vlm", config=dict(
         per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-6,
         temperature=1.0, beta=0.0, num_iterations=1, shuffle_dataset=False)),
+    # min_steps: TRL's side was seen warming up through its third step (2 threads) and a step is ~2 s: a median
+    # over 4 steps takes 1 or 2 warm-up steps (benchmarks/README.md, "Where time goes in vlm_sft")
     "vlm_sft": dict(trainer="sft", data="vlm-rows", unit="tokens", model="vlm", worker="vs_trl_vlm_worker.py",
-                    config=dict(per_device_train_batch_size=4, max_length=None, learning_rate=1e-5)),
+                    min_steps=10, config=dict(per_device_train_batch_size=4, max_length=None, learning_rate=1e-5)),
 }
 SIDES = ("trl", "posttrain")
 # The columns a run can have: the library each runs and the environment its worker gets on top of the run's.
@@ -341,7 +346,8 @@ def run_worker(column: str, workload: str, args, models: dict, data: dict, scrat
     config = {**spec["config"], "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16}
     job = {"side": side, "workload": workload, "trainer": spec["trainer"], "config": config,
            "model": models[spec.get("model", "causal")], "models": models, "data": data[spec["data"]],
-           "steps": args.steps, "threads": args.threads, "seed": SEED, "output_dir": str(scratch / f"out-{side}"),
+           "steps": max(args.steps, spec.get("min_steps", 0)), "threads": args.threads, "seed": SEED,
+           "output_dir": str(scratch / f"out-{side}"),
            "out": str(out), "memory_profile": args.memory_profile, "time_profile": args.time_profile,
            "op_times": args.op_times}
     spec_path = out.with_suffix(".spec.json")
@@ -385,9 +391,12 @@ def summarise(r: dict, unit: str) -> dict:
     rates = [n / t for n, t in zip(items[1:], times[1:])] or [items[0] / times[0]]
     cpu = r.get("step_cpu_end", [])
     cpu_times = [b - a for a, b in zip(cpu, cpu[1:])]  # process CPU seconds of each step after the first
+    faults = r.get("step_faults_end", [])
+    step_faults = [b - a for a, b in zip(faults, faults[1:])]  # minor page faults of each step after the first
     return {"steady": statistics.median(rates), "whole": sum(items) / r["train_seconds"],
             "first_step_s": times[0], "steady_step_s": statistics.median(times[1:] or times),
             "steady_cpu_step_s": statistics.median(cpu_times) if cpu_times else None,
+            "steady_step_faults": statistics.median(step_faults) if step_faults else None,
             "items_per_step": statistics.mean(items), "first_loss": losses[0] if losses else None,
             "first_logps": {k: v for k, v in (r["logs"] or [{}])[0].items() if k.startswith("logps/")},
             "completion_len": statistics.mean(lengths) if lengths else None, "peak_rss_mib": r["peak_rss_mib"],
@@ -539,7 +548,8 @@ def main():
                     print(f"  round {round_ + 1} {workload:<10} {column:<9} steady {s['steady']:8.2f} "
                           f"{WORKLOADS[workload]['unit']}/s, whole {s['whole']:8.2f}, first step {s['first_step_s']:.1f} s, "
                           f"peak RSS {s['peak_rss_mib']:.0f} MiB, steady step {s['steady_step_s']:.1f} s "
-                          f"({_fmt(s['steady_cpu_step_s'])} CPU s)", file=sys.stderr, flush=True)
+                          f"({_fmt(s['steady_cpu_step_s'])} CPU s, {_fmt(s['steady_step_faults'], 0)} page faults)",
+                          file=sys.stderr, flush=True)
     peak = max(peak_before, matmul_peak(args.threads))
     load_after = os.getloadavg()[0]
     if alone:  # nothing to compare with: each run's figures (printed above as they came) and where memory went

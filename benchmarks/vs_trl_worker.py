@@ -45,10 +45,13 @@ def make_step_clock():
     class StepClock(TrainerCallback):
         """Wall-clock times of train begin, each step's begin and end, and every log dict; the process's CPU
         time at each step's end (on a machine with more runnable threads than cores it counts threads
-        spinning while they wait for each other, so it does not remove the load; it shows when a step was idle)."""
+        spinning while they wait for each other, so it does not remove the load; it shows when a step was idle),
+        and its minor page faults so far (fresh pages the kernel had to hand out: large tensors freed to the
+        system and allocated again pay them every step)."""
 
         def __init__(self):
             self.train_begin, self.begin, self.end, self.cpu_end, self.logs = None, [], [], [], []
+            self.faults_end = []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.train_begin = time.perf_counter()
@@ -59,6 +62,7 @@ def make_step_clock():
         def on_step_end(self, args, state, control, **kwargs):
             self.end.append(time.perf_counter())
             self.cpu_end.append(time.process_time())
+            self.faults_end.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.logs.append({k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
@@ -281,7 +285,7 @@ def train_and_measure(trainer, spec: dict) -> dict:
         "side": side, "workload": spec["workload"], "versions": versions,
         "train_begin": clock.train_begin - start_time if clock.train_begin else None,
         "step_begin": [t - start_time for t in clock.begin], "step_end": [t - start_time for t in clock.end],
-        "step_cpu_end": clock.cpu_end, "train_seconds": train_seconds,
+        "step_cpu_end": clock.cpu_end, "step_faults_end": clock.faults_end, "train_seconds": train_seconds,
         "sft_tokens": [], "samples": [], "completion_tokens": [], "logs": clock.logs,
         "peak_rss_mib": peak_rss, "rss_before_train_mib": rss_before,
         # on CUDA: the most memory torch's allocator held for tensors (model, optimizer, activations)

@@ -95,6 +95,8 @@ _EXPORTS = {
     "vision_dataset": "posttrain.tasks.vision", "vision_preference_dataset": "posttrain.tasks.vision",
     "load_vision_lm": "posttrain.models.loading", "load_processor": "posttrain.models.loading",
     "vision_accuracy": "posttrain.eval",
+    "ShowImageEnv": "posttrain.tasks.vision", "vision_tool_dataset": "posttrain.tasks.vision",
+    "vision_tool_traces": "posttrain.tasks.vision", "vision_tool_reward": "posttrain.tasks.vision",
 }
 
 __all__ = sorted(_EXPORTS)

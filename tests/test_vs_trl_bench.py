@@ -35,6 +35,10 @@ def test_steps_are_end_to_end_and_steady_is_the_median_after_the_first():
     cpu = vs_trl.summarise({**_run([11.0, 13.0, 17.0, 18.0], [100] * 4, 20.0), "step_cpu_end": [5.0, 8.0, 9.0, 13.0]},
                            "tokens")
     assert cpu["steady_cpu_step_s"] == 3.0  # median of 3, 1, 4
+    assert s["steady_step_faults"] is None  # a run without page-fault counts (an older worker)
+    faults = vs_trl.summarise({**_run([11.0, 13.0, 17.0, 18.0], [100] * 4, 20.0),
+                               "step_faults_end": [900, 1000, 5000, 5200]}, "tokens")
+    assert faults["steady_step_faults"] == 200  # median of 100, 4000, 200: the steps after the first
 
 
 def test_same_work_needs_equal_first_loss_and_tokens_per_step():
@@ -233,6 +237,25 @@ def test_posttrain_side_runs_this_checkout_and_trl_side_sees_no_posttrain(tmp_pa
     run = lambda side: vs_trl.run_worker(side, "fake", args, {"causal": "m"}, {"d": "d.json"}, tmp_path)  # noqa: E731
     assert run("posttrain") == {"path": str(vs_trl.ROOT)}
     assert run("trl") == {"path": None}
+
+
+def test_a_workloads_min_steps_raise_the_steps_of_both_sides(tmp_path, monkeypatch):
+    import sys
+
+    worker = tmp_path / "worker.py"  # a stand-in worker: it writes the steps it was asked for
+    worker.write_text("import json, sys\nspec = json.load(open(sys.argv[1]))\n"
+                      "json.dump({'steps': spec['steps']}, open(spec['out'], 'w'))\n")
+    monkeypatch.setitem(vs_trl.WORKLOADS, "fake", dict(trainer="sft", data="d", unit="tokens", config={},
+                                                       worker=str(worker), min_steps=10))
+    assert vs_trl.WORKLOADS["vlm_sft"]["min_steps"] == 10
+
+    def run(side, steps):
+        args = type("Args", (), dict(gradient_checkpointing=False, bf16=False, steps=steps, threads=1,
+                                     memory_profile=False, time_profile=False, op_times=False,
+                                     trl_python=sys.executable))()
+        return vs_trl.run_worker(side, "fake", args, {"causal": "m"}, {"d": "d.json"}, tmp_path)["steps"]
+
+    assert run("posttrain", 5) == run("trl", 5) == 10 and run("trl", 12) == 12
 
 
 def test_online_dpo_workload_runs_on_posttrain_with_trls_batch_meaning(tmp_path):

@@ -5,7 +5,14 @@
  * multiply-adds against rows of x that stay in L1, so a call streams W once at close to the
  * memory bandwidth. A general GEMM instead packs W into panels on every call (about twice the
  * memory traffic) and is tuned for many rows. Weight rows are split over OpenMP threads.
- * Built by posttrain/rollout/few_rows.py with -O3 -mavx2 -mfma -fopenmp.
+ * Built by posttrain/accel/few_rows.py with -O3 -mavx2 -mfma -fopenmp, and where the CPU has AVX-512F
+ * also with -mavx512f (the products then take 16 floats per instruction, `block512`).
+ *
+ * Each x vector loaded from L1 is multiplied with the same columns of NB weight rows (register blocking):
+ * with one weight row per pass, a step of 8 columns costs R + 1 loads for R multiply-adds, and the loads,
+ * not the memory, bound the rate. Every output is still one accumulator per lane over the columns in
+ * order, so blocking does not change a result; the AVX-512 path sums 16 lanes (then adds lane i and i + 8),
+ * so its results differ from the AVX2 path's by float rounding.
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -19,66 +26,160 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
     return _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
 }
 
-#define PF_ROWS 2  /* the weight row prefetched ahead (1-3 measured alike) */
+#define PF_ROWS 2  /* the weight row prefetched ahead of a one-row pass (1-3 measured alike) */
+
+/* one load of an x vector for the NB multiply-adds that use it: without this the compiler folds the load into
+ * each of them (NB loads instead of one) */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v)) /* "v": any vector register (AVX-512: 32) */
+
+/* y[m, n + j] for rows m < R and weight rows j < NB from the accumulators' lane sums */
+static inline __attribute__((always_inline)) void store_outputs(const int R, const float *sums, const float *x,
+                                                                ptrdiff_t ldx, const float *wn, const float *b,
+                                                                float *y, ptrdiff_t ldy, ptrdiff_t n, ptrdiff_t k8,
+                                                                ptrdiff_t k1, int add) {
+    for (int m = 0; m < R; m++) {
+        float s = sums[m];
+        for (ptrdiff_t k = k8; k < k1; k++) s += x[m * ldx + k] * wn[k];
+        if (add)
+            y[m * ldy + n] += s;
+        else
+            y[m * ldy + n] = b ? s + b[n] : s;
+    }
+}
 
 /* rows m < R of y[:, n0:n1], over the columns [k0, k1) of x and W (k1 - k0 a multiple of 8 unless k1 = K);
  * `add`: add to y instead of writing it (later column blocks; the bias goes with the first block).
- * R is a compile-time constant at each call site, so acc[] lives in registers. */
-static inline __attribute__((always_inline)) void block(const int R, const float *x, ptrdiff_t ldx,
+ * NB weight rows per pass (n1 - n0 a multiple of NB). R and NB are compile-time constants at each call site,
+ * so acc[][] lives in registers (AVX2 has 16: NB R + NB <= 16). */
+static inline __attribute__((always_inline)) void block(const int R, const int NB, const float *x, ptrdiff_t ldx,
                                                          const float *w, const float *b, float *y, ptrdiff_t ldy,
                                                          ptrdiff_t n0, ptrdiff_t n1, ptrdiff_t K, ptrdiff_t k0,
                                                          ptrdiff_t k1, int add) {
     const ptrdiff_t k8 = k0 + ((k1 - k0) & ~(ptrdiff_t)7);
-    for (ptrdiff_t n = n0; n < n1; n++) {
+    ptrdiff_t n = n0;
+    for (; n + NB <= n1; n += NB) {
         const float *wn = w + n * K;
-        __m256 acc[8];
-        for (int m = 0; m < 8; m++) acc[m] = _mm256_setzero_ps();
+        __m256 acc[2][8]; /* NB <= 2; fixed sizes: a variable-length array would live in memory */
+        for (int j = 0; j < NB; j++)
+            for (int m = 0; m < 8; m++) acc[j][m] = _mm256_setzero_ps();
         for (ptrdiff_t k = k0; k < k8; k += 8) {
-            /* one cache line of the row two ahead per 16 floats: keeps the memory busy while the FMAs run */
-            if (!(k & 15)) _mm_prefetch((const char *)(wn + PF_ROWS * K + k), _MM_HINT_T0);
-            __m256 wv = _mm256_loadu_ps(wn + k);
-            for (int m = 0; m < R; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m]);
+            /* one cache line of the rows ahead per 16 floats: keeps the memory busy while the FMAs run */
+            if (!(k & 15))
+                for (int j = 0; j < NB; j++)
+                    _mm_prefetch((const char *)(wn + ((NB > 1 ? NB : PF_ROWS) + j) * K + k), _MM_HINT_T0);
+            __m256 wv[2];
+            for (int j = 0; j < NB; j++) wv[j] = _mm256_loadu_ps(wn + j * K + k);
+            for (int m = 0; m < R; m++) {
+                __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+                KEEP_IN_REGISTER(xv);
+                for (int j = 0; j < NB; j++) acc[j][m] = _mm256_fmadd_ps(wv[j], xv, acc[j][m]);
+            }
         }
-        float out[8];
-        _mm256_storeu_ps(out, sum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
-        for (int m = 0; m < R; m++) {
-            float s = out[m];
-            for (ptrdiff_t k = k8; k < k1; k++) s += x[m * ldx + k] * wn[k];
-            if (add)
-                y[m * ldy + n] += s;
-            else
-                y[m * ldy + n] = b ? s + b[n] : s;
+        for (int j = 0; j < NB; j++) {
+            float out[8];
+            _mm256_storeu_ps(out, sum8(acc[j][0], acc[j][1], acc[j][2], acc[j][3], acc[j][4], acc[j][5], acc[j][6],
+                                       acc[j][7]));
+            store_outputs(R, out, x, ldx, wn + j * K, b, y, ldy, n + j, k8, k1, add);
         }
     }
 }
 
+#ifdef __AVX512F__
+/* block() with 16 floats per instruction: the columns past the last multiple of 16 through masked loads
+ * (zeros beyond k1), so no scalar tail; each output's 16 lane sums are folded to 8 (lane i + lane i + 8) and
+ * then summed as block()'s 8 are. 32 registers: NB R + NB <= 32. */
+static inline __attribute__((always_inline)) void block512(const int R, const int NB, const float *x,
+                                                            ptrdiff_t ldx, const float *w, const float *b, float *y,
+                                                            ptrdiff_t ldy, ptrdiff_t n0, ptrdiff_t n1, ptrdiff_t K,
+                                                            ptrdiff_t k0, ptrdiff_t k1, int add) {
+    const ptrdiff_t k16 = k0 + ((k1 - k0) & ~(ptrdiff_t)15);
+    const __mmask16 tail = (__mmask16)((1u << ((k1 - k0) & 15)) - 1);
+    ptrdiff_t n = n0;
+    for (; n + NB <= n1; n += NB) {
+        const float *wn = w + n * K;
+        __m512 acc[4][8];
+        for (int j = 0; j < NB; j++)
+            for (int m = 0; m < 8; m++) acc[j][m] = _mm512_setzero_ps();
+        for (ptrdiff_t k = k0; k < k16; k += 16) {
+            for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(wn + (NB + j) * K + k), _MM_HINT_T0);
+            __m512 wv[4];
+            for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_ps(wn + j * K + k);
+            for (int m = 0; m < R; m++) {
+                __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+                KEEP_IN_REGISTER(xv);
+                for (int j = 0; j < NB; j++) acc[j][m] = _mm512_fmadd_ps(wv[j], xv, acc[j][m]);
+            }
+        }
+        if (tail) {
+            __m512 wv[4];
+            for (int j = 0; j < NB; j++) wv[j] = _mm512_maskz_loadu_ps(tail, wn + j * K + k16);
+            for (int m = 0; m < R; m++) {
+                __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + k16);
+                for (int j = 0; j < NB; j++) acc[j][m] = _mm512_fmadd_ps(wv[j], xv, acc[j][m]);
+            }
+        }
+        for (int j = 0; j < NB; j++) {
+            __m256 h[8];
+            for (int m = 0; m < 8; m++)
+                h[m] = _mm256_add_ps(_mm512_castps512_ps256(acc[j][m]),
+                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j][m]), 1)));
+            float out[8];
+            _mm256_storeu_ps(out, sum8(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+            store_outputs(R, out, x, ldx, wn + j * K, b, y, ldy, n + j, k1, k1, add);
+        }
+    }
+}
+#define BLOCK(R, NB) BLOCKS(block512, R, NB)
+#define ALIGN 15 /* column blocks: a multiple of 16 floats */
+#define NB_SMALL 4 /* weight rows per pass for R <= 6 */
+#define NB_LARGE 3 /* and for R = 7, 8 */
+#else
+#define BLOCK(R, NB) BLOCKS(block, R, NB)
+#define ALIGN 7
+#define NB_SMALL 2
+#define NB_LARGE 1
+#endif
+
+/* the weight rows [n0, n1) in passes of NB, the last n1 - n0 mod NB one at a time */
+#define BLOCKS(fn, R, NB)                                                                     \
+    do {                                                                                      \
+        const ptrdiff_t nb = n0 + (n1 - n0) / (NB) * (NB);                                    \
+        fn(R, NB, x, ldx, w, b, y, ldy, n0, nb, K, k0, k1, add);                              \
+        if ((NB) > 1 && nb < n1) fn(R, 1, x, ldx, w, b, y, ldy, nb, n1, K, k0, k1, add);      \
+    } while (0)
+
 /* Columns per block: x's rows over a block of at most KBLOCK columns (8 x 640 floats, 20 KB) stay in L1
- * while the weight streams past; K is cut into equal blocks, a multiple of 8 each (a down projection's
+ * while the weight streams past; K is cut into equal blocks, a multiple of 8 (16) each (a down projection's
  * 8 x 1536 floats would not fit, and its products would wait on L2; K = 576 stays one block). */
 #define KBLOCK 640
 
-#define BLOCK_CASES(k0, k1, add)                                                    \
-    switch (M) { /* one specialised loop per row count */                           \
-        case 1: block(1, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
-        case 2: block(2, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
-        case 3: block(3, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
-        case 4: block(4, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
-        case 5: block(5, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
-        case 6: block(6, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
-        case 7: block(7, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;      \
-        default: block(8, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, add); break;     \
+/* one specialised loop per row count */
+static inline __attribute__((always_inline)) void block_cases(int M, const float *x, ptrdiff_t ldx, const float *w,
+                                                               const float *b, float *y, ptrdiff_t ldy, ptrdiff_t n0,
+                                                               ptrdiff_t n1, ptrdiff_t K, ptrdiff_t k0, ptrdiff_t k1,
+                                                               int add) {
+    switch (M) {
+        case 1: BLOCK(1, NB_SMALL); break;
+        case 2: BLOCK(2, NB_SMALL); break;
+        case 3: BLOCK(3, NB_SMALL); break;
+        case 4: BLOCK(4, NB_SMALL); break;
+        case 5: BLOCK(5, NB_SMALL); break;
+        case 6: BLOCK(6, NB_SMALL); break;
+        case 7: BLOCK(7, NB_LARGE); break;
+        default: BLOCK(8, NB_LARGE); break;
     }
+}
 
 static void rows_upto8(int M, const float *x, ptrdiff_t ldx, const float *w, const float *b, float *y,
                        ptrdiff_t ldy, ptrdiff_t n0, ptrdiff_t n1, ptrdiff_t K) {
     if (K <= KBLOCK) {  /* one block: compiled with constant bounds */
-        BLOCK_CASES(0, K, 0)
+        block_cases(M, x, ldx, w, b, y, ldy, n0, n1, K, 0, K, 0);
         return;
     }
-    const ptrdiff_t blocks = (K + KBLOCK - 1) / KBLOCK, size = ((K + blocks - 1) / blocks + 7) & ~(ptrdiff_t)7;
+    const ptrdiff_t blocks = (K + KBLOCK - 1) / KBLOCK, size = ((K + blocks - 1) / blocks + ALIGN) & ~(ptrdiff_t)ALIGN;
     for (ptrdiff_t k0 = 0; k0 < K; k0 += size) {
         const ptrdiff_t k1 = K - k0 > size ? k0 + size : K;
-        BLOCK_CASES(k0, k1, k0 > 0)
+        block_cases(M, x, ldx, w, b, y, ldy, n0, n1, K, k0, k1, k0 > 0);
     }
 }
 

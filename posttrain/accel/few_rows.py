@@ -11,6 +11,11 @@ posttrain cache folder, and loaded with ctypes; its OpenMP threads come from the
 PyTorch already loaded. Without a compiler, on a CPU without AVX2 and FMA, or with
 POSTTRAIN_NO_KERNELS=1, `available()` is False and decoding uses `F.linear` as before. The same
 library holds the whole lean decoding step of `accel/decode.py`.
+
+Two builds of the one source (`variant()`): "avx2", and "avx512" (also -mavx512f: the products take 16
+floats per instruction) where the CPU has AVX-512F; POSTTRAIN_KERNELS_ISA=avx2 keeps the AVX2 build there.
+The two give the same values up to float rounding (16 partial sums per output instead of 8); each build
+gives the same values at every thread count.
 """
 
 from __future__ import annotations
@@ -33,25 +38,39 @@ from posttrain.accel import products
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 MAX_ROWS = 16  # beyond this PyTorch's GEMM is about as fast (benchmarks/README.md)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f"]}
 LIBS = ["-lm"]  # expf: the library then loads outside Python too
 
 
-def _cpu_has_avx2_fma() -> bool:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma"} <= set(flags.split(":", 1)[1].split())
+        return frozenset()
+    return frozenset(flags.split(":", 1)[1].split())
 
 
-def _compile(target: Path) -> None:
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+def variant() -> str:
+    """The build the kernels use here: "avx512" where the CPU has AVX-512F, unless POSTTRAIN_KERNELS_ISA=avx2;
+    else "avx2"."""
+    if os.environ.get("POSTTRAIN_KERNELS_ISA", "").lower() == "avx2" or "avx512f" not in _cpu_flags():
+        return "avx2"
+    return "avx512"
+
+
+def _compile(target: Path, flags: list[str]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", dir=target.parent)
     os.close(fd)
     try:
         compiler = os.environ.get("CC") or "cc"
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent builder never loads half a file
     finally:
@@ -61,37 +80,49 @@ def _compile(target: Path) -> None:
 
 @functools.cache
 def kernels():
-    """The compiled kernels, or None where they cannot be built here (the reason is logged once)."""
+    """The compiled kernels of `variant()`, or None where they cannot be built here (the reason is logged once);
+    where the AVX-512 build fails, the AVX2 one."""
     if os.environ.get("POSTTRAIN_NO_KERNELS") == "1":
         return None
-    if not _cpu_has_avx2_fma():
-        logger.info("decoding kernels off: the CPU lacks AVX2/FMA")
+    return build(variant())
+
+
+@functools.cache
+def build(isa: str):
+    """The kernels built for `isa` ("avx2" or "avx512"), or None where this CPU or compiler cannot."""
+    if not _cpu_has_avx2_fma() or (isa == "avx512" and "avx512f" not in _cpu_flags()):
+        logger.info("decoding kernels (%s) off: the CPU lacks %s", isa, "AVX-512F" if _cpu_has_avx2_fma() else
+                    "AVX2/FMA")
         return None
     from posttrain.cache import cache_dir
 
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
+    flags = BASE_FLAGS + ISA_FLAGS[isa]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags + LIBS).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"decode_kernels-{key}.so"
     try:
         if not target.exists():
-            _compile(target)
+            _compile(target, flags)
         try:
             return ctypes.CDLL(str(target))
         except OSError as e:  # a damaged cache entry (a truncated copy, a full disk): compiled again, once
             logger.warning("cached decoding kernels %s cannot be loaded (%s): compiling them again", target, e)
             target.unlink(missing_ok=True)
-            _compile(target)
+            _compile(target, flags)
             return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("decoding kernels not built (decoding uses torch's ops): %s", detail.strip()[-500:])
-        return None
+        logger.warning("decoding kernels (%s) not built: %s", isa, detail.strip()[-500:])
+        return build("avx2") if isa != "avx2" else None
 
 
 @functools.cache
 def few_rows_kernel():
     """The few-rows linear kernel (a ctypes function), or None."""
-    lib = kernels()
+    return linear_function(kernels())
+
+
+def linear_function(lib):
+    """`few_rows_linear` of a kernels library (a ctypes function), or None without one."""
     if lib is None:
         return None
     fn = lib.few_rows_linear

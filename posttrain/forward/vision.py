@@ -35,8 +35,7 @@ IMAGE_GROUP = "image_group"  # (N,) the row's prompt, numbered within its genera
 def prompt_inputs(per_prompt: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """One forward's vision inputs for `per_prompt` (one dict per prompt, in the batch's order): each key's
     tensors concatenated along dim 0, the order in which the model fills its image placeholder tokens."""
-    names = _names(per_prompt)
-    return {name: torch.cat([p[name] for p in per_prompt if name in p]) for name in names}
+    return _joined(per_prompt)
 
 
 def row_inputs(per_prompt: list[dict[str, Tensor]], group: int, first_group: int = 0,
@@ -62,8 +61,30 @@ def row_inputs(per_prompt: list[dict[str, Tensor]], group: int, first_group: int
 
 def _joined(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """One row's images from several processor outputs (its prompt's, then each tool turn's): each key's
-    tensors concatenated along the image dim, in order."""
-    return {name: torch.cat([p[name] for p in parts if name in p]) for name in _names(parts)}
+    tensors concatenated along the image dim, in order (`_cat`)."""
+    return {name: _cat([p[name] for p in parts if name in p]) for name in _names(parts)}
+
+
+def _cat(tensors: list[Tensor]) -> Tensor:
+    """`tensors` concatenated along dim 0, each first padded with zeros at the end of every other dim to the
+    largest size: where the processor batches images of several calls, e.g. Idefics3 / SmolVLM's pixel_values
+    (1, crops, 3, H, W) per call, whose number of crops follows the image's size; their models drop all-zero
+    padding images, as for the processor's own padding."""
+    return torch.cat([_pad_to(t, _largest(tensors)) for t in tensors])
+
+
+def _largest(tensors: list[Tensor]) -> tuple[int, ...]:
+    """The largest size of each dim but the first over `tensors` (which have the same number of dims)."""
+    return tuple(max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim()))
+
+
+def _pad_to(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """`t` padded with zeros at the end of its dims 1.. to `shape` (itself when already that shape)."""
+    if tuple(t.shape[1:]) == shape:
+        return t
+    out = t.new_zeros(len(t), *shape)
+    out[(slice(None), *(slice(0, n) for n in t.shape[1:]))] = t
+    return out
 
 
 def _padded(per_row: list[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -72,13 +93,13 @@ def _padded(per_row: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     rows: dict[str, Tensor] = {}
     for name in _names(per_row):
         parts = [p.get(name) for p in per_row]
-        first = next(t for t in parts if t is not None)
-        longest = max(0 if t is None else len(t) for t in parts)
-        padded = torch.zeros(len(parts), longest, *first.shape[1:], dtype=first.dtype)
+        real = [t for t in parts if t is not None]
+        longest, shape = max(len(t) for t in real), _largest(real)
+        padded = torch.zeros(len(parts), longest, *shape, dtype=real[0].dtype)
         counts = torch.zeros(len(parts), dtype=torch.long)
         for i, t in enumerate(parts):
             if t is not None:
-                padded[i, :len(t)], counts[i] = t, len(t)
+                padded[i, :len(t)], counts[i] = _pad_to(t, shape), len(t)
         rows[PIXELS + name], rows[PIXELS + name + COUNT] = padded[..., None], counts
     return rows
 

@@ -18,7 +18,14 @@ VISION_TOWERS = ("vision_tower", "vision_model", "visual", "vision_encoder")
 PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector", "visual_projection")
 
 __all__ = ["vision_parts", "freeze_vision_parts", "language_model_only_lora", "vision_run", "vision_scorer",
-           "load_vision_scorer"]
+           "load_vision_scorer", "grid_positions"]
+
+
+def grid_positions(model) -> bool:
+    """Whether a vision-language model places its tokens with multimodal rotary positions computed from the
+    images' grids (`get_rope_index`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, ...): an image's tokens share
+    positions laid out on its grid (image_grid_thw), so a token's position is not its index in the sequence."""
+    return any(callable(getattr(m, "get_rope_index", None)) for m in (model, getattr(model, "model", None)))
 
 
 def vision_run(model, dataset, trainer: str) -> bool:

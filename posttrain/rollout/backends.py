@@ -29,6 +29,8 @@ from torch import Tensor
 
 from posttrain.models import compat
 from posttrain.models.modes import unwrap
+from posttrain.models.vision import grid_positions
+from posttrain.rollout.tools import ToolImageError
 
 if TYPE_CHECKING:
     from posttrain.accel.replay import LinearRecord
@@ -165,6 +167,12 @@ def image_embeddings(net, ids: list[int], vision: dict[str, Tensor]) -> list[Ten
     its tokens' order, the images in the order of `vision`), None for the other ids. Raises ValueError when the
     model has no image features or their number differs from the image tokens'."""
     image_id, features = image_token_id(net), getattr(net, "get_image_features", None)
+    if grid_positions(net):
+        raise ToolImageError(
+            f"a tool returned an image, which this sampler cannot feed to a {net.config.model_type!r} model "
+            f"({type(net).__name__}): its multimodal rotary positions (mrope) lay each image's tokens out on the "
+            "image's grid (image_grid_thw), while a tool turn is fed one position per token; return text from "
+            "the tool, or use a model whose positions count tokens (LLaVA, Idefics3 / SmolVLM)")
     if image_id is None or not callable(features):
         raise ValueError(f"{type(net).__name__} has no image token or get_image_features: a tool turn with images "
                          "needs a vision-language model")

@@ -167,7 +167,7 @@ def calculator_dataset(split: str = "train", size: int | None = None, seed: int 
                               for a, b in pairs])
 
 
-def _last_answer_text(completion) -> str:
+def last_answer_text(completion) -> str:
     """What the assistant says last: the content of its last message (a message list), or the text
     after the last tool call (a string)."""
     if isinstance(completion, str):
@@ -182,7 +182,7 @@ def calculator_reward(completions, answer, **kwargs) -> list[float]:
     completions: the episodes, each a message list (assistant turns, tool calls, tool results)
     or a string; a tool result that holds the answer earns nothing until the assistant says it.
     """
-    return [float(final_answer(_last_answer_text(c)) == str(a).strip()) for c, a in zip(completions, answer)]
+    return [float(final_answer(last_answer_text(c)) == str(a).strip()) for c, a in zip(completions, answer)]
 
 
 def _call(name: str, **arguments) -> dict:

@@ -16,6 +16,11 @@ Rows follow TRL's vision layout: conversational `prompt` (an image part and a te
 `completion`, the image in the `images` column (a list of one), plus `answer` and `kind`.
 `vision_reward` takes TRL's reward-function arguments (prompts, completions, and the dataset's columns,
 the images among them) and scores exact matches.
+
+The tool variant (`vision_tool_dataset`, `ShowImageEnv`): the colour question with no picture in the prompt;
+the picture is in the row's `picture` column, which the environment's `show_image` tool returns as an image,
+so the answer can only be read from the tool's image. `vision_tool_traces` are the SFT conversations (the
+call, the tool's image, the answer) and `vision_tool_reward` scores the assistant's last message.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ TEST_SHARE = 26  # of 256: the share of image hashes that belong to the test spl
 DEFAULT_SIZES = (2000, 200)
 
 __all__ = ["vision_dataset", "vision_preference_dataset", "vision_check", "vision_reward", "image_split",
-           "draw_example", "KINDS", "QUESTIONS", "ANSWERS"]
+           "draw_example", "KINDS", "QUESTIONS", "ANSWERS", "ShowImageEnv", "vision_tool_dataset",
+           "vision_tool_traces", "vision_tool_reward"]
 
 
 def _shape(draw, kind: str, box: tuple[int, int, int, int], color) -> None:
@@ -167,3 +173,67 @@ def vision_reward(prompts=None, completions=None, answer=None, images=None, **kw
     if images is not None and len(images) != len(completions):
         raise ValueError(f"vision_reward got {len(images)} image lists for {len(completions)} completions")
     return [float(vision_check(c, a)) for c, a in zip(completions, answer)]
+
+
+# --------------------------------------------------------------------------- the picture behind a tool
+
+TOOL_QUESTION = "What colour is the shape? Use show_image."
+
+
+class ShowImageEnv:
+    """The colour question with the picture behind a tool: `reset(picture=..., **row)` keeps the row's hidden
+    picture, and `show_image` returns it as an image part. With `show_results=False` the tool answers
+    "unavailable" instead (the same episodes without the picture: the baseline the tool must beat); `calls`
+    counts the calls of the episode."""
+
+    def __init__(self, show_results: bool = True):
+        self.show_results, self.picture, self.calls = show_results, None, 0
+
+    def reset(self, picture=None, **row) -> None:
+        self.picture, self.calls = picture, 0
+
+    def show_image(self):
+        """Show the picture."""
+        self.calls += 1
+        if not self.show_results or self.picture is None:
+            return "unavailable"
+        return {"type": "image", "image": self.picture}
+
+
+def vision_tool_dataset(split: str = "train", size: int | None = None, seed: int = 0):
+    """Prompt-only rows of the colour question without its picture: prompt (text only), picture (the hidden
+    image, for `ShowImageEnv`), answer, kind; the same pictures as `vision_dataset(split, size, ("color",), seed)`."""
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": TOOL_QUESTION}], "picture": image,
+                               "answer": answer, "kind": kind}
+                              for image, _, answer, kind in _examples(split, size, ("color",), seed)])
+
+
+def vision_tool_traces(split: str = "train", size: int | None = None, seed: int = 0):
+    """SFT conversations for the tool variant: `messages` (the question, a `show_image` call, the tool's message
+    holding the picture as an image part, the answer), `images` (the picture) and `tools` (the environment's
+    schema as a JSON string), one per `vision_tool_dataset` row of the same split and seed."""
+    import json
+
+    from datasets import Dataset
+
+    from posttrain.data.tools import environment_tools, tool_schemas
+
+    tools = json.dumps(tool_schemas(environment_tools(ShowImageEnv())))
+    call = {"type": "function", "function": {"name": "show_image", "arguments": {}}}
+    return Dataset.from_list([{"messages": [
+        {"role": "user", "content": [{"type": "text", "text": TOOL_QUESTION}]},
+        {"role": "assistant", "content": [], "tool_calls": [call]},
+        {"role": "tool", "name": "show_image", "content": [{"type": "image"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+    ], "images": [image], "tools": tools} for image, _, answer, _ in _examples(split, size, ("color",), seed)])
+
+
+def vision_tool_reward(completions=None, answer=None, **kwargs) -> list[float]:
+    """1.0 when the assistant's last message of an episode is its row's colour (`vision_check`), else 0.0."""
+    if completions is None or answer is None:
+        raise ValueError("vision_tool_reward needs the completions and the dataset's 'answer' column")
+    from posttrain.tasks.environments import last_answer_text
+
+    return [float(vision_check(last_answer_text(c), a)) for c, a in zip(completions, answer)]

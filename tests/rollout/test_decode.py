@@ -53,6 +53,31 @@ def test_same_tokens_and_logprobs_as_the_model_forward(name, do_sample, tok, mon
     torch.testing.assert_close(lean.logprobs, plain.logprobs, rtol=1e-4, atol=1e-5)
 
 
+def _clear_kernel_caches():
+    from posttrain.accel import decode
+
+    few_rows.kernels.cache_clear(), few_rows.few_rows_kernel.cache_clear(), decode._c_step_function.cache_clear()
+
+
+@pytest.mark.skipif(not few_rows.available(), reason="no compiled kernels here")
+def test_the_avx2_build_steps_as_the_model_forward_too(tok, monkeypatch):
+    """POSTTRAIN_KERNELS_ISA=avx2 on a CPU with AVX-512 (elsewhere the build the other tests run): the other build
+    of the kernels, the same tokens and log-probs as the model's forward."""
+    monkeypatch.setenv("POSTTRAIN_KERNELS_ISA", "avx2")
+    _clear_kernel_caches()
+    try:
+        assert few_rows.variant() == "avx2" and few_rows.kernels() is few_rows.build("avx2")
+        model, decoders = varied("posttrain/tiny-qwen2"), []
+        lean, plain = both_ways(model, tok, monkeypatch, SamplingConfig(max_new_tokens=12, num_generations=2,
+                                                                      temperature=0.9), decoders)
+        assert decoders[0]._c is not None
+        assert torch.equal(lean.completion_ids, plain.completion_ids)
+        torch.testing.assert_close(lean.logprobs, plain.logprobs, rtol=1e-4, atol=1e-5)
+    finally:
+        monkeypatch.delenv("POSTTRAIN_KERNELS_ISA")
+        _clear_kernel_caches()
+
+
 @pytest.mark.parametrize("head_dim", [64, 20])  # 64: SmolLM2's; 20: not a multiple of 8, the torch-ops step
 def test_wider_heads_and_a_long_down_projection(head_dim, tok, monkeypatch):
     """Head size 64 (the attention's widest vector path), an MLP of 700 (the down projection's 700

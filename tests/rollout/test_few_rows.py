@@ -112,3 +112,43 @@ def test_vectorised_exp_of_the_decoding_step():
     fn(special.data_ptr(), out.data_ptr(), special.numel())
     assert out[:3].tolist() == [0.0, 0.0, 0.0] and out[3].isnan() and out[4:6].isinf().all()
     assert abs(out[6].item() / math.exp(special[6].item()) - 1) < 1.5e-7  # e^88.7 is finite: no early overflow
+
+
+BUILDS = ["avx2", "avx512"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", BUILDS)
+def test_each_build_matches_a_float64_reference_and_every_thread_count(isa):
+    """Both builds of the kernels (AVX2; AVX-512 where the CPU has it): every row count 1..16 (a register-blocked
+    pass over several weight rows for up to 8 rows, two passes above), weight-row counts that leave a remainder to
+    the one-row pass, K a multiple of 16, of 8 only, or neither, and cut into column blocks; with and without bias.
+    A build gives the same bits on 1 and 2 threads (each output is summed by one thread in a fixed order)."""
+    if isa == "avx512" and "avx512f" not in few_rows._cpu_flags():
+        pytest.skip("no AVX-512F on this CPU")
+    lib = few_rows.build(isa)
+    assert lib is not None
+    fn = few_rows.linear_function(lib)
+    g = torch.Generator().manual_seed(7)
+    for rows in range(1, MAX_ROWS + 1):
+        K, N = [(576, 17), (40, 7), (37, 5), (1300, 13), (8, 2), (641, 33)][rows % 6]
+        x, w, b = torch.randn(rows, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+        outs = {}
+        for threads in (1, 2):
+            for bias in (None, b):
+                y = torch.empty(rows, N)
+                fn(x.data_ptr(), K, w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), N, rows, N,
+                   K, threads)
+                outs[threads, bias is None] = y
+        reference = x.double() @ w.double().T
+        torch.testing.assert_close(outs[1, True].double(), reference, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(outs[1, False].double(), reference + b.double(), rtol=1e-5, atol=1e-4)
+        assert torch.equal(outs[1, True], outs[2, True]) and torch.equal(outs[1, False], outs[2, False])
+
+
+@needs_kernel
+def test_the_environment_keeps_the_avx2_build(monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_KERNELS_ISA", "avx2")
+    assert few_rows.variant() == "avx2"
+    monkeypatch.delenv("POSTTRAIN_KERNELS_ISA")
+    assert few_rows.variant() == ("avx512" if "avx512f" in few_rows._cpu_flags() else "avx2")

@@ -3,7 +3,9 @@ of parts holding one) stops the rollout with an error naming the tool, instead o
 repr; results that merely mention images still pass. For a vision-language model the result becomes image parts
 of the tool message: the processor expands their placeholders, the sampler feeds the images' features where it
 feeds the tool turn, and the rollout keeps each row's prompt and tool images, in order, for the training forward,
-whose log-probs then equal the sampler's; the tool's tokens, image tokens included, are out of the loss."""
+whose log-probs then equal the sampler's; the tool's tokens, image tokens included, are out of the loss. Checked on
+the tiny LLaVA and on a tiny Idefics3 (SmolVLM's family) whose processor splits each image into a number of crops
+that follows its shape and writes marker tokens around them."""
 
 import io
 import json
@@ -11,7 +13,7 @@ import json
 import pytest
 import torch
 from PIL import Image
-from tests.helpers.vision import tiny_vlm_with_visible_images
+from tests.helpers.vision import tiny_idefics3, tiny_vlm_with_visible_images
 
 from posttrain.data.tokenize import continuation_text
 from posttrain.data.tools import tool_schemas
@@ -24,6 +26,16 @@ from posttrain.rollout.multiturn import Episodes, engine_turns
 from posttrain.rollout.tools import ToolImageError, run_tool_call
 
 PICTURE = Image.new("RGB", (8, 8), (200, 30, 30))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models decoding one token per step: one thread is faster than two that wait on each other on a busy
+    machine (the Idefics3 rollout took 13 s with two on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def zoom(factor: int):
@@ -69,6 +81,23 @@ def test_a_rollout_whose_tool_returns_an_image_stops_naming_the_tool():
 @pytest.fixture(scope="module")
 def vlm():
     return tiny_vlm_with_visible_images()
+
+
+WIDE = Image.new("RGB", (48, 20), (30, 200, 90))  # Idefics3 with splitting: 2 crops and the global view
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    """The tiny Idefics3 (eval mode) whose processor splits images, its connector scaled by 8 (as the LLaVA's
+    projector: the random tower's features then move the logits visibly), and its processor."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = tiny_idefics3(tmp_path_factory.mktemp("idefics3"), splitting=True)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    with torch.no_grad():
+        for p in model.model.connector.parameters():
+            p.mul_(8.0)
+    return model.eval(), AutoProcessor.from_pretrained(path)
 
 
 def picture_rows(n: int = 2):
@@ -130,6 +159,28 @@ def test_episodes_feed_a_tool_image_through_the_processor(vlm):
     assert episodes.start[0] == len(turn) + len(ids)  # the next turn is read after the fed ids
 
 
+def test_idefics3_tool_turn_is_split_and_marked_as_its_processor_does(idefics3):
+    _, processor = idefics3
+    tok = processor.tokenizer
+
+    def wide():
+        """Show the wide picture."""
+        return WIDE
+
+    prompt = picture_rows(1)[0]["prompt"]
+    schemas = tool_schemas([wide])
+    episodes = Episodes(tok, [prompt], [{"wide": wide}], [schemas], max_iterations=1, timeout=5, processor=processor)
+    (fed,) = episodes([0], [_call(tok, "wide")])
+    ids, vision = fed
+    text = continuation_text(tok, prompt + episodes.turns[0][:1], [episodes.turns[0][1]], tools=schemas)
+    expected = processor(text=[text], images=[[WIDE]], return_tensors="pt", add_special_tokens=False)
+    assert ids == expected["input_ids"][0].tolist()
+    shown = tok.decode(ids)
+    assert shown.count("<fake_token_around_image>") == 4 and "<row_1_col_2><image>" in shown  # 2 crops
+    assert "<global-img><image>" in shown and ids.count(processor.image_token_id) == 3 * 4
+    assert vision["pixel_values"].shape == (1, 3, 3, 32, 32) and vision["pixel_attention_mask"].shape == (1, 3, 32, 32)
+
+
 def test_images_per_episode_are_capped_with_an_error_for_the_model(vlm):
     _, processor = vlm
     tok = processor.tokenizer
@@ -182,7 +233,7 @@ class ImageScript:
         return out
 
 
-def _image_rollout(vlm, image, max_new_tokens: int = 40):
+def _image_rollout(vlm, image, max_new_tokens: int = 80):
     model, processor = vlm
     tok = processor.tokenizer
     ids, vision = encode_image_prompts(processor, picture_rows(1))
@@ -192,17 +243,24 @@ def _image_rollout(vlm, image, max_new_tokens: int = 40):
                     continue_turn=ImageScript(processor, image))
 
 
-@pytest.fixture(scope="module")
-def image_rollout(vlm):
-    return _image_rollout(vlm, PICTURE)
+# model -> (its tool image, the image tokens it becomes): the LLaVA's 16; Idefics3's 4 per crop, 2 crops and the
+# global view, while the prompt's 32x32 picture becomes 4 crops and the global view (64 pixels: 2x2 crops)
+TOOL_IMAGES = {"vlm": (PICTURE, 16), "idefics3": (WIDE, 12)}
 
 
-def test_sampler_logprobs_equal_the_training_forward_with_tool_images(vlm, image_rollout):
-    model, processor = vlm
-    r = image_rollout
+@pytest.fixture(scope="module", params=sorted(TOOL_IMAGES))
+def image_rollout(request):
+    """(model, processor, a rollout whose rows were each fed one tool image, the image tokens of that image)."""
+    model, processor = request.getfixturevalue(request.param)
+    image, tokens = TOOL_IMAGES[request.param]
+    return model, processor, _image_rollout((model, processor), image), tokens
+
+
+def test_sampler_logprobs_equal_the_training_forward_with_tool_images(image_rollout):
+    model, processor, r, tokens = image_rollout
     image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
     images = r.completion_ids == image_id
-    assert images.sum(1).tolist() == [16, 16]  # each row was fed one tool image
+    assert images.sum(1).tolist() == [tokens, tokens]  # each row was fed one tool image
     assert (r.tool_mask[images] == 1).all()  # its image tokens are fed: out of the loss, the KL and the entropy
     loss_mask = r.completion_mask * (1 - r.tool_mask)
     assert loss_mask[images].sum() == 0 and loss_mask.sum() > 0
@@ -218,9 +276,8 @@ def test_sampler_logprobs_equal_the_training_forward_with_tool_images(vlm, image
     torch.testing.assert_close(r.logprobs[sampled], logp[sampled], atol=1e-4, rtol=1e-4)
 
 
-def test_changing_the_tool_image_changes_the_logprobs_after_it(vlm, image_rollout):
-    model, processor = vlm
-    r = image_rollout
+def test_changing_the_tool_image_changes_the_logprobs_after_it(image_rollout):
+    model, processor, r, _ = image_rollout
     other = dict(r.vision)
     pixels = other[PIXELS + "pixel_values"].clone()
     pixels[:, 1] = -pixels[:, 1]  # the tool's image (each row's second), negated
@@ -257,3 +314,23 @@ def test_an_engine_without_image_features_refuses_tool_images(vlm):
     with pytest.raises(ToolImageError, match="use_vllm=False"):
         engine_turns(generate_turn, [[5, 6]], SamplingConfig(max_new_tokens=50, num_generations=1),
                      ImageScript(processor, PICTURE), pad_token_id=0, eos_token_id=2)
+
+
+def test_a_model_with_grid_rotary_positions_refuses_tool_images_naming_its_type():
+    """Qwen2-VL's positions (mrope) lay an image's tokens on its grid; the sampler feeds a tool turn one position per
+    token, so a tool image there would be seen at other positions than in the training forward: refused."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from posttrain.rollout.backends import ModelForward
+
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1,
+                         rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], rope_theta=1e4)),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=1),
+        image_token_id=60)
+    backend = ModelForward(Qwen2VLForConditionalGeneration(config))
+    pixels = {"pixel_values": torch.zeros(4, 3 * 4 * 4), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    with pytest.raises(ToolImageError, match=r"'qwen2_vl' model \(Qwen2VLForConditionalGeneration\).*mrope"):
+        backend.image_embeddings([60, 5], pixels)

@@ -5,6 +5,7 @@ pixels, freezing parts, LoRA on the language model only, a second architecture, 
 import pytest
 import torch
 from datasets import Dataset
+from tests.helpers.vision import tiny_idefics3
 
 from posttrain.data.collate import IGNORE_INDEX
 from posttrain.data.multimodal import VisionDataError
@@ -49,30 +50,7 @@ def idefics3(tmp_path_factory) -> str:
     """Folder of a second architecture built from a config: a tiny Idefics3 (SmolVLM's family: SigLIP-style
     tower, pixel-shuffle connector, Llama), whose processor surrounds each image's tokens with marker tokens
     (<fake_token_around_image><global-img>...) that the chat template never wrote."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
-
-    from posttrain.data.chat import vision_chat_template
-    from posttrain.models.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 32},
-                                       max_image_size={"longest_edge": 32})
-    proc = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
-                             chat_template=vision_chat_template("<image>"))
-    tok.chat_template = proc.chat_template
-    config = Idefics3Config(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=192,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id),
-        image_token_id=proc.image_token_id, scale_factor=2, tie_word_embeddings=True, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("idefics3")
-    Idefics3ForConditionalGeneration(config).save_pretrained(folder)
-    proc.save_pretrained(folder)
-    return str(folder)
+    return tiny_idefics3(tmp_path_factory.mktemp("idefics3"))
 
 
 # ------------------------------------------------------------------ the tiny VLM

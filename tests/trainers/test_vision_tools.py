@@ -78,14 +78,14 @@ def scripted(trainer):
     return trainer
 
 
-def grpo(**fields):
-    """GRPO on the tiny VLM with the zoom environment, scripted to call it: 2 completions per prompt, room for the
-    1-token call, the 34-token tool turn and a 1-token answer."""
+def grpo(model=VLM, **fields):
+    """GRPO on the tiny VLM (or `model`) with the zoom environment, scripted to call it: 2 completions per prompt,
+    room for the 1-token call, the tool turn (34 tokens on the tiny LLaVA) and a 1-token answer."""
     overrides = {key: fields.pop(key) for key in list(fields) if key not in run_fields("", 0, 1)}
     small = online_args(fields["output_dir"], num_generations=2, per_device_train_batch_size=2,
                         gradient_accumulation_steps=1, max_completion_length=40, max_tool_calling_iterations=1, beta=0.1)
     args = GRPOConfig(**{**small, **overrides, **fields})
-    return scripted(GRPOTrainer(VLM, zooms_reward, args=args, train_dataset=image_prompts(),
+    return scripted(GRPOTrainer(model, zooms_reward, args=args, train_dataset=image_prompts(),
                                 environment_factory=ZoomEnv))
 
 
@@ -106,3 +106,55 @@ def test_grpo_feeds_tool_images_trains_and_resumes_after_sigkill(tmp_path):
     resumed = grpo(**run_fields(tmp_path / "killed", 2, 1))
     resumed.train(resume_from_checkpoint=True)
     assert_same_run(resumed, expected_state, expected_logs, max_steps=2, stop_at=1)
+
+
+def test_grpo_feeds_tool_images_on_idefics3(tmp_path, one_thread):
+    """The second architecture, Idefics3 (its tool turn marked with <fake_token_around_image><global-img>): each row
+    holds the prompt's and the zoom's images, and one step trains the language model and the tower. (Images split
+    into different numbers of crops: tests/rollout/test_tool_images.py.)"""
+    from tests.helpers.vision import tiny_idefics3
+
+    trainer = grpo(tiny_idefics3(tmp_path / "idefics3"), output_dir=str(tmp_path / "run"), max_steps=1)
+    assert type(trainer.policy).__name__ == "Idefics3ForConditionalGeneration"
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logged = {k: v for entry in trainer.state.log_history for k, v in entry.items()}
+    assert logged["tools/calls_per_completion"] == 1 and logged["tools/failure_rate"] == 0
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert any("text_model" in n for n in moved) and any("vision_model" in n for n in moved)
+    pixels = torch.cat([mb[PIXELS + "pixel_values"] for mb in trainer.experience])
+    assert pixels.shape[:3] == (2, 2, 1)  # per row: the prompt's and the zoom's images, (1, 3, 32, 32) each
+    assert torch.cat([mb[PIXELS + "pixel_values.count"] for mb in trainer.experience]).tolist() == [2, 2]
+
+
+def test_the_image_tool_task_hides_the_picture_behind_the_tool(tmp_path, one_thread):
+    """vision_tool_dataset's prompts hold no image; ShowImageEnv's tool returns the row's picture (or "unavailable");
+    the SFT traces put that picture in the tool message, and only the answer and the call are trained on."""
+    from posttrain.data.collate import IGNORE_INDEX
+    from posttrain.tasks.vision import (ShowImageEnv, vision_dataset, vision_tool_dataset, vision_tool_reward,
+                                        vision_tool_traces)
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    rows, plain = vision_tool_dataset("test", 4), vision_dataset("test", 4, kinds=("color",))
+    assert "images" not in rows.column_names and isinstance(rows[0]["prompt"][0]["content"], str)
+    assert [r["answer"] for r in rows] == [r["answer"] for r in plain]  # the same pictures as the visual task's
+    env = ShowImageEnv()
+    env.reset(**rows[0])
+    assert env.show_image()["image"].tobytes() == plain[0]["images"][0].tobytes() and env.calls == 1
+    assert ShowImageEnv(show_results=False).show_image() == "unavailable"
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "show_image"}}]}
+    said = [[call, {"role": "tool", "content": [{"type": "image"}]}, {"role": "assistant", "content": a}]
+            for a in ("Red.", "blue")]
+    assert vision_tool_reward(said, ["red", "red"]) == [1.0, 0.0]
+    traces = vision_tool_traces("test", 4)
+    sft = SFTTrainer(VLM, train_dataset=traces, args=SFTConfig(output_dir=str(tmp_path), max_steps=1,
+                                                               assistant_only_loss=True, report_to="none"))
+    batch = sft.data_collator([sft.train_dataset[0]])
+    tok = sft.processing_class.tokenizer
+    image = batch["input_ids"][0] == tok.convert_tokens_to_ids("<image>")
+    assert int(image.sum()) == 16 and batch["model_inputs"]["pixel_values"].shape == (1, 3, 32, 32)
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    target = tok.decode([t for t, y in zip(ids, labels) if y != IGNORE_INDEX])
+    call_text = '<tool_call>{"name": "show_image", "arguments": {}}</tool_call><|im_end|>'
+    assert target == f'{call_text}{rows[0]["answer"]}<|im_end|>'
