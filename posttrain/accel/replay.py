@@ -48,14 +48,21 @@ class LinearRecord:
     prompt(l, j):     (B, P, width_j) at each prompt position of the B prefilled (left-padded) prompts
     completion(l, j): (N, T, width_j) at completion position t of rollout row n (that token fed back at
                       step t); zeros where the token was never fed
-    Rollout row n (prompt-major) belongs to prompt n // group. A training forward's outputs are one
+    Rollout row n continues prefilled prompt source[n] (prompt-major groups: n // group; the sampler prefills
+    each distinct prompt once, wherever its repeats sit in the batch). A training forward's outputs are one
     row gather from a layer's tensor (`layout`, `output`). A layer whose tensor was let go
     (`release`, after its last use) is None in `layers`.
     """
 
     def __init__(self, modules: list[list[torch.nn.Linear]], prompts: int, prompt_length: int, rows: int,
-                 steps: int, group: int):
-        self.modules, self.group = modules, group
+                 steps: int, group: int | None = None, source: Tensor | None = None):
+        if (group is None) == (source is None):
+            raise ValueError("LinearRecord takes group (prompt-major rows) or source (each row's prompt), one of them")
+        # (N,) the prefilled prompt of each rollout row
+        self.modules = modules
+        self.source = torch.arange(prompts).repeat_interleave(group) if source is None else source.cpu()
+        if len(self.source) != rows:
+            raise ValueError(f"LinearRecord: {len(self.source)} rows' prompts for {rows} rows")
         self.shape = (prompts, prompt_length, rows, steps)  # B, P, N, T
         self.widths = [m.out_features for m in modules[0]]
         self.starts = [sum(self.widths[:j]) for j in range(len(self.widths))]  # each kind's first column
@@ -87,6 +94,14 @@ class LinearRecord:
             layer[where] = part
 
     @property
+    def group(self) -> int | None:
+        """The rows of each prefilled prompt when they are prompt-major groups (row n of prompt n // group), else
+        None (the prompts' rows are elsewhere in the batch: `source`)."""
+        B, _, N, _ = self.shape
+        group = N // B
+        return group if torch.equal(self.source, torch.arange(B).repeat_interleave(group)) else None
+
+    @property
     def nbytes(self) -> int:
         """The bytes the record still holds."""
         return sum(t.nbytes for t in self.layers if t is not None)
@@ -111,7 +126,7 @@ class LinearRecord:
             raise ValueError(f"sequence {int((rows < 0).all(1).nonzero()[0])} has no filled block")
         S, blocks = rows.shape
         first = torch.where(rows >= 0, rows, N).min(1).values  # a filled block's row; its prompt is the sequence's
-        prompt = (first // self.group * P + P - prompt_width)[:, None] + torch.arange(prompt_width)  # (S, Pw)
+        prompt = (self.source[first] * P + P - prompt_width)[:, None] + torch.arange(prompt_width)  # (S, Pw)
         block = torch.where(rows[..., None] >= 0,  # (S, blocks, Cw); empty blocks read the zero row
                             B * P + rows[..., None] * T + torch.arange(completion_width), B * P + N * T)
         return torch.cat([prompt, block.reshape(S, -1)], 1)

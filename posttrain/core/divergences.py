@@ -163,18 +163,74 @@ def on_support(picked: Tensor, add_tail: bool) -> Tensor:
     return torch.cat([picked, tail], -1)
 
 
+class _WholeVocabulary(torch.autograd.Function):
+    """The generalised JSD(beta) (forward KL at beta = 0, reverse KL at 1) over the whole vocabulary, from the
+    student's logits (R, V) and the teacher's log-probs (R, V): (R,) values, equal to `generalized_jsd` of the two
+    log-softmaxes up to float rounding. Its gradient with respect to the logits is made in the forward and is all
+    it keeps (one (R, V) tensor instead of what autograd keeps through log_softmax, where, exp and the products).
+
+    The gradient is made as autograd makes it: G, the gradient with respect to the student's log-probs, then
+    log_softmax's backward G - p_S sum(G), divided by the temperature. G is -p_T for forward KL, p_S (log p_S -
+    log p_T + 1) for reverse KL and (1 - beta) p_S (log p_S - log M + 1) for the JSD (M = beta p_T + (1 - beta) p_S;
+    the +1 terms cancel through the softmax, as the teacher's terms of the JSD do, up to the rounding that autograd's
+    gradient has too: where both models are the same, the gradient is that rounding, not an exact 0)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, teacher_logp: Tensor, beta: float, temperature: float) -> Tensor:
+        s_logp = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)
+        s = s_logp.exp()
+        if beta == 0.0:  # KL(T || S)
+            t = teacher_logp.exp()
+            values = (t * (teacher_logp - s_logp)).sum(-1)
+            grad = t.neg_() if ctx.needs_input_grad[0] else None
+        else:
+            if beta == 1.0:  # KL(S || T)
+                gap = s_logp.sub_(teacher_logp)  # log p_S - log M, M = p_T
+                values = (s * gap).sum(-1)
+            else:  # log M = logaddexp(log p_T + log beta, log p_S + log(1 - beta))
+                mixture = torch.logaddexp(teacher_logp + math.log(beta), s_logp + math.log1p(-beta))
+                kl_t = (teacher_logp.exp() * (teacher_logp - mixture)).sum(-1)
+                gap = s_logp.sub_(mixture)
+                values = beta * kl_t + (1.0 - beta) * (s * gap).sum(-1)
+            grad = gap.add_(1.0).mul_(s) if ctx.needs_input_grad[0] else None
+            if grad is not None and beta != 1.0:
+                grad.mul_(1.0 - beta)
+        if grad is not None:  # log_softmax's backward: G - p_S sum(G)
+            grad.sub_(s.mul_(grad.sum(-1, keepdim=True)))
+            ctx.save_for_backward(grad if temperature == 1.0 else grad.div_(temperature))
+        return values
+
+    @staticmethod
+    def backward(ctx, grad_values: Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_values[:, None], None, None, None
+
+
 def _block(fn, options, support, top_k, add_tail, temperature, dtype, student, teacher, sampled):
     """The divergence of one block of rows: log-softmax of both models at `temperature`, the support, fn."""
     rows = slice(0, None)
     s_logits, t_logits = _logits(student, rows, dtype), _logits(teacher, rows, dtype).detach()
     V = min(s_logits.shape[-1], t_logits.shape[-1])
-    s_logp = (s_logits[:, :V] / temperature).log_softmax(-1)
     t_logp = (t_logits[:, :V] / temperature).log_softmax(-1)
+    beta = _whole_vocabulary_beta(fn, options) if not top_k else None
+    if beta is not None:  # the builtin KLs and JSD over the whole vocabulary: fused, one (R, V) tensor kept
+        values = _WholeVocabulary.apply(s_logits[:, :V], t_logp, beta, temperature)
+        if bool(values.isfinite().all()):  # an infinite log-prob (a -inf logit) goes the general way below
+            return values
+    s_logp = (s_logits[:, :V] / temperature).log_softmax(-1)
     if top_k:
         index, valid = _support(s_logp.detach(), t_logp, support, min(top_k, V), sampled)
         s_logp = restrict_to_support(s_logp, index, valid, add_tail)
         t_logp = restrict_to_support(t_logp, index, valid, add_tail)
     return fn(s_logp, t_logp, **options)
+
+
+def _whole_vocabulary_beta(fn, options) -> float | None:
+    """The JSD's beta that `fn` is (0 forward KL, 1 reverse KL), or None for another divergence."""
+    for name, beta in (("forward_kl", 0.0), ("reverse_kl", 1.0), ("generalized_jsd", options.get("beta"))):
+        if fn is DIVERGENCES[name].fn:
+            return beta
+    return None
 
 
 def _part(rows, part: slice):

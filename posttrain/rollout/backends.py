@@ -8,6 +8,7 @@ turns fed tokens into logits. The loop calls it in this order (docs/sampler.md):
     with backend:                                   set-up and tear-down (eval mode, patched layers)
         backend.prefill(prompt_ids, mask, positions)    1. once per prompt, whatever the group size
         backend.expand(group, capacity)                 2. each prompt's state becomes `group` rows
+          or backend.expand_rows(source, capacity)         (row n continues prefilled prompt source[n])
         backend.step(tokens, t, attention, positions)   3. one token per decoded row -> next logits
         backend.select(keep)                            6. rows that finished leave the batch
 
@@ -44,6 +45,9 @@ class SamplerBackend(abc.ABC):
     lockstep: bool = False  # every process must call `step` as often as the others (sharded weights)
     input_vocab_size: int | None = None  # ids `step` can take (padding is written with one); None: any
     linear_outputs: LinearRecord | None = None  # what the backend recorded for `accel/replay.py`; read after the loop
+    # `expand_rows` takes any row -> prompt map: `generate` then prefills each distinct prompt once, wherever its
+    # repeats sit in the batch (else it prefills every prompt and expands prompt-major groups)
+    gathers_rows: bool = False
 
     def __enter__(self) -> SamplerBackend:
         return self
@@ -62,6 +66,11 @@ class SamplerBackend(abc.ABC):
     def expand(self, group: int, capacity: int) -> None:
         """Phase 2. Repeat each prompt's state `group` times (prompt-major), with room for `capacity`
         positions per row (the prompt width P plus the most new tokens)."""
+
+    def expand_rows(self, source: Tensor, capacity: int) -> None:
+        """Phase 2 for a backend with `gathers_rows`: row n of the decoding batch continues prefilled prompt
+        source[n] (N,) (its state copied), with room for `capacity` positions per row."""
+        raise NotImplementedError(f"{type(self).__name__} expands prompt-major groups only (gathers_rows=False)")
 
     @abc.abstractmethod
     def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
@@ -87,6 +96,8 @@ class SamplerBackend(abc.ABC):
 class ModelForward(SamplerBackend):
     """The model's own forward (`logits_to_keep=1`) over a transformers KV cache: any causal LM, any device,
     sharded weights included (each step is one forward, so lock-step processes stay in step)."""
+
+    gathers_rows = True
 
     def __init__(self, model):
         self.net = unwrap(model)
@@ -114,6 +125,9 @@ class ModelForward(SamplerBackend):
 
     def expand(self, group: int, capacity: int) -> None:
         self.cache = make_room(expand_cache(self.cache, group), capacity)
+
+    def expand_rows(self, source: Tensor, capacity: int) -> None:
+        self.cache = make_room(select_cache(self.cache, source.to(self.device)), capacity)
 
     def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor,
              embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -281,7 +295,8 @@ def make_room(cache, capacity: int):
 
 
 def select_cache(cache, index: Tensor):
-    """Keep only the batch rows `index` of the KV cache (rows that finished are dropped)."""
+    """Keep only the batch rows `index` of the KV cache (rows that finished are dropped), or repeat them (an index
+    may occur more than once: `ModelForward.expand_rows`)."""
     if hasattr(cache, "batch_select_indices"):
         cache.batch_select_indices(index)
         return cache
@@ -303,6 +318,7 @@ class GeometricMixture(SamplerBackend):
         self.ref_context = ref_context or contextlib.nullcontext
         self.device, self.input_vocab_size = policy.device, policy.input_vocab_size
         self.lockstep = policy.lockstep or ref.lockstep
+        self.gathers_rows = policy.gathers_rows and ref.gathers_rows
 
     def __enter__(self) -> GeometricMixture:
         self.policy.__enter__()
@@ -326,6 +342,10 @@ class GeometricMixture(SamplerBackend):
     def expand(self, group: int, capacity: int) -> None:
         self.policy.expand(group, capacity)
         self.ref.expand(group, capacity)
+
+    def expand_rows(self, source: Tensor, capacity: int) -> None:
+        self.policy.expand_rows(source, capacity)
+        self.ref.expand_rows(source, capacity)
 
     def step(self, tokens: Tensor, t: int, attention: Tensor, positions: Tensor) -> Tensor:
         return self._mix(self.policy.step(tokens, t, attention, positions),

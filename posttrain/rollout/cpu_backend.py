@@ -52,13 +52,21 @@ class CPUDecoder(ModelForward):
 
     def expand(self, group: int, capacity: int) -> None:
         super().expand(group, capacity)
+        self._bind(self._lengths.repeat_interleave(group)[:, None], capacity)
+
+    def expand_rows(self, source: Tensor, capacity: int) -> None:
+        super().expand_rows(source, capacity)
+        self._bind(self._lengths[source.to(self._lengths.device)][:, None], capacity)
+
+    def _bind(self, first: Tensor, capacity: int) -> None:
+        """After phase 2: the lean step bound to the expanded cache, the rows' first new positions first (N, 1); or,
+        where it cannot run, the model's forward with the few-rows kernels."""
         layers = getattr(self.cache, "layers", None)
         # the lean step is float32 throughout: a cache the prefill filled in bfloat16 (bf16=True's autocast)
         # steps on through the model's own forward, autocast as the prefill was
         if self.lean is not None and isinstance(layers, list) and all(
                 type(layer) is roomy_layer_class() and layer.key_buffer.dtype == torch.float32
                 and layer.value_buffer.dtype == torch.float32 for layer in layers):
-            first = self._lengths.repeat_interleave(group)[:, None]  # (N, 1) position of each row's first new token
             self.lean.set_positions(first + torch.arange(capacity - self._width, device=self.device))
             self.lean.bind(self.cache)
             self._rows = torch.arange(len(first), device=self.device)  # rollout row of each decoded row (record)
@@ -87,15 +95,15 @@ class CPUDecoder(ModelForward):
             self.lean.select(keep, self.cache)
 
 
-def cpu_backend(net, record: tuple[int, int, int, int] | None = None) -> CPUDecoder:
+def cpu_backend(net, record: tuple[int, int, Tensor, int] | None = None) -> CPUDecoder:
     """`CPUDecoder` for the (unwrapped) model `net`, with the lean step where `lean_decoder` allows it and the
     processes need not decode in lock-step (the lean step calls no forward, so it cannot keep pace with
     processes whose forwards gather weights); record as `generate.default_backend` takes it."""
     lean = None if decodes_in_lockstep(net) else lean_decoder(net)
     if lean is None or record is None:
         return CPUDecoder(net, lean)
-    B, P, G, T = record
-    return CPUDecoder(net, lean, LinearRecord(lean.linears, B, P, B * G, T, G))
+    B, P, source, T = record
+    return CPUDecoder(net, lean, LinearRecord(lean.linears, B, P, len(source), T, source=source))
 
 
 def sort_descending(logits: Tensor) -> tuple[Tensor, Tensor, bool]:

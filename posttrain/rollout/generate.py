@@ -2,9 +2,11 @@
 
 `generate` is one loop over a backend (`backends.SamplerBackend`; docs/sampler.md), in numbered phases:
 
-1. prefill: each prompt once (B rows), whatever the number of samples per prompt;
-2. expand: the KV cache is repeated for the `num_generations` samples of each prompt, so a group of G
-   samples costs one prompt forward, not G, and gets room for the whole completion;
+1. prefill: each distinct prompt once, whatever the number of samples per prompt and wherever a prompt's
+   repeats sit in the batch (rows that alternate prompts included);
+2. expand: the KV cache is copied to every row that continues a prompt (the `num_generations` samples of each
+   prompt, and its repeats), so a group of G samples costs one prompt forward, not G, and gets room for the
+   whole completion;
 3. step: the decoded rows' last tokens in, their next-token logits out;
 4. sample: one token per row (filtered, penalised), with its log-prob under the unfiltered distribution;
 5. stop: EOS, a stop token or a stop string ends a row, or only its turn when `continue_turn` feeds it more;
@@ -178,12 +180,12 @@ def _stop_string_hits(tokenizer, rows: list[list[int]], stop_strings: tuple[str,
     return [any(s in text for s in stop_strings) for text in texts]
 
 
-def default_backend(model, record: tuple[int, int, int, int] | None = None) -> SamplerBackend:
+def default_backend(model, record: tuple[int, int, Tensor, int] | None = None) -> SamplerBackend:
     """The built-in backend for `model`: on CPU `cpu_backend.CPUDecoder` (`cpu_backend.cpu_backend`);
     elsewhere `backends.ModelForward`.
 
-    record: (prompts, prompt width, num_generations, max_new_tokens) of a call whose linear outputs the lean
-    step should record (`accel.replay.LinearRecord`), or None."""
+    record: (prefilled prompts, prompt width, (N,) the prefilled prompt of each rollout row, max_new_tokens) of a
+    call whose linear outputs the lean step should record (`accel.replay.LinearRecord`), or None."""
     net = unwrap(model)
     if model_device(net).type != "cpu":
         return ModelForward(net)
@@ -233,8 +235,10 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     G, max_new, B = sampling.num_generations, sampling.max_new_tokens, len(prompt_ids)
     P, N = max(len(p) for p in prompt_ids), B * G
+    gathers = model.gathers_rows if isinstance(model, SamplerBackend) else True  # default_backend's do
+    lead, source = _distinct_prompts(prompt_ids, vision, G, gathers)
     backend = model if isinstance(model, SamplerBackend) else default_backend(
-        model, (B, P, G, max_new) if record_linears else None)
+        model, (len(lead), P, source, max_new) if record_linears else None)
     device = backend.device
     pad_token_id = _embeddable_pad(backend.input_vocab_size, pad_token_id, eos)
     prompts, prompt_mask, attention, next_position = _prompt_batch(prompt_ids, pad_token_id, G, max_new, device)
@@ -247,12 +251,9 @@ def generate(model, prompt_ids: list[list[int]], sampling: SamplingConfig, *, pa
     history: list[list[int]] = [[] for _ in range(N)]  # only filled for stop strings and continue_turn
     feeds = _Feeds(N, backend, max_new)  # ids (and tool images' features) still to feed (continue_turn)
     with backend:
-        # 1. prefill: each prompt once -> (B, V) logits after its last token
-        logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0),
-                                 **({} if vision is None else {"vision": prompt_inputs(vision)}))
-        # 2. expand: each prompt's state becomes its G rows', with room for the whole completion
-        backend.expand(G, P + max_new)
-        logits = logits.repeat_interleave(G, dim=0)  # (A, V)
+        # 1. prefill: each distinct prompt once; 2. expand: each row gets its prompt's state, with room for the
+        # whole completion -> (A, V) logits after each row's prompt
+        logits = _prefill_and_expand(backend, prompts, prompt_mask, vision, lead, source, P + max_new)
         seen = None if sampling.repetition_penalty == 1.0 else _prompt_tokens_seen(
             prompts.repeat_interleave(G, dim=0), attention[:, :P], logits.shape[-1])
         for t in range(max_new):
@@ -361,6 +362,55 @@ class _Feeds:
             return {}
         which = torch.isin(rows, torch.tensor(list(last), device=rows.device))
         return {"embeds": (which, torch.stack([last[r] for r in rows[which].tolist()]))}
+
+
+def _distinct_prompts(prompt_ids: list[list[int]], vision: list[dict[str, Tensor]] | None, G: int,
+                      gathers: bool) -> tuple[list[int], Tensor]:
+    """(lead, source): the first prompt index of each distinct prompt (U,), and (B * G,) the distinct prompt each
+    rollout row continues. Prompts are the same when their ids and images are. A backend without `gathers_rows`
+    prefills every prompt: lead is 0..B-1 and source each prompt's G rows."""
+    B = len(prompt_ids)
+    first: dict[tuple[int, ...], list[int]] = {}  # ids -> the distinct prompts (lead indices) with these ids
+    lead, of = [], []
+    for b, ids in enumerate(prompt_ids):
+        same = next((u for u in first.get(tuple(ids), ()) if _same_images(vision, lead[u], b)), None) if gathers \
+            else None
+        if same is None:
+            same = len(lead)
+            lead.append(b)
+            first.setdefault(tuple(ids), []).append(same)
+        of.append(same)
+    if len(lead) == B:
+        return lead, torch.arange(B).repeat_interleave(G)
+    return lead, torch.tensor(of).repeat_interleave(G)
+
+
+def _same_images(vision: list[dict[str, Tensor]] | None, a: int, b: int) -> bool:
+    """Whether prompts a and b have the same images (processor outputs), or neither has any (`vision` None)."""
+    if vision is None:
+        return True
+    x, y = vision[a], vision[b]
+    return x.keys() == y.keys() and all(
+        x[k].shape == y[k].shape and x[k].dtype == y[k].dtype and bool(torch.equal(x[k], y[k]))
+        if isinstance(x[k], Tensor) else x[k] == y[k] for k in x)
+
+
+def _prefill_and_expand(backend: SamplerBackend, prompts: Tensor, prompt_mask: Tensor, vision, lead: list[int],
+                        source: Tensor, capacity: int) -> Tensor:
+    """Phases 1 and 2 of `generate`: the backend's prefill of the distinct prompts `lead` (U,) of the (B, P) batch,
+    then each of the N rows given its prompt's state (`source` (N,)) -> (N, V) logits after each row's prompt."""
+    B, N = len(prompts), len(source)
+    if len(lead) < B:
+        index = torch.tensor(lead, device=prompts.device)
+        prompts, prompt_mask = prompts[index], prompt_mask[index]
+        vision = None if vision is None else [vision[i] for i in lead]
+    logits = backend.prefill(prompts, prompt_mask, (prompt_mask.cumsum(-1) - 1).clamp_(min=0),
+                             **({} if vision is None else {"vision": prompt_inputs(vision)}))
+    if len(lead) == B:  # every prompt distinct: prompt-major groups of G
+        backend.expand(N // B, capacity)
+        return logits.repeat_interleave(N // B, dim=0)
+    backend.expand_rows(source.to(backend.device), capacity)
+    return logits[source.to(logits.device)]
 
 
 def _prompt_batch(prompt_ids: list[list[int]], pad_token_id: int, G: int, max_new: int, device: torch.device):

@@ -539,6 +539,7 @@ class BaseTrainer(Trainer):
         resume_from_checkpoint=True picks and fails on. There is no public hook for where a checkpoint
         goes: the run folder (`_get_output_dir`) is redirected while transformers saves.
         """
+        self.finite_guard.check_weights(self.args)  # whatever asked for this save: never NaN weights
         run_dir = super()._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging = os.path.join(run_dir, STAGING_PREFIX + name)

@@ -5,7 +5,7 @@ writes explained.
 * `check_training_numbers`, `check_finite_fields`: `BaseConfig.__post_init__` refuses a NaN, infinite
   or out-of-range number in any field (transformers' included), naming it.
 * `FiniteGuard`: a callback that stops a run before a NaN/inf gradient reaches the optimizer step, or
-  after an update that made a weight NaN/inf, so such weights are never saved.
+  after an update that made a weight NaN/inf, so such weights are never saved or evaluated.
 * `output_dir_lock` (trainers/dir_lock.py): an flock on the output folder itself for the run's lifetime; the
   kernel drops the lock of a dead process, so it is never stale.
 * `write_manifest` / `check_checkpoint`: each checkpoint's last file lists every file's size and sha256
@@ -303,11 +303,19 @@ def _all_finite(norms: list) -> bool:
 class FiniteGuard(TrainerCallback):
     """Stop a run whose gradients (before the optimizer step) or weights (after it) are NaN or infinite,
     with an error naming the parameter, the step and the newest checkpoint: transformers would log
-    `grad_norm: nan`, go on and save a model whose every weight is NaN."""
+    `grad_norm: nan`, go on and save a model whose every weight is NaN.
+
+    The gradients are checked every step, by the clipping's total norm where the trainer computed it (no pass of
+    the guard's own while it is finite). The weights are checked when something will read them as a result: before
+    a checkpoint, an evaluation or the end of training (the step's `control`), and before naming a non-finite
+    gradient (weights that an update made NaN give NaN gradients at the next step: the error then names the
+    weight and the step that made it). So each step costs no pass over the weights of its own, and a NaN or
+    infinite weight is still never saved or evaluated."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self.grad_norm = None  # the step's total gradient 2-norm where the trainer's clipping computed it
+        self.updated_at = None  # the step of the newest optimizer step whose weights are not checked yet
 
     def _trained(self):
         return [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
@@ -324,6 +332,7 @@ class FiniteGuard(TrainerCallback):
         if norm is not None and bool(torch.isfinite(norm)):
             return  # the clipping's total 2-norm of these gradients is finite: so is each of them (no second pass)
         if name := first_non_finite((n, p.grad) for n, p in self._trained()):
+            self.check_weights(args)  # the last update's weights first: NaN weights give NaN gradients
             raise NonFiniteError(
                 f"step {state.global_step + 1}: the gradient of {name} is NaN or infinite (the loss or a reward "
                 "was?): stopped before the optimizer step, so the weights stay finite and nothing of this step is "
@@ -331,8 +340,25 @@ class FiniteGuard(TrainerCallback):
                 "or train in float32")
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        if name := first_non_finite(self._trained()):
+        self.updated_at = state.global_step + 1  # checked when read (below), not by a pass at every step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save or control.should_evaluate or control.should_training_stop:
+            self.check_weights(args)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_save or control.should_evaluate or control.should_training_stop:
+            self.check_weights(args)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.check_weights(args)
+
+    def check_weights(self, args) -> None:
+        """Raise NonFiniteError naming the first NaN or infinite trained weight, when an optimizer step changed
+        them since they were last checked."""
+        step, self.updated_at = self.updated_at, None
+        if step is not None and (name := first_non_finite(self._trained())):
             raise NonFiniteError(
-                f"step {state.global_step + 1}: after the optimizer step, {name} holds NaN or infinite values (the "
+                f"step {step}: after the optimizer step, {name} holds NaN or infinite values (the "
                 "update overflowed: learning rate or optimizer settings too large?): stopped, and the weights are "
                 f"not saved. {self._newest(args)} Lower learning_rate or check the optimizer's settings")

@@ -160,3 +160,37 @@ def test_only_blocks_before_the_last_are_recomputed_in_backward(rows, recomputed
     assert backward.count == 2 * blocks + 2 * recomputed
     plain = token_divergence(h.detach() @ w.detach().t(), th @ tw.t(), mask, beta=0.5)
     torch.testing.assert_close(values.detach(), plain, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_whole_vocabulary_fused_path_equals_the_general_one_and_takes_infinite_logits(beta, monkeypatch):
+    """Over the whole vocabulary the KLs and the JSD run fused (`_WholeVocabulary`: the logits' gradient made in the
+    forward); values and gradients equal the general path's (the registered function on two log-softmaxes), float32
+    here, and a row with -inf logits (a token the model rules out) goes the general way and gets its finite value."""
+    from posttrain.core import divergences
+
+    g = torch.Generator().manual_seed(5)
+    student = (3 * torch.randn(2, 6, 50, generator=g)).requires_grad_()
+    teacher = 3 * torch.randn(2, 6, 50, generator=g)
+    mask = torch.ones(2, 6)
+    mask[1, 4:] = 0
+    w = torch.randn(2, 6, generator=g)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(divergences, "_whole_vocabulary_beta", lambda fn, options: None)
+        got = token_divergence(student, teacher, mask, beta=beta, temperature=0.8, chunk_rows=5)
+        results.append((got.detach(), torch.autograd.grad((got * w).sum(), student)[0]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    ruled_out = student.detach().clone()
+    ruled_out[0, 1, :10] = -math.inf  # no mass there: the KL terms of those tokens are 0, not nan
+    other = teacher if beta > 0 else ruled_out + 0.5  # forward KL: the teacher rules them out too (else infinite)
+    got = token_divergence(ruled_out, other, mask, beta=beta)
+    assert bool(got.isfinite().all())
+    s, t = ruled_out[0, 1].double().log_softmax(-1), other[0, 1].double().log_softmax(-1)
+    kl = lambda p, q: torch.where(p > -math.inf, p.exp() * (p - q), 0.0).sum()  # noqa: E731  (0 log 0 = 0)
+    m = (beta * t.exp() + (1 - beta) * s.exp()).log()
+    want = kl(t, s) if beta == 0 else kl(s, t) if beta == 1 else beta * kl(t, m) + (1 - beta) * kl(s, m)
+    torch.testing.assert_close(got[0, 1].double(), want, rtol=1e-5, atol=1e-6)

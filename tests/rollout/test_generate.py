@@ -223,6 +223,35 @@ def test_num_generations_layout_and_shared_prefill(model, tok, prompt_ids):
     assert torch.allclose(r.logprobs, ref.logprobs, atol=1e-5)
 
 
+def test_repeated_prompts_anywhere_in_the_batch_are_prefilled_once(model, tok, prompt_ids):
+    """Prompts that repeat wherever they sit (alternating here, as a data set of few prompts gives) are prefilled
+    once each and their cache copied to every row: the rollout equals the one that prefills every prompt (a backend
+    without `gathers_rows`) up to the prefill's float rounding, and its log-probs equal a full forward's."""
+    from posttrain.rollout.backends import ModelForward
+
+    class Spy(ModelForward):
+        def __init__(self, model, gathers):
+            super().__init__(model)
+            self.gathers_rows, self.prefilled = gathers, []
+
+        def prefill(self, prompt_ids, *args, **kw):
+            self.prefilled.append(prompt_ids.shape[0])
+            return super().prefill(prompt_ids, *args, **kw)
+
+    alternating = [prompt_ids[0], prompt_ids[1], prompt_ids[0], prompt_ids[3], prompt_ids[1], prompt_ids[0]]
+    kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    sampling = SamplingConfig(max_new_tokens=8, num_generations=2, temperature=1.2)
+    once, every = Spy(model, True), Spy(model, False)
+    r = generate(once, alternating, sampling, generator=torch.Generator().manual_seed(3), **kw)
+    ref = generate(every, alternating, sampling, generator=torch.Generator().manual_seed(3), **kw)
+    assert once.prefilled == [3] and every.prefilled == [6]
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"):
+        assert torch.equal(getattr(r, name), getattr(ref, name)), name
+    torch.testing.assert_close(r.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
+    real = r.completion_mask.bool()
+    torch.testing.assert_close(r.logprobs[real], full_forward_logprobs(model, r, 1.2)[real], rtol=1e-4, atol=1e-5)
+
+
 def test_seeded_sampling_is_reproducible(model, tok, prompt_ids):
     kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     s = SamplingConfig(max_new_tokens=8, num_generations=2, min_p=0.05)

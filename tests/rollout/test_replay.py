@@ -262,3 +262,23 @@ def test_the_cpu_backend_keeps_the_record_until_its_last_rows_are_read(tok):
     keep_record(model, record)
     keep_record(model, None)  # a new generation batch (or a restored one) lets the kept record go
     assert not holds_record(model)
+
+
+@pytest.mark.parametrize("name", ["posttrain/tiny-llama", "posttrain/tiny-qwen2"])
+def test_record_of_prompts_repeated_anywhere_replays_the_same_logprobs(name, tok):
+    """Alternating prompts (each prefilled once, its cache copied to its rows): the record holds each distinct
+    prompt once with each row's prompt (`source`), and the replayed forward gives the ordinary one's log-probs."""
+    model = varied(name)
+    a, b = (tok(p)["input_ids"] for p in PROMPTS[:2])
+    sampling = SamplingConfig(max_new_tokens=8, num_generations=1, temperature=1.5)
+    out = generate(model, [a, b, a, b, a], sampling, pad_token_id=tok.pad_token_id, eos_token_id=None,
+                   generator=torch.Generator().manual_seed(2), record_linears=True)
+    record = out.linear_outputs
+    assert record.shape[:3] == (2, out.prompt_ids.shape[1], 5) and record.source.tolist() == [0, 1, 0, 1, 0]
+    assert record.group is None
+    batch = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+    plain, _ = completion_logprobs(model, *batch, temperature=1.5)
+    replayed, _ = completion_logprobs(model, *batch, temperature=1.5, replay=(record, torch.arange(5)))
+    mask = out.completion_mask.bool()
+    torch.testing.assert_close(replayed[mask], plain[mask], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logprobs[mask], plain[mask], rtol=1e-4, atol=1e-4)  # the sampler's own

@@ -86,3 +86,23 @@ def test_guard_takes_the_steps_finite_gradient_norm_instead_of_its_own_pass(tmp_
         guard.grad_norm = norm
         with pytest.raises(NonFiniteError, match="gradient of bias"):
             guard.on_pre_optimizer_step(args, state, None)
+
+
+def test_weights_are_checked_before_they_are_saved_evaluated_or_returned_not_every_step(tmp_path, monkeypatch):
+    """The guard's weight check runs where the weights are read as a result (a checkpoint, the end of training),
+    not after every optimizer step: a 4-step run saving at step 2 checks them twice and passes over the gradients
+    never (the clipping's finite norm stands in)."""
+    from datasets import Dataset
+
+    from posttrain.trainers import guards
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    checked = []
+    monkeypatch.setattr(guards, "first_non_finite",
+                        lambda named, real=guards.first_non_finite: checked.append(trainer.state.global_step)
+                        or real(named))
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, report_to="none",
+                     disable_tqdm=True, max_grad_norm=1.0, save_strategy="steps", save_steps=2, save_only_model=True)
+    trainer = SFTTrainer("posttrain/tiny-qwen2", args=args, train_dataset=Dataset.from_list([{"text": "ab cd"}] * 8))
+    trainer.train()
+    assert checked == [2, 4]  # the step-2 checkpoint, the end (its save finds them checked already)
