@@ -5,7 +5,6 @@ import ast
 import copy
 import importlib
 import inspect
-import io
 import pkgutil
 import textwrap
 
@@ -14,6 +13,7 @@ import torch
 from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
+from tests.helpers.copies import copied_and_reloaded
 from posttrain.accel.lean import RMS_NORMS, SWIGLU_MLPS, RMSNormFunction, SwiGLUFunction, is_lean, make_lean, undo_lean
 from posttrain.models import compat
 from posttrain.models.loading import load_causal_lm
@@ -177,12 +177,7 @@ def test_deepcopy_pickle_and_undo():
     lean = lean_copy(llama())
     ids = tokens(lean)
     expected = grads(lean, ids)
-    clone = copy.deepcopy(lean)
-    buffer = io.BytesIO()
-    torch.save(lean, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    for other in (clone, loaded):
+    for other in copied_and_reloaded(lean):
         assert sum(map(is_lean, other.modules())) == 10
         assert isinstance(other.model.norm, LlamaRMSNorm) and isinstance(other.model.layers[0].mlp, LlamaMLP)
         got = grads(other, ids)

@@ -3,11 +3,11 @@ dense gradient: the plain model's gradients (torch.equal), padding rows left out
 output layer takes no part in the loss, an untied or odd embedding left alone, deepcopy, pickle and undo."""
 
 import copy
-import io
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.helpers.copies import copied_and_reloaded
 from posttrain.accel.lean import TiedEmbeddingFunction, is_lean, make_lean, make_lean_embedding, undo_lean
 
 SHAPE = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
@@ -83,12 +83,7 @@ def test_deepcopy_pickle_and_undo():
     make_lean_embedding(model)
     ids = ids_with_repeats()
     want = grads(model, ids)
-    twin = copy.deepcopy(model)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    for other in (twin, loaded):
+    for other in copied_and_reloaded(model):
         assert is_lean(other.model.embed_tokens)
         got = grads(other, ids)
         assert all(not got[n].is_sparse and torch.equal(want[n], got[n]) for n in want)
