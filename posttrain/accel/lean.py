@@ -24,16 +24,6 @@ becomes a subclass whose forward uses the functions (`undo_lean` restores the cl
 calling its gate_proj, up_proj and down_proj modules, so LoRA layers, forward hooks (DeepSpeed
 ZeRO-3, FSDP2) and posttrain's replayed linear layers still work; its act_fn module is no longer
 called. Patched models deepcopy and pickle as usual.
-
-`make_lean_embedding(model)` does the same for an input embedding tied to the output layer (SmolLM2,
-Qwen2 and the language models of VLMs built on them): autograd's embedding backward builds a dense
-(V, H) zero gradient and adds the few rows the batch used, and autograd then adds that whole matrix
-to the output layer's (V, H) gradient. The lean embedding's backward sums each used row's gradients
-in the order autograd does (`index_add_` in token order) and hands them over as a sparse tensor of
-those rows, which autograd adds into the output layer's dense gradient in place: the same values
-(torch.equal; a -0.0 the dense sum turned into 0.0 may stay -0.0), without the (V, H) zeros and
-the (V, H) add (a 113 MB matrix of each for SmolLM2's 49k x 576). A weight whose gradient ends up sparse
-anyway (the output layer not in the loss) is made dense again as it is stored.
 """
 
 from __future__ import annotations
@@ -110,53 +100,6 @@ class SwiGLUFunction(torch.autograd.Function):
         return grad_gate, grad_up
 
 
-class TiedEmbeddingFunction(torch.autograd.Function):
-    """F.embedding(ids, weight) whose weight gradient is sparse: the used rows' gradients, summed in token order.
-
-    Called as apply(weight, ids, padding_idx); the rows of padding_idx get no gradient, as F.embedding's."""
-
-    @staticmethod
-    def forward(ctx, weight: Tensor, ids: Tensor, padding_idx: int | None) -> Tensor:
-        ctx.save_for_backward(ids)
-        ctx.shape, ctx.padding_idx = weight.shape, padding_idx
-        return torch.nn.functional.embedding(ids, weight, padding_idx)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        (ids,) = ctx.saved_tensors
-        ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
-        if ctx.padding_idx is not None:
-            keep = ids != ctx.padding_idx
-            ids, rows = ids[keep], rows[keep]
-        used, slot = torch.unique(ids, return_inverse=True)  # sorted: a coalesced sparse tensor
-        sums = torch.zeros(len(used), rows.shape[-1], dtype=rows.dtype, device=rows.device)
-        sums.index_add_(0, slot, rows)  # in token order, the order of autograd's dense embedding backward
-        sparse = torch.sparse_coo_tensor(used[None], sums, ctx.shape, is_coalesced=True, check_invariants=False)
-        return sparse, None, None
-
-
-def _densify(weight: Tensor) -> None:
-    """Post-accumulate-grad hook of a lean embedding's weight: a gradient that stayed sparse (the output layer
-    took no part in the loss) is made dense, as optimizers and clipping expect."""
-    if weight.grad is not None and weight.grad.is_sparse:
-        weight.grad = weight.grad.to_dense()
-
-
-class LeanEmbedding:
-    """Mixed in before nn.Embedding for a weight tied to the output layer (see `make_lean_embedding`)."""
-
-    def forward(self, ids: Tensor) -> Tensor:
-        w = self.weight
-        plain = type(w) is torch.nn.Parameter and w.device.type == "cpu" and not hasattr(w, "ds_id")
-        if not (plain and _recording(w)):
-            return super().forward(ids)  # a DTensor shard, a ZeRO-3 or GPU weight, no gradient wanted: as it was
-        if _densify not in (getattr(w, "_post_accumulate_grad_hooks", None) or {}).values():
-            w.register_post_accumulate_grad_hook(_densify)  # per weight: copies and unpickled models get their own
-        return TiedEmbeddingFunction.apply(w, ids, self.padding_idx)
-
-
 def _recording(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -195,7 +138,7 @@ def _reduce_lean(module, protocol):
     reduced = super(lean, module).__reduce_ex__(protocol)
     if type(module) is not lean:  # subclassed again since (FSDP2): that class's own reduction
         return reduced
-    mixin = next(m for m in (LeanRMSNorm, LeanSwiGLU, LeanEmbedding) if isinstance(module, m))
+    mixin = LeanRMSNorm if isinstance(module, LeanRMSNorm) else LeanSwiGLU
     return (_new_lean, (module._plain_class, mixin), *reduced[2:])
 
 
@@ -219,7 +162,7 @@ def _mixin_for(module: torch.nn.Module) -> type | None:
 
 
 def is_lean(module: torch.nn.Module) -> bool:
-    return isinstance(module, (LeanRMSNorm, LeanSwiGLU, LeanEmbedding))
+    return isinstance(module, (LeanRMSNorm, LeanSwiGLU))
 
 
 def make_lean(model: torch.nn.Module) -> int:
@@ -236,24 +179,6 @@ def make_lean(model: torch.nn.Module) -> int:
             module.__class__ = _lean_class(type(module), mixin)
             patched += 1
     return patched
-
-
-def make_lean_embedding(model: torch.nn.Module) -> int:
-    """Patch `model`'s input embedding in place when the output layer shares its weight (1, else 0): its weight
-    gradient then comes as the used rows only, added into the output layer's gradient (the module docstring).
-
-    Only a plain nn.Embedding (no max_norm, scale_grad_by_freq or sparse) whose weight is the output
-    layer's is patched; `undo_lean` restores it."""
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    embedding = get_in() if callable(get_in) else None
-    head = get_out() if callable(get_out) else None
-    if type(embedding) is not torch.nn.Embedding or "forward" in vars(embedding) or head is None:
-        return 0
-    if getattr(head, "weight", None) is not embedding.weight or embedding.max_norm is not None or \
-            embedding.scale_grad_by_freq or embedding.sparse:
-        return 0
-    embedding.__class__ = _lean_class(torch.nn.Embedding, LeanEmbedding)
-    return 1
 
 
 def undo_lean(model: torch.nn.Module) -> int:

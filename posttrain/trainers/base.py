@@ -101,9 +101,6 @@ class BaseConfig(TrainingArguments):
                           "about a quarter less activation memory, with the same values and gradients bit for bit. "
                           "The model object is patched in place (posttrain.accel.lean.make_lean); "
                           "other architectures are left as they are, and so is everything under torch_compile. "
-                          "SFT also gives an input embedding tied to the output layer a backward that adds the used "
-                          "rows into the output layer's gradient (make_lean_embedding: the same gradients, no "
-                          "vocabulary-sized zeros and add per step). "
                           "False: the plain transformers modules (an earlier trainer's patch is undone)."})
 
     def __post_init__(self):

@@ -61,7 +61,7 @@ import torch
 from datasets import IterableDataset
 from transformers import TrainingArguments
 
-from posttrain.accel import document_attention, lean
+from posttrain.accel import document_attention
 from posttrain.core.log_softmax import selective_log_softmax_stats
 from posttrain.core.sft_losses import SFT_LOSSES as LOSSES  # loss_type -> per-token loss
 from posttrain.data import formats, multimodal
@@ -339,8 +339,6 @@ class SFTTrainer(BaseTrainer):
         takes_keep = "logits_to_keep" in inspect.signature(base.forward).parameters and not self._prompt_learning
         self._logits_to_keep_mask = takes_keep and compat.logits_to_keep_takes_mask()
         self._fuse_head = takes_keep  # fuse the output layer into the loss where it is plain
-        if args.lean_activations and not args.torch_compile:  # a tied input embedding's gradient: its rows only
-            lean.make_lean_embedding(base)
 
     # ------------------------------------------------------------------ data
     def prepare_eval_dataset(self, dataset, name: str = "eval"):

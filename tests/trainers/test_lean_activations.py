@@ -27,8 +27,7 @@ def sft(tmp_path, model, **kw):
 def test_sft_trains_the_lean_model_by_default_and_the_plain_one_when_asked(tmp_path):
     model = load_causal_lm(MODEL)
     trainer = sft(tmp_path, model)
-    # and SFT's tied input embedding (make_lean_embedding)
-    assert trainer.model is model and lean_count(model) == 3 * LAYERS + 1 + 1
+    assert trainer.model is model and lean_count(model) == 3 * LAYERS + 1
     trainer.train()
     assert lean_count(sft(tmp_path, model, lean_activations=False).model) == 0  # the same object, plain again
     assert lean_count(sft(tmp_path, model, torch_compile=True).model) == 0
