@@ -369,7 +369,6 @@ def _distinct_prompts(prompt_ids: list[list[int]], vision: list[dict[str, Tensor
     """(lead, source): the first prompt index of each distinct prompt (U,), and (B * G,) the distinct prompt each
     rollout row continues. Prompts are the same when their ids and images are. A backend without `gathers_rows`
     prefills every prompt: lead is 0..B-1 and source each prompt's G rows."""
-    B = len(prompt_ids)
     first: dict[tuple[int, ...], list[int]] = {}  # ids -> the distinct prompts (lead indices) with these ids
     lead, of = [], []
     for b, ids in enumerate(prompt_ids):
@@ -380,8 +379,6 @@ def _distinct_prompts(prompt_ids: list[list[int]], vision: list[dict[str, Tensor
             lead.append(b)
             first.setdefault(tuple(ids), []).append(same)
         of.append(same)
-    if len(lead) == B:
-        return lead, torch.arange(B).repeat_interleave(G)
     return lead, torch.tensor(of).repeat_interleave(G)
 
 
