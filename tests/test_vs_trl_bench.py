@@ -67,6 +67,37 @@ def test_same_work_needs_the_same_precision():
     assert not ok and "bf16 autocast" in note
 
 
+def test_defaults_mode_compares_bf16_checkpointed_trl_with_fp32_posttrain_on_the_same_rows():
+    # --defaults: each side its library's own settings; the same rows and a first loss within bf16's precision
+    fp32 = vs_trl.summarise(_run([2.0, 3.0], [4, 4], 3.0, losses=(0.770,)), "pairs")
+    trl = vs_trl.summarise({**_run([2.0, 3.0], [4, 4], 3.0, losses=(0.776,)), "precision": "bf16 autocast",
+                            "gradient_checkpointing": True}, "pairs")
+    other = vs_trl.summarise({**_run([2.0, 3.0], [4, 4], 3.0, losses=(0.95,)), "precision": "bf16 autocast"}, "pairs")
+    assert not vs_trl.same_work("reward", trl, fp32)[0]  # same settings asked: different arithmetic is refused
+    ok, note = vs_trl.same_work("reward", trl, fp32, defaults=True)
+    assert ok and "ran bf16 autocast, checkpointing / torch.float32" in note
+    assert not vs_trl.same_work("reward", other, fp32, defaults=True)[0]  # other rows: a loss far off
+
+
+def test_defaults_mode_leaves_bf16_and_checkpointing_to_each_library(tmp_path, monkeypatch):
+    import sys
+
+    worker = tmp_path / "worker.py"  # a stand-in worker: it writes the config it was given
+    worker.write_text("import json, sys\nspec = json.load(open(sys.argv[1]))\n"
+                      "json.dump(spec['config'], open(spec['out'], 'w'))\n")
+    monkeypatch.setitem(vs_trl.WORKLOADS, "fake", dict(trainer="sft", data="d", unit="tokens", config={"lr": 1},
+                                                       worker=str(worker)))
+
+    def run(**mode):
+        args = type("Args", (), dict(gradient_checkpointing=False, bf16=False, steps=2, threads=1,
+                                     memory_profile=False, time_profile=False, op_times=False,
+                                     trl_python=sys.executable, **mode))()
+        return vs_trl.run_worker("trl", "fake", args, {"causal": "m"}, {"d": "d.json"}, tmp_path)
+
+    assert run() == {"lr": 1, "gradient_checkpointing": False, "bf16": False}
+    assert run(defaults=True) == {"lr": 1}
+
+
 @pytest.mark.parametrize("name", ["posttrain/tiny-qwen2", "posttrain/tiny-llama"])
 def test_weights_in_matrix_products_match_the_models_linear_layers(name):
     model = load_causal_lm(name)
