@@ -195,14 +195,19 @@ def test_demo_distill_stage_runs_every_trainer_and_the_sft_baseline(tmp_path):
 def test_lora_student_with_the_adapter_disabled_student_as_teacher(tmp_path):
     from peft import LoraConfig
 
+    # The adapter starts away from zero (peft's init_lora_weights=False draws B too), so the student differs from
+    # its teacher, the same model without the adapter; a zero adapter would give a zero gradient (KL at p = q)
+    # and a test that passes on rounding noise alone.
     args = DistillationConfig(**{**online_args(tmp_path), "learning_rate": 1e-2, "lmbda": 1.0, "loss_top_k": 0,
-                                 "max_steps": 3})
+                                 "max_steps": 6})
     trainer = DistillationTrainer("posttrain/tiny-qwen2", args=args, train_dataset=reverse(16),
-                                  peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+                                  peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
     assert trainer.teacher_model is None  # no second copy: the teacher is the student without its adapter
     changed_everything(trainer)  # every LoRA weight trained
     divergences = [e["divergence"] for e in trainer.state.log_history if "divergence" in e]
-    assert divergences[0] == pytest.approx(0, abs=1e-6) and divergences[-1] > 0  # B = 0 at first: the same model
+    assert divergences[0] > 1e-3  # the adapter makes another model than the one it is distilled from
+    assert (divergences[-1] + divergences[-2]) / 2 < 0.85 * divergences[0]  # and training pulls it back
 
 
 def test_streamed_dataset(tmp_path):
