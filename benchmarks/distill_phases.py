@@ -89,6 +89,16 @@ def main():
                 lengths.append(logs["completions/mean_length"])
 
     trainer.add_callback(Clock())
+    import gc
+    collecting = {}
+
+    def gc_clock(phase, info):  # the cyclic garbage collector's passes, by generation
+        if phase == "start":
+            collecting["at"] = time.process_time()
+        elif state["step"] > 0:
+            spent[f"gc generation {info['generation']}"] += time.process_time() - collecting["at"]
+
+    gc.callbacks.append(gc_clock)
     profiler = None
     if args.cprofile:
         import cProfile
