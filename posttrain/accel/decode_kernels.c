@@ -490,3 +490,85 @@ int sort_rows_descending(const float *x, int rows, ptrdiff_t n, float *values, i
     }
     return nan_rows;
 }
+
+/*
+ * The top-p (nucleus) filter of each row of x (rows, n) without sorting the whole row: out (rows, n) is x with -inf
+ * in place of the logits outside the kept prefix, the shortest prefix of the row sorted in descending order whose
+ * mass before each token stays below top_p (the first token always kept). p (rows, n) is each row's softmax. The
+ * masses are summed as torch's cumsum sums them (in double, in the sorted order, each prefix rounded to float, then
+ * the token's own p taken off in float), so the cut is the one `probs.cumsum(-1) - probs >= top_p` gives on the
+ * sorted row when p equals the sorted row's softmax; as that softmax sums its normaliser in another order, a row is
+ * cut only where the masses on both sides of the cut lie more than `band` away from top_p.
+ *
+ * As p grows with x, the tokens with p >= tau are a prefix of the sorted row: one pass takes them, for tau = 2^-20,
+ * then 2^-27, then 0, until their mass passes top_p by a margin and the cut lies among them; only they are sorted
+ * (`sort_row_descending`) for the exact sums. undecided[r] is 1 for a row it does not cut (then out holds x): a NaN
+ * or +inf in it, equal values on both sides of the cut (which of them stays depends on the order of ties),
+ * masses within `band` of top_p, or no memory. Returns the number of such rows.
+ */
+static int top_p_row(const float *x, const float *p, ptrdiff_t n, float top_p, float band, float *out, float *cand,
+                     int64_t *where, float *values, int64_t *order, uint32_t *buf) {
+    static const float taus[3] = {0x1p-20f, 0x1p-27f, 0.0f};
+    for (int t = 0; t < 3; t++) {
+        double held = 0.0;
+        ptrdiff_t m = 0, i = 0;
+        const __m256 tau = _mm256_set1_ps(taus[t]);
+        for (; i + 8 <= n; i += 8) {  /* in index order: the sort below is stable */
+            unsigned hits = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), tau, _CMP_GE_OQ));
+            for (; hits; hits &= hits - 1) {
+                ptrdiff_t j = i + __builtin_ctz(hits);
+                cand[m] = x[j], where[m] = j, m++, held += p[j];
+            }
+        }
+        for (; i < n; i++)
+            if (p[i] >= taus[t]) cand[m] = x[i], where[m] = i, m++, held += p[i];
+        if (m == 0) return 1;  /* a NaN or +inf logit: p is NaN */
+        if (held < (double)top_p + 1e-3 && t < 2) continue;  /* take more: a smaller tau */
+        if (sort_row_descending(cand, m, values, order, buf)) return 1;
+        double sum = 0.0;
+        float before_last = -INFINITY;  /* the mass before the last token kept */
+        for (ptrdiff_t k = 0; k < m; k++) {
+            float pk = p[where[order[k]]];
+            sum += pk;
+            float before = (float)sum - pk;
+            if (k > 0 && before >= top_p) {  /* token k is the first one dropped */
+                if (values[k - 1] == values[k]) return 1;  /* a tie across the cut */
+                if (before < top_p + band || before_last >= top_p - band) return 1;  /* too close to call */
+                float threshold = values[k - 1];
+                for (ptrdiff_t j = 0; j < n; j++) out[j] = x[j] < threshold ? -INFINITY : x[j];
+                return 0;
+            }
+            before_last = before;
+        }
+        if (m == n) {  /* nothing dropped */
+            memcpy(out, x, n * sizeof *out);
+            return 0;
+        }
+        /* the cut lies past the candidates (the token after them): a smaller tau */
+    }
+    return 1;
+}
+
+int top_p_filter_rows(const float *x, const float *p, int rows, ptrdiff_t n, float top_p, float band, float *out,
+                      uint8_t *undecided, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : failed)
+    {
+        char *space = malloc((size_t)n * (2 * sizeof(float) + 2 * sizeof(int64_t) + 4 * sizeof(uint32_t)));
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++) {
+            int bad = 1;
+            if (space != NULL) {
+                float *cand = (float *)space, *values = cand + n;
+                int64_t *where = (int64_t *)(values + n), *order = where + n;
+                bad = top_p_row(x + r * n, p + r * n, n, top_p, band, out + r * n, cand, where, values, order,
+                                (uint32_t *)(order + n));
+            }
+            if (bad) memcpy(out + r * n, x + r * n, n * sizeof *out);
+            undecided[r] = (uint8_t)bad;
+            failed += bad;
+        }
+        free(space);
+    }
+    return failed;
+}

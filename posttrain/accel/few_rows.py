@@ -215,6 +215,41 @@ def _sort_kernel():
     return fn
 
 
+@functools.cache
+def _top_p_kernel():
+    lib = kernels()
+    if lib is None:
+        return None
+    fn = lib.top_p_filter_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_float, ctypes.c_float,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def top_p_filter(logits: Tensor, top_p: float, band: float = 1e-5) -> tuple[Tensor, Tensor] | None:
+    """(filtered, undecided): `logits` (..., V) with -inf outside each row's top-p support, the shortest prefix of the
+    row sorted in descending order whose mass before each token stays below `top_p` (the cut of
+    `generate.filter_logits`), found by the kernels without sorting the whole row (`top_p_filter_rows` in
+    decode_kernels.c: a histogram of the values, then a sort of the largest ones only), and (...,) bool the rows it
+    left as they were, for the caller to cut by sorting. The masses are those of `logits.softmax(-1)` summed as
+    `cumsum` sums them over the sorted row; the softmax of the sorted row sums its normaliser in another order, so
+    a row is cut here only where the masses on both sides of its cut lie more than `band` away from top_p (that
+    rounding is a few 1e-6 at most on 49152 logits), and then its cut is the sort's. Undecided too: a row with a NaN
+    or +inf, or equal logits on both sides of its cut. None where the kernel cannot take `logits` (not CPU float32,
+    under autograd, no kernels)."""
+    fn = _top_p_kernel()
+    if (fn is None or type(logits) is not torch.Tensor or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.dim() < 1 or logits.numel() == 0 or logits.requires_grad or logits.shape[-1] >= 2**31):
+        return None
+    flat = logits.reshape(-1, logits.shape[-1]).contiguous()
+    probs = flat.softmax(-1)
+    out, undecided = torch.empty_like(flat), torch.empty(flat.shape[0], dtype=torch.bool)
+    fn(flat.data_ptr(), probs.data_ptr(), flat.shape[0], flat.shape[1], top_p, band, out.data_ptr(),
+       undecided.data_ptr(), torch.get_num_threads())
+    return out.view(logits.shape), undecided.view(logits.shape[:-1])
+
+
 def stable_sort_descending(x: Tensor) -> tuple[Tensor, Tensor] | None:
     """(values, indices) of `x` (..., V) sorted in descending order along its last dimension, equal values in the
     order of their indices (a stable sort), by the kernels' radix sort: about 20 times cheaper than

@@ -67,7 +67,13 @@ class LinearRecord:
         self.widths = [m.out_features for m in modules[0]]
         self.starts = [sum(self.widths[:j]) for j in range(len(self.widths))]  # each kind's first column
         positions = prompts * prompt_length + rows * steps + 1
-        self.layers: list[Tensor | None] = [torch.zeros(positions, sum(self.widths)) for _ in modules]
+        # filled by the sampler, not zeroed first (a pass over the whole record): the zero row now, and the
+        # completion positions never fed (`fed`) at the first read of completions (`_settle`)
+        self.layers: list[Tensor | None] = [torch.empty(positions, sum(self.widths)) for _ in modules]
+        for layer in self.layers:
+            layer[-1] = 0.0
+        self.fed = torch.zeros(rows, steps, dtype=torch.bool)  # (N, T) completion positions keep_step wrote
+        self._settled = False
 
     def _columns(self, layer: int, kind: int) -> Tensor:
         outputs = self.layers[layer]
@@ -81,15 +87,30 @@ class LinearRecord:
 
     def completion(self, layer: int, kind: int) -> Tensor:
         B, P, N, T = self.shape
+        self._settle()
         return self._columns(layer, kind)[B * P:B * P + N * T].view(N, T, -1)
+
+    def _settle(self) -> None:
+        """Zeros at the completion positions the decoding steps never fed (`fed`), once, before the first read of
+        completions (the prefill writes every prompt position)."""
+        if self._settled:
+            return
+        B, P, N, T = self.shape
+        unfed = B * P + (~self.fed).flatten().nonzero().flatten()
+        for layer in self.layers:
+            if layer is not None:
+                layer.index_fill_(0, unfed, 0.0)
+        self._settled = True
 
     def keep_step(self, step: int, rows: Tensor, outputs: Tensor):
         """Completion position `step` of rollout rows `rows` (A,), from a lean step's (L, A, sum of widths) record."""
         B, P, N, T = self.shape
         if len(rows) == N:  # no row dropped yet: rows is 0..N-1, a strided slice
             where = slice(B * P + step, B * P + N * T, T)
+            self.fed[:, step] = True
         else:
             where = B * P + rows * T + step
+            self.fed[rows, step] = True
         for layer, part in zip(self.layers, outputs):
             layer[where] = part
 
@@ -134,6 +155,7 @@ class LinearRecord:
     def output(self, kind: int, layer: int, layout: Tensor) -> Tensor:
         """Module `modules[layer][kind]`'s outputs for the sequences of `layout`: (S, length, width), one row
         gather made on demand (so only the outputs that autograd keeps stay alive, as in an ordinary forward)."""
+        self._settle()
         return self._columns(layer, kind).index_select(0, layout.flatten()).view(*layout.shape, -1)
 
 

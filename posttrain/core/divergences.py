@@ -211,7 +211,8 @@ def _block(fn, options, support, top_k, add_tail, temperature, dtype, student, t
     rows = slice(0, None)
     s_logits, t_logits = _logits(student, rows, dtype), _logits(teacher, rows, dtype).detach()
     V = min(s_logits.shape[-1], t_logits.shape[-1])
-    t_logp = (t_logits[:, :V] / temperature).log_softmax(-1)
+    t_logits = t_logits[:, :V]
+    t_logp = (t_logits if temperature == 1.0 and t_logits.is_contiguous() else t_logits / temperature).log_softmax(-1)
     beta = _whole_vocabulary_beta(fn, options) if not top_k else None
     if beta is not None:  # the builtin KLs and JSD over the whole vocabulary: fused, one (R, V) tensor kept
         values = _WholeVocabulary.apply(s_logits[:, :V], t_logp, beta, temperature)

@@ -117,6 +117,12 @@ def sort_descending(logits: Tensor) -> tuple[Tensor, Tensor, bool]:
     return *torch.sort(logits, dim=-1, descending=True), False
 
 
+
+def top_p_filter(logits: Tensor, top_p: float) -> tuple[Tensor, Tensor] | None:
+    """(filtered, undecided) by the kernels' top-p cut (`few_rows.top_p_filter`: the cut of a whole sort, from the
+    largest logits alone; the rows it leaves undecided are for the caller to sort), or None without the kernels."""
+    return few_rows.top_p_filter(logits, top_p)
+
 # ------------------------------------------------------------------ the record kept for the training forwards
 class _Kept:
     """A generation batch's record and how many of its rollout rows the training forwards have read."""

@@ -65,7 +65,7 @@ from posttrain.data.collate import pad
 from posttrain.forward.vision import prompt_inputs, row_inputs
 from posttrain.models.modes import unwrap
 from posttrain.rollout.backends import ModelForward, SamplerBackend, model_device
-from posttrain.rollout.cpu_backend import cpu_backend, sort_descending
+from posttrain.rollout.cpu_backend import cpu_backend, sort_descending, top_p_filter
 
 if TYPE_CHECKING:
     from posttrain.accel.replay import LinearRecord
@@ -133,28 +133,42 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
     likely token always stays), min-p (drop tokens with p < min_p * p_max). min-p is a ratio test,
     p_i / p_max = exp(l_i - l_max), so it does not depend on renormalisation and its place in the
     order does not matter.
+
+    On CPU the kernels find each row's top-p cut from a histogram and a sort of the largest logits only
+    (`top_p_filter`); the whole row is sorted where they cannot say (equal logits across the cut, a NaN).
     """
     V = logits.shape[-1]
     if 0 < top_k < V:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order, by_radix = sort_descending(logits)
-        probs = sorted_logits.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
-        drop_sorted = mass_before >= top_p
-        drop_sorted[..., 0] = False
-        if by_radix and bool((drop_sorted[..., 1:] != drop_sorted[..., :-1]).logical_and_(
-                sorted_logits[..., 1:] == sorted_logits[..., :-1]).any()):
-            # equal logits on both sides of the cut: which of them is kept follows the sort's order of equal values,
-            # so it is torch.sort's (a radix sort's values and masses are the same, its order of ties may not be)
-            order = torch.sort(logits, dim=-1, descending=True).indices
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        got = top_p_filter(logits, top_p)
+        if got is None:
+            logits = _top_p_by_sort(logits, top_p)
+        else:  # the kernels' cut; the rows they leave undecided are cut by sorting
+            logits, undecided = got
+            if bool(undecided.any()):
+                logits[undecided] = _top_p_by_sort(logits[undecided], top_p)
     if min_p > 0.0:
         top = logits.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(logits < top + math.log(min_p), float("-inf"))
     return logits
+
+
+def _top_p_by_sort(logits: Tensor, top_p: float) -> Tensor:
+    """`filter_logits`'s top-p cut of (..., V) logits by sorting each row whole."""
+    sorted_logits, order, by_radix = sort_descending(logits)
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+    drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False
+    if by_radix and bool((drop_sorted[..., 1:] != drop_sorted[..., :-1]).logical_and_(
+            sorted_logits[..., 1:] == sorted_logits[..., :-1]).any()):
+        # equal logits on both sides of the cut: which of them is kept follows the sort's order of equal values,
+        # so it is torch.sort's (a radix sort's values and masses are the same, its order of ties may not be)
+        order = torch.sort(logits, dim=-1, descending=True).indices
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def _sample(logits: Tensor, u: Tensor) -> Tensor:

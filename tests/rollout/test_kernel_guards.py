@@ -194,6 +194,7 @@ def test_replay_computes_a_layer_whose_weight_it_cannot_take():
     linear = torch.nn.Linear(4, 5)
     record = LinearRecord([[linear]], prompts=1, prompt_length=2, rows=1, steps=1, group=1)
     record.layers[0].fill_(7.0)  # not what the layer computes: shows which path ran
+    record.fed[:] = True  # written by hand: no position for the record to zero as never fed
     layout = record.layout(torch.tensor([[0]]), 2, 1)  # (1, 3): 2 prompt positions and 1 completion position
     x = torch.randn(1, 3, 4, generator=g)
     with replaying(record, layout):
