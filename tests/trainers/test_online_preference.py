@@ -268,3 +268,25 @@ def test_a2po_estimates_v_star_filters_hopeless_prompts_and_trains(tmp_path):
     assert len(trainer.train_dataset) == 7 and hopeless not in trainer.train_dataset["prompt"]
     assert logged["reward"][0] == pytest.approx(logged["rewards/reward/mean"][0])  # r, not r - V*
     assert logged["advantage"][0] == pytest.approx(logged["reward"][0] - logged["v_star"][0], abs=1e-5)
+
+
+def test_nash_md_scores_only_the_policys_completions(tmp_path):
+    """Nash-MD trains on the policy's completions (rows 0, 2, ...) alone: its training forward leaves the mixture's
+    rows out, and gives the loss and gradients of the forward over every row."""
+    trainer = make("nash_md", output_dir=tmp_path, beta=0.5, gradient_accumulation_steps=1)
+    model = trainer.model
+    with torch.no_grad():  # move the policy off the reference, so that the KL term matters
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    mb = trainer.make_experience(next(iter(trainer.get_train_dataloader())))[0]
+    rows, forward = [], trainer.forward
+    trainer.forward = lambda m, inputs, **kw: rows.append(len(inputs["completion_ids"])) or forward(m, inputs, **kw)
+    loss = trainer.compute_loss(model, mb)
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    assert rows == [len(mb["completion_ids"]) // 2]
+    trainer.policy_logprobs = lambda m, inputs: OnlineDPOTrainer.policy_logprobs(trainer, m, inputs)  # every row
+    every = trainer.compute_loss(model, mb)
+    assert rows[-1] == len(mb["completion_ids"])
+    torch.testing.assert_close(loss, every, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, torch.autograd.grad(every, [p for p in model.parameters() if p.requires_grad])):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
