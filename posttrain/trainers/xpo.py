@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from posttrain.core.preference_losses import xpo_exploration
@@ -96,6 +97,17 @@ class XPOTrainer(OnlineDPOTrainer):
         if vision is not None:
             raise ValueError(f"{type(self).__name__} samples text prompts only (its second sampler takes no images)")
         return self.sample_pair(prompt_ids, self.ref_model if self.ref_model is not None else self.policy)
+
+    def reference_logprobs(self, batch) -> Tensor:
+        """Rows 1, 3, ... are the reference's own samples: the reference's sampler already gave their log-probs at
+        the sampling temperature (`old_logp` there; equal to its forward's up to float rounding), so only the
+        policy's rows (0, 2, ...) go through the reference's forward. Rollouts not made by `sample_pair` (a
+        rollout_func, tools): every row, as the engine scores them."""
+        if self.rollout_func is not None or self.tooling is not None:
+            return super().reference_logprobs(batch)
+        policy_rows = {k: batch[k][0::2] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        scored = super().reference_logprobs(policy_rows)
+        return torch.stack([scored, batch["old_logp"][1::2].to(scored.dtype)], dim=1).flatten(0, 1)
 
     def pair_losses(self, pairs: Pairs, logp: Tensor, inputs: dict) -> tuple[Tensor, dict]:
         dpo, _ = super().pair_losses(pairs, logp, inputs)

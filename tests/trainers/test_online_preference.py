@@ -18,6 +18,7 @@ from posttrain.judges import PairwiseJudge
 from posttrain.trainers.gmpo import GMPOConfig, GMPOTrainer
 from posttrain.trainers.gspo_token import GSPOTokenConfig, GSPOTokenTrainer
 from posttrain.trainers.nash_md import NashMDConfig, NashMDTrainer
+from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from posttrain.trainers.xpo import XPOConfig, XPOTrainer
 
@@ -290,3 +291,22 @@ def test_nash_md_scores_only_the_policys_completions(tmp_path):
     torch.testing.assert_close(loss, every, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, torch.autograd.grad(every, [p for p in model.parameters() if p.requires_grad])):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_xpo_takes_the_references_log_probs_of_its_own_samples_from_its_sampler(tmp_path):
+    """The reference's samples (rows 1, 3, ...) come with their log-probs under the reference from its sampler: only
+    the policy's rows go through the reference's forward, and every row's log-probs equal that forward's (float
+    rounding: the sampler's decoding kernels sum in another order)."""
+    trainer = make("xpo", output_dir=tmp_path, gradient_accumulation_steps=1)
+    with torch.no_grad():  # the policy off the reference: its rows' reference log-probs are not its own
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rows, forward = [], trainer._no_grad_forward
+    trainer._no_grad_forward = lambda m, batch, **kw: rows.append(len(batch["completion_ids"])) or forward(m, batch, **kw)
+    mb = trainer.make_experience(next(iter(trainer.get_train_dataloader())))[0]
+    assert rows == [len(mb["completion_ids"]) // 2]
+    every = OnlineTrainer.reference_logprobs(trainer, mb)  # the reference's forward over every row
+    assert rows[-1] == len(mb["completion_ids"])
+    mask = mb["completion_mask"].bool()
+    torch.testing.assert_close(mb["ref_logp"][mask], every[mask], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(mb["ref_logp"][0::2][mask[0::2]], mb["old_logp"][0::2][mask[0::2]], atol=1e-3)
