@@ -22,13 +22,15 @@ summed log-prob near -10 it is about 1e-4 a pair, far below the DPO term, so it 
 this size. Greedy accuracy from the slow test's SFT checkpoint is noisy for every pair trainer: the
 checkpoint stops just before the tiny model "gets" reversal, and 100 held-out prompts give a binomial std of
 about 0.04. With the slow test's settings (60 steps of 32 pairs): on its own checkpoint (0.15 greedy, 0.424
-sampled) XPO ends at 0.12 / 0.473 and Online DPO at 0.20 / 0.544; on the same recipe's checkpoint built at one
+sampled) XPO ends at 0.25 / 0.553 (0.12 / 0.473 before the reference's log-probs of its own samples came from
+its sampler: float rounding that moved the run) and Online DPO at 0.20 / 0.544; on the same recipe's checkpoint built at one
 thread (0.18 / 0.432), seeds 42, 1, 2, 3, XPO ends at 0.29, 0.18, 0.25, 0.26 greedy and 0.53-0.56 sampled,
 Online DPO at 0.24, 0.13, 0.20, 0.16 and 0.52-0.54. XPO's sampled reward rose in every run; its greedy
 accuracy moves with the checkpoint and the seed as Online DPO's does.
 
 A preset of `OnlineDPOTrainer`: the pair's second completion comes from the reference
-(`OnlineDPOTrainer.sample_pair`); `alpha` may be a list, one per epoch, as `beta`.
+(`OnlineDPOTrainer.sample_pair`), with its log-probs under the reference, so the reference's forward scores the
+policy's completions only; `alpha` may be a list, one per epoch, as `beta`.
 
 Departures: as Online DPO's (online_dpo.py); tied pairs as above (TRL: the policy's completion wins); the
 loss types are every pairwise loss of core.preference_losses (TRL: sigmoid, ipo); no vLLM.
