@@ -178,7 +178,7 @@ def main():
     print(f"  {per_step - counted[0]:6.3f} {(per_step - counted[0]) / per_step:6.1%}  {per_wall - counted[1]:6.3f}  "
           "         other (guard, logging, data)")
     with open("/proc/self/status") as f:
-        print("  peak RSS", next(l.split()[1] for l in f if l.startswith("VmHWM:")), "kB")
+        print(f"  peak RSS {int(next(l.split()[1] for l in f if l.startswith('VmHWM:'))) / 1024:.0f} MiB")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     if ops is not None:
