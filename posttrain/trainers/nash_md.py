@@ -19,6 +19,7 @@ import contextlib
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from posttrain.core.masked import masked_mean, masked_sum
@@ -85,6 +86,15 @@ class NashMDTrainer(OnlineDPOTrainer):
         mixture = GeometricMixture(default_backend(self.policy), default_backend(ref), self.mixture_coef,
                                    ref_context=lambda: self.reference_context(self.ref_model))
         return self.sample_pair(prompt_ids, mixture, contextlib.nullcontext())  # it enters the context per call
+
+    def policy_logprobs(self, model, inputs: dict) -> Tensor:
+        """The policy's completions (rows 0, 2, ...) alone go through the training forward: the mixture's (rows 1,
+        3, ...) take no part in the loss, so scoring them would only add their positions to the forward and to a
+        backward that carries zeros through them (a third of the packed positions at 32-token completions). Their
+        rows of the result are zeros (no gradient), read by nothing."""
+        own = {k: inputs[k][0::2] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        logp, _, _ = self.forward(model, own)
+        return torch.stack([logp, torch.zeros_like(logp)], dim=1).flatten(0, 1)
 
     def pair_losses(self, pairs: Pairs, logp: Tensor, inputs: dict) -> tuple[Tensor, dict]:
         mask = inputs["loss_mask"][0::2]  # the policy's completions; the mixture's are not trained on

@@ -203,9 +203,7 @@ class OnlineTrainer(OnlineSampling, OnlinePromptData, OnlineSetup, OnlineMetrics
         batch.loss_mask = loss_mask
         scores = scores.to(device).float()
         if self.needs_reference:
-            with self.reference_context(self.ref_model):
-                ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
-                batch.ref_logp = self._no_grad_forward(ref, batch)
+            batch.ref_logp = self.reference_logprobs(batch)
         if ADVANTAGES[args.advantage_estimator].critic:
             batch.old_values = self._no_grad_forward(acc.unwrap_model(self.model), batch, values=True)
 
@@ -231,6 +229,12 @@ class OnlineTrainer(OnlineSampling, OnlinePromptData, OnlineSetup, OnlineMetrics
             batch.ref_logp = None  # the KL is in the advantages already
         self._episodes += mask.shape[0]
         return self._micro_batches(batch)
+
+    def reference_logprobs(self, batch: Experience) -> Tensor:
+        """(N, C) log-probs of the batch's completions under the reference (beta > 0), at the sampling temperature."""
+        with self.reference_context(self.ref_model):
+            ref = self.ref_model if self.ref_model is not None else self.policy  # PEFT: adapter disabled
+            return self._no_grad_forward(ref, batch)
 
     def rows_in_loss(self, rollout: Rollout, scores: Tensor) -> Tensor | None:
         """(N,) bool: the completions of this process's batch to train on, or None for all of them (GFPO's group

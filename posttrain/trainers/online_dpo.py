@@ -234,8 +234,14 @@ class OnlineDPOTrainer(OnlineTrainer):
             losses = torch.where(pairs.tied, tied, losses)
         return losses, {}
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def policy_logprobs(self, model, inputs: dict) -> Tensor:
+        """(B, C) log π of the micro-batch's completion tokens, with gradient: the training forward over every row
+        (taking the sampler's linear outputs where it kept them). Nash-MD scores only the rows its loss reads."""
         logp, _, _ = self.forward(model, inputs, replay=True)
+        return logp
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logp = self.policy_logprobs(model, inputs)
         mask = inputs["loss_mask"]
         signs = torch.sign(masked_sum(inputs["advantages"], mask, dim=1))
         pairs = Pairs.of(logp, inputs["ref_logp"], mask, signs)

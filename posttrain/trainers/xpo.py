@@ -22,13 +22,15 @@ summed log-prob near -10 it is about 1e-4 a pair, far below the DPO term, so it 
 this size. Greedy accuracy from the slow test's SFT checkpoint is noisy for every pair trainer: the
 checkpoint stops just before the tiny model "gets" reversal, and 100 held-out prompts give a binomial std of
 about 0.04. With the slow test's settings (60 steps of 32 pairs): on its own checkpoint (0.15 greedy, 0.424
-sampled) XPO ends at 0.12 / 0.473 and Online DPO at 0.20 / 0.544; on the same recipe's checkpoint built at one
+sampled) XPO ends at 0.25 / 0.553 (0.12 / 0.473 before the reference's log-probs of its own samples came from
+its sampler: float rounding that moved the run) and Online DPO at 0.20 / 0.544; on the same recipe's checkpoint built at one
 thread (0.18 / 0.432), seeds 42, 1, 2, 3, XPO ends at 0.29, 0.18, 0.25, 0.26 greedy and 0.53-0.56 sampled,
 Online DPO at 0.24, 0.13, 0.20, 0.16 and 0.52-0.54. XPO's sampled reward rose in every run; its greedy
 accuracy moves with the checkpoint and the seed as Online DPO's does.
 
 A preset of `OnlineDPOTrainer`: the pair's second completion comes from the reference
-(`OnlineDPOTrainer.sample_pair`); `alpha` may be a list, one per epoch, as `beta`.
+(`OnlineDPOTrainer.sample_pair`), with its log-probs under the reference, so the reference's forward scores the
+policy's completions only; `alpha` may be a list, one per epoch, as `beta`.
 
 Departures: as Online DPO's (online_dpo.py); tied pairs as above (TRL: the policy's completion wins); the
 loss types are every pairwise loss of core.preference_losses (TRL: sigmoid, ipo); no vLLM.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from posttrain.core.preference_losses import xpo_exploration
@@ -96,6 +99,17 @@ class XPOTrainer(OnlineDPOTrainer):
         if vision is not None:
             raise ValueError(f"{type(self).__name__} samples text prompts only (its second sampler takes no images)")
         return self.sample_pair(prompt_ids, self.ref_model if self.ref_model is not None else self.policy)
+
+    def reference_logprobs(self, batch) -> Tensor:
+        """Rows 1, 3, ... are the reference's own samples: the reference's sampler already gave their log-probs at
+        the sampling temperature (`old_logp` there; equal to its forward's up to float rounding), so only the
+        policy's rows (0, 2, ...) go through the reference's forward. Rollouts not made by `sample_pair` (a
+        rollout_func, tools): every row, as the engine scores them."""
+        if self.rollout_func is not None or self.tooling is not None:
+            return super().reference_logprobs(batch)
+        policy_rows = {k: batch[k][0::2] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        scored = super().reference_logprobs(policy_rows)
+        return torch.stack([scored, batch["old_logp"][1::2].to(scored.dtype)], dim=1).flatten(0, 1)
 
     def pair_losses(self, pairs: Pairs, logp: Tensor, inputs: dict) -> tuple[Tensor, dict]:
         dpo, _ = super().pair_losses(pairs, logp, inputs)

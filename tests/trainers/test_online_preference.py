@@ -18,6 +18,7 @@ from posttrain.judges import PairwiseJudge
 from posttrain.trainers.gmpo import GMPOConfig, GMPOTrainer
 from posttrain.trainers.gspo_token import GSPOTokenConfig, GSPOTokenTrainer
 from posttrain.trainers.nash_md import NashMDConfig, NashMDTrainer
+from posttrain.trainers.online import OnlineTrainer
 from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from posttrain.trainers.xpo import XPOConfig, XPOTrainer
 
@@ -202,7 +203,8 @@ def test_xpo_resumes_after_sigkill(tmp_path):
 def test_pair_trainers_raise_heldout_reward(sft_reverse_path, tmp_path, name):
     """From the partially SFT-trained tiny model, 60 steps of 32 pairs ranked by `reverse`'s digit_match reward:
     the sampled held-out reward rises and greedy accuracy does not fall by more than noise (measured in this test,
-    seed 42: Online DPO 0.15 -> 0.20 / 0.424 -> 0.544, XPO 0.15 -> 0.12 / 0.424 -> 0.473, re-measured the same,
+    seed 42: Online DPO 0.15 -> 0.20 / 0.424 -> 0.544, XPO 0.15 -> 0.25 / 0.424 -> 0.553 (0.12 / 0.473 before its
+    reference log-probs of its own samples came from the sampler: float rounding that moved the run),
     Nash-MD 0.15 -> 0.19 / 0.424 -> 0.456). The same recipe's checkpoint built at one thread (0.18 / 0.432), seeds
     42, 1, 2, 3: XPO greedy 0.18 -> 0.29, 0.18, 0.25, 0.26, sampled 0.555, 0.529, 0.548, 0.556; Online DPO 0.18 ->
     0.24, 0.13, 0.20, 0.16 and 0.542, 0.518, 0.520, 0.519. Greedy accuracy moves by a few prompts either way with
@@ -268,3 +270,44 @@ def test_a2po_estimates_v_star_filters_hopeless_prompts_and_trains(tmp_path):
     assert len(trainer.train_dataset) == 7 and hopeless not in trainer.train_dataset["prompt"]
     assert logged["reward"][0] == pytest.approx(logged["rewards/reward/mean"][0])  # r, not r - V*
     assert logged["advantage"][0] == pytest.approx(logged["reward"][0] - logged["v_star"][0], abs=1e-5)
+
+
+def test_nash_md_scores_only_the_policys_completions(tmp_path):
+    """Nash-MD trains on the policy's completions (rows 0, 2, ...) alone: its training forward leaves the mixture's
+    rows out, and gives the loss and gradients of the forward over every row."""
+    trainer = make("nash_md", output_dir=tmp_path, beta=0.5, gradient_accumulation_steps=1)
+    model = trainer.model
+    with torch.no_grad():  # move the policy off the reference, so that the KL term matters
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    mb = trainer.make_experience(next(iter(trainer.get_train_dataloader())))[0]
+    rows, forward = [], trainer.forward
+    trainer.forward = lambda m, inputs, **kw: rows.append(len(inputs["completion_ids"])) or forward(m, inputs, **kw)
+    loss = trainer.compute_loss(model, mb)
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    assert rows == [len(mb["completion_ids"]) // 2]
+    trainer.policy_logprobs = lambda m, inputs: OnlineDPOTrainer.policy_logprobs(trainer, m, inputs)  # every row
+    every = trainer.compute_loss(model, mb)
+    assert rows[-1] == len(mb["completion_ids"])
+    torch.testing.assert_close(loss, every, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, torch.autograd.grad(every, [p for p in model.parameters() if p.requires_grad])):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_xpo_takes_the_references_log_probs_of_its_own_samples_from_its_sampler(tmp_path):
+    """The reference's samples (rows 1, 3, ...) come with their log-probs under the reference from its sampler: only
+    the policy's rows go through the reference's forward, and every row's log-probs equal that forward's (float
+    rounding: the sampler's decoding kernels sum in another order)."""
+    trainer = make("xpo", output_dir=tmp_path, gradient_accumulation_steps=1)
+    with torch.no_grad():  # the policy off the reference: its rows' reference log-probs are not its own
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rows, forward = [], trainer._no_grad_forward
+    trainer._no_grad_forward = lambda m, batch, **kw: rows.append(len(batch["completion_ids"])) or forward(m, batch, **kw)
+    mb = trainer.make_experience(next(iter(trainer.get_train_dataloader())))[0]
+    assert rows == [len(mb["completion_ids"]) // 2]
+    every = OnlineTrainer.reference_logprobs(trainer, mb)  # the reference's forward over every row
+    assert rows[-1] == len(mb["completion_ids"])
+    mask = mb["completion_mask"].bool()
+    torch.testing.assert_close(mb["ref_logp"][mask], every[mask], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(mb["ref_logp"][0::2][mask[0::2]], mb["old_logp"][0::2][mask[0::2]], atol=1e-3)
