@@ -8,18 +8,10 @@ import torch
 from posttrain.accel import few_rows
 from posttrain.rollout import generate as generate_module
 from posttrain.rollout.generate import filter_logits
+from tests.rollout.test_generate import torch_sort_top_p
 
 needs_kernel = pytest.mark.skipif(few_rows.top_p_filter(torch.zeros(1, 4), 0.9) is None,
                                   reason="no compiled kernels here: filter_logits sorts with torch.sort itself")
-
-
-def torch_sort_top_p(logits, top_p):
-    """filter_logits' top-p as it was written on torch.sort alone."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = sorted_logits.softmax(-1)
-    drop_sorted = probs.cumsum(-1) - probs >= top_p
-    drop_sorted[..., 0] = False
-    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
 
 
 def peaked(rows: int, vocab: int, seed: int) -> torch.Tensor:
